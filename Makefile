@@ -1,0 +1,34 @@
+# xllm-eplb: the two commands that matter are `make test` and `make serve`.
+PY      ?= python3
+VENV    ?= .venv
+BIN     := $(VENV)/bin
+STAMP   := $(VENV)/.installed
+TORCH   ?= torch==2.13.0
+EP_SIZE ?= 16
+SERVE_ARGS ?= --ep-size $(EP_SIZE) --config configs/eplb.yaml --enable_eplb=true --eplb_update_interval=20
+
+.PHONY: help install test serve lint clean
+
+help:  ## show this help
+	@grep -E '^[a-z]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-8s %s\n", $$1, $$2}'
+
+$(STAMP): pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install --upgrade pip >/dev/null
+	$(BIN)/pip install "$(TORCH)"
+	$(BIN)/pip install -e ".[dev]"
+	touch $(STAMP)
+
+install: $(STAMP)  ## create .venv: torch==2.13.0 first, then the project with [dev]
+
+test: install  ## run the whole test suite
+	$(BIN)/python -m pytest tests
+
+serve: install  ## run the 16-rank example on the tiny CPU model with the built-in workload
+	$(BIN)/xllm-eplb serve $(SERVE_ARGS)
+
+lint: install  ## ruff check
+	$(BIN)/ruff check xllm_eplb tests scripts
+
+clean: install  ## remove this project's unheld /dev/shm objects
+	$(BIN)/xllm-eplb shm clean

@@ -1,0 +1,159 @@
+"""The one typed, frozen configuration tree of xllm-eplb.
+
+Every option is a dataclass field whose ``metadata`` (built by :func:`opt`) carries the help
+text, unit, bounds and choices. That metadata drives flag parsing (``flags.py``), validation,
+``xllm-eplb config show`` and the generated ``docs/configuration.md``.
+
+Flag names are flat and unique across sections (gflags style): ``--enable_eplb``,
+``--num_experts``, ``--port``. The section only groups them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+MiB = 1 << 20
+
+
+def opt(default: Any, help: str, *, unit: str = "", lo: float | None = None,
+        hi: float | None = None, lo_open: bool = False, hi_open: bool = False,
+        choices: tuple | None = None, required: bool = False) -> Any:
+    """A config field with its metadata (help, unit, inclusive/exclusive bounds, choices)."""
+    meta = dict(help=help, unit=unit, lo=lo, hi=hi, lo_open=lo_open, hi_open=hi_open,
+                choices=choices, required=required)
+    return field(default=default, metadata=meta)
+
+
+@dataclass(frozen=True)
+class EplbConfig:
+    """Spec section 11 plus this project's EPLB extensions."""
+
+    enable_eplb: bool = opt(False, "turn dynamic EPLB on")
+    ep_size: int = opt(None, "number of EP ranks = worker processes; > 1; divides num_experts",
+                       lo=1, lo_open=True, required=True)
+    redundant_experts_num: int = opt(1, "extra physical slots per EP rank", lo=0)
+    eplb_update_interval: float = opt(1000.0, "seconds from the first valid load sample between "
+                                      "rebalances (fractions allowed)", unit="s", lo=0)
+    eplb_min_peak_load_improvement: float = opt(
+        0.05, "minimum predicted relative drop of the slowest rank's load to publish a layer",
+        lo=0, hi=1)
+    eplb_policy_kind: str = opt(
+        "balanced", "placement policy: balanced, greedy, incremental, hierarchical "
+        "(case-insensitive; legacy names map to balanced; unknown -> greedy with a warning)")
+    eplb_use_decode_only_load: bool = opt(
+        False, "eager path counts only real decode tokens (prefill rows of mixed batches are masked)")
+    eplb_prepare_timeout_seconds: float = opt(
+        30.0, "all ranks must prepare a layer within this many seconds, else it is skipped and "
+        "rolled back", unit="s", lo=0, lo_open=True)
+    expert_parallel_degree: int = opt(0, "2 selects the EP-level-2 dispatch/combine path",
+                                      choices=(0, 1, 2))
+    enable_fused_mc2: int = opt(-1, "fused dispatch mode: -1 auto, 0 plain, 1 fused, "
+                                "2 decode-only fused", choices=(-1, 0, 1, 2))
+    # --- beyond the seed -------------------------------------------------------------------
+    eplb_migration_budget_slots: int = opt(
+        0, "incremental policy: max cross-rank slot copies per round over all layers (0 = auto)",
+        lo=0)
+    eplb_num_nodes: int = opt(1, "hierarchical policy: nodes in the EP domain (divides ep_size)",
+                              lo=1)
+    eplb_estimator_window: int = opt(16, "load estimator: sliding window in batches", lo=1)
+    eplb_estimator_decay: float = opt(0.85, "load estimator: exponential decay per batch",
+                                      lo=0, hi=1, lo_open=True)
+    eplb_estimator_trend: bool = opt(False, "load estimator: linear trend extrapolation")
+    eplb_p2p_chunk_bytes: int = opt(64 * MiB, "P2P: split tensors larger than this",
+                                    unit="bytes", lo=1)
+    eplb_p2p_max_inflight_bytes: int = opt(256 * MiB, "P2P: max payload posted per wave",
+                                           unit="bytes", lo=1)
+    eplb_canary: bool = opt(False, "after each activation check every slot's identity tag "
+                            "(always on in tests)")
+    eplb_heartbeat_seconds: float = opt(60.0, "period of `EPLB heartbeat` log lines", unit="s",
+                                        lo=0, lo_open=True)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape of the small DeepSeek-style decoder the workers run."""
+
+    num_layers: int = opt(4, "decoder layers (dense + MoE)", lo=1)
+    first_k_dense_replace: int = opt(1, "leading dense layers (MoE layers = num_layers - this)",
+                                     lo=0)
+    num_experts: int = opt(64, "routed (logical) experts per MoE layer", lo=1)
+    num_experts_per_tok: int = opt(4, "top-k experts per token", lo=1)
+    n_shared_experts: int = opt(1, "shared experts per MoE layer (0 = none)", lo=0)
+    hidden_size: int = opt(64, "model width", lo=1)
+    moe_intermediate_size: int = opt(32, "routed expert FFN width", lo=1)
+    intermediate_size: int = opt(128, "dense layer FFN width", lo=1)
+    num_attention_heads: int = opt(4, "attention heads (divides hidden_size)", lo=1)
+    vocab_size: int = opt(512, "vocabulary (>= 258: 256 bytes + BOS + EOS)", lo=258)
+    max_position_embeddings: int = opt(1024, "longest sequence (prompt + output)", lo=2)
+    scoring_func: str = opt("softmax", "router scores", choices=("softmax", "sigmoid"))
+    routing_mode: str = opt("model", "model = real router over token clusters; trace = sample "
+                            "top-k from a load trace (benchmarks only)", choices=("model", "trace"))
+    routing_trace: str = opt("", "trace-driven routing: path of an SGLang dump / .npy / .npz")
+    routing_skew: float = opt(1.0, "strength of the token-cluster/expert-gate alignment", lo=0)
+    dtype: str = opt("float32", "parameter dtype", choices=("float32", "float64", "bfloat16"))
+    seed: int = opt(0, "weight-initialisation seed (identical on every rank)", lo=0)
+    weights: str = opt("", "optional weight file (.pt state dict) to load instead of seeding")
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    """Devices, backends and process groups."""
+
+    device: str = opt("cpu", "worker device", choices=("cpu", "cuda", "npu"))
+    backend: str = opt("auto", "torch.distributed backend (auto: gloo/nccl/hccl by device)",
+                       choices=("auto", "gloo", "nccl", "hccl"))
+    master_addr: str = opt("127.0.0.1", "torch.distributed rendezvous address")
+    master_port: int = opt(0, "torch.distributed rendezvous port (0 = pick a free one)",
+                           lo=0, hi=65535)
+    enable_graph: bool = opt(False, "graph mode: decode batches padded to fixed buckets, "
+                             "padding masked out of the load")
+    max_batch_size: int = opt(8, "max rows per DP rank per step", lo=1)
+    max_prefill_tokens: int = opt(512, "max prefill tokens per DP rank per step", lo=1)
+    worker_timeout_seconds: float = opt(60.0, "engine gives up on a worker output after this",
+                                        unit="s", lo=0, lo_open=True)
+    shm_ring_slots: int = opt(8, "frames per shared-memory ring", lo=2)
+    shm_input_frame_bytes: int = opt(1 * MiB, "bytes per input-ring frame", unit="bytes",
+                                     lo=1024)
+    shm_output_frame_bytes: int = opt(256 * 1024, "bytes per output-ring frame", unit="bytes",
+                                      lo=1024)
+    run_id: str = opt("", "shared-memory name prefix (default: derived from the port)")
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """HTTP API, metrics, logs and the built-in workload."""
+
+    host: str = opt("127.0.0.1", "HTTP bind address (loopback by default)")
+    port: int = opt(8000, "HTTP port for the API, /metrics and /eplb/status", lo=0, hi=65535)
+    log_dir: str = opt("logs", "per-process log files go here")
+    v: str = opt("info", "log level (debug also prints tracebacks)",
+                 choices=("debug", "info", "warning", "error"))
+    enable_per_layer_metrics: bool = opt(False, "export per-layer Prometheus series")
+    shutdown_timeout_seconds: float = opt(10.0, "graceful stop before SIGKILL", unit="s", lo=0)
+    workload: str = opt("none", "built-in request generator", choices=("none", "synthetic"))
+    workload_rate: float = opt(8.0, "synthetic workload: requests per second", lo=0,
+                               lo_open=True)
+    workload_prompt_len: int = opt(32, "synthetic workload: prompt tokens", lo=1)
+    workload_output_len: int = opt(64, "synthetic workload: output tokens", lo=1)
+    workload_skew: float = opt(1.2, "synthetic workload: Zipf exponent of the topic mix", lo=0)
+    workload_drift_seconds: float = opt(60.0, "synthetic workload: topic mix shifts this often "
+                                        "(0 = never)", unit="s", lo=0)
+    workload_max_requests: int = opt(0, "synthetic workload: stop after this many (0 = forever)",
+                                     lo=0)
+
+
+@dataclass(frozen=True)
+class Config:
+    eplb: EplbConfig = field(default_factory=EplbConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    serve: ServeConfig = field(default_factory=ServeConfig)
+
+    @property
+    def num_moe_layers(self) -> int:
+        return self.model.num_layers - self.model.first_k_dense_replace
+
+    @property
+    def slots_per_rank(self) -> int:
+        return self.model.num_experts // self.eplb.ep_size + self.eplb.redundant_experts_num

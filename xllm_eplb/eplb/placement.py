@@ -1,0 +1,126 @@
+"""Placement of logical experts on physical slots, per MoE layer.
+
+Glossary: ``phy2log[global_slot] -> logical id`` (length ``ep_size * slots_per_rank``, rank-major:
+slot ``s`` lives on rank ``s // slots_per_rank``); ``log2phy`` = logical -> its global slots;
+``logcnt[e]`` = replica count of logical expert ``e``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+class PlacementError(ValueError):
+    """A slot table that breaks an invariant; the message names the rule and the offender."""
+
+
+def slots_per_rank(num_logical: int, ep_size: int, redundant: int) -> int:
+    if ep_size <= 1:
+        raise PlacementError(f"ep_size={ep_size} must be > 1")
+    if num_logical % ep_size:
+        raise PlacementError(f"num_experts={num_logical} is not divisible by ep_size={ep_size}")
+    if redundant < 0:
+        raise PlacementError(f"redundant_experts_num={redundant} must be >= 0")
+    return num_logical // ep_size + redundant
+
+
+def initial_phy2log(num_logical: int, ep_size: int, redundant: int) -> np.ndarray:
+    """xLLM's initial layout: rank r holds r*k..r*k+k-1 (k = E/ep_size), then its redundant
+    slots repeat its last expert. E=8, D=2, R=1 -> [0,1,2,3,3, 4,5,6,7,7]. int64 [D*S]."""
+    s = slots_per_rank(num_logical, ep_size, redundant)
+    k = num_logical // ep_size
+    out = np.empty((ep_size, s), dtype=np.int64)
+    for r in range(ep_size):
+        out[r, :k] = np.arange(r * k, r * k + k)
+        out[r, k:] = r * k + k - 1
+    return out.reshape(-1)
+
+
+def validate_phy2log(phy2log: np.ndarray, num_logical: int, ep_size: int,
+                     what: str = "placement", allow_rank_duplicates: bool = False) -> None:
+    """Raise PlacementError unless every expert is present, ids are in range and no rank holds
+    two replicas of one expert. phy2log: [D*S] for one layer.
+
+    NOTE: xLLM's *initial* layout fills redundant slots with the rank's last expert, so it holds
+    same-rank duplicates; pass ``allow_rank_duplicates=True`` for it. Every policy output must
+    pass the strict check."""
+    p = np.asarray(phy2log)
+    if p.ndim != 1 or p.size % ep_size:
+        raise PlacementError(f"{what}: slot table of shape {p.shape} is not [ep_size*slots] "
+                             f"with ep_size={ep_size}")
+    if p.size < num_logical:
+        raise PlacementError(f"{what}: {p.size} slots cannot hold {num_logical} experts")
+    bad = (p < 0) | (p >= num_logical)
+    if bad.any():
+        i = int(np.argmax(bad))
+        raise PlacementError(f"{what}: slot {i} holds expert {int(p[i])}, outside [0, {num_logical})")
+    missing = np.setdiff1d(np.arange(num_logical), p)
+    if missing.size:
+        raise PlacementError(f"{what}: logical expert {int(missing[0])} has no replica "
+                             f"({missing.size} missing)")
+    if allow_rank_duplicates:
+        return
+    per_rank = p.reshape(ep_size, -1)
+    for r in range(ep_size):
+        u, c = np.unique(per_rank[r], return_counts=True)
+        if (c > 1).any():
+            raise PlacementError(f"{what}: rank {r} holds expert {int(u[c > 1][0])} "
+                                 f"{int(c.max())} times (at most one replica per rank)")
+
+
+def logcnt(phy2log: np.ndarray, num_logical: int) -> np.ndarray:
+    """Replica count per logical expert, int64 [E] (or [layers, E] for a 2-D table)."""
+    p = np.asarray(phy2log, dtype=np.int64)
+    if p.ndim == 1:
+        return np.bincount(p, minlength=num_logical)
+    return np.stack([np.bincount(row, minlength=num_logical) for row in p])
+
+
+def log2phy(phy2log: np.ndarray, num_logical: int) -> np.ndarray:
+    """logical -> its global slots, padded with -1: int64 [E, max_replicas] (one layer)."""
+    p = np.asarray(phy2log, dtype=np.int64)
+    cnt = np.bincount(p, minlength=num_logical)
+    out = np.full((num_logical, max(1, int(cnt.max()))), -1, dtype=np.int64)
+    order = np.argsort(p, kind="stable")
+    starts = np.concatenate(([0], np.cumsum(cnt)[:-1]))
+    for e in range(num_logical):
+        out[e, : cnt[e]] = order[starts[e]: starts[e] + cnt[e]]
+    return out
+
+
+def build_log2phy(phy2log: np.ndarray, num_logical: int, ep_rank: int) -> np.ndarray:
+    """The routing map one rank uses: logical e -> the replica with index ``ep_rank % count``
+    among e's slots in global (rank-major) order, as xLLM does; -1 if e is missing.
+
+    Every source rank sends a given expert's tokens to one replica, and different source
+    ranks spread over the replicas. int64 [E].
+    """
+    table = log2phy(phy2log, num_logical)
+    cnt = (table >= 0).sum(axis=1)
+    idx = np.where(cnt > 0, ep_rank % np.maximum(cnt, 1), 0)
+    out = table[np.arange(num_logical), idx]
+    return np.where(cnt > 0, out, -1)
+
+
+@dataclass(frozen=True)
+class PlacementDiff:
+    moved_slots: int      # slots whose logical expert changed
+    weight_copies: int    # changed slots whose new expert was not on that rank before (cross-rank)
+
+
+def diff(old: np.ndarray, new: np.ndarray, ep_size: int) -> PlacementDiff:
+    """Compare two slot tables of equal shape ([D*S] or [layers, D*S])."""
+    o = np.atleast_2d(np.asarray(old, dtype=np.int64))
+    n = np.atleast_2d(np.asarray(new, dtype=np.int64))
+    if o.shape != n.shape:
+        raise PlacementError(f"cannot diff placements of shapes {o.shape} and {n.shape}")
+    moved = int((o != n).sum())
+    copies = 0
+    for lo, ln in zip(o, n):
+        ro, rn = lo.reshape(ep_size, -1), ln.reshape(ep_size, -1)
+        for r in range(ep_size):
+            changed = rn[r][ro[r] != rn[r]]
+            copies += int((~np.isin(changed, ro[r])).sum())
+    return PlacementDiff(moved, copies)

@@ -1,0 +1,57 @@
+"""What one worker (one DP rank) is asked to compute in one forward step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SeqRow:
+    """One request's share of a step.
+
+    Prefill rows carry the whole prompt in ``token_ids``; decode rows carry exactly one token
+    (the last sampled one). ``start_pos`` is the KV-cache length before this step.
+    ``temperature == 0`` means greedy; otherwise sampling uses ``seed`` and the position, so
+    the same request gives the same tokens whatever batch it shares.
+    """
+
+    req_id: int
+    token_ids: list[int]
+    start_pos: int
+    is_prefill: bool
+    temperature: float = 0.0
+    seed: int = 0
+
+    def to_dict(self) -> dict:
+        return {"r": self.req_id, "t": list(self.token_ids), "p": self.start_pos,
+                "f": self.is_prefill, "T": self.temperature, "s": self.seed}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "SeqRow":
+        return cls(d["r"], list(d["t"]), d["p"], d["f"], d["T"], d["s"])
+
+
+@dataclass
+class RankBatch:
+    """The rows of one DP rank for one step; ``release`` lists requests whose KV cache to free.
+
+    An empty ``rows`` list is legal: the rank still takes part in every MoE all-to-all.
+    """
+
+    rows: list[SeqRow] = field(default_factory=list)
+    release: list[int] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.rows
+
+    @property
+    def is_pure_decode(self) -> bool:
+        return bool(self.rows) and not any(r.is_prefill for r in self.rows)
+
+    def to_dict(self) -> dict:
+        return {"rows": [r.to_dict() for r in self.rows], "release": list(self.release)}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "RankBatch":
+        return cls([SeqRow.from_dict(r) for r in d["rows"]], list(d["release"]))
