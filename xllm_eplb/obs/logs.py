@@ -1,0 +1,64 @@
+"""Logging for every process: one line per event, ``key=value`` fields, a process tag.
+
+Line format: ``2026-11-29T12:00:00.123 INFO engine EPLB rebalance policy=balanced layers_updated=3/58``.
+Use :func:`event` to build the message so every line with a spec prefix (``EPLB rebalance``,
+``update_expert_weight``, ...) is grep-able and machine-splittable.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+
+_LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING,
+           "error": logging.ERROR}
+
+
+def _fmt_value(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.6g}"
+    s = str(v)
+    return f'"{s}"' if (" " in s or not s) else s
+
+
+def event(prefix: str, **fields) -> str:
+    """``event("EPLB rebalance", policy="balanced", layers_updated="3/58")`` ->
+    ``'EPLB rebalance policy=balanced layers_updated=3/58'``."""
+    if not fields:
+        return prefix
+    return prefix + " " + " ".join(f"{k}={_fmt_value(v)}" for k, v in fields.items())
+
+
+class _Formatter(logging.Formatter):
+    def __init__(self, tag: str):
+        super().__init__()
+        self.tag = tag
+
+    def format(self, record: logging.LogRecord) -> str:
+        t = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(record.created))
+        line = f"{t}.{int(record.msecs):03d} {record.levelname} {self.tag} {record.getMessage()}"
+        if record.exc_info:
+            line += "\n" + self.formatException(record.exc_info)
+        return line
+
+
+def setup_logging(tag: str, level: str = "info", log_file: str | None = None,
+                  stream=sys.stderr) -> None:
+    """Configure the root logger of this process (call once per process).
+
+    tag: ``engine``, ``launcher``, ``ep3``...; level: debug/info/warning/error.
+    """
+    root = logging.getLogger()
+    for h in list(root.handlers):
+        root.removeHandler(h)
+        h.close()
+    root.setLevel(_LEVELS.get(level, logging.INFO))
+    handlers: list[logging.Handler] = []
+    if stream is not None:
+        handlers.append(logging.StreamHandler(stream))
+    if log_file:
+        handlers.append(logging.FileHandler(log_file))
+    for h in handlers:
+        h.setFormatter(_Formatter(tag))
+        root.addHandler(h)
