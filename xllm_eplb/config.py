@@ -10,8 +10,14 @@ Flag names are flat and unique across sections (gflags style): ``--enable_eplb``
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 from dataclasses import dataclass, field
 from typing import Any
+
+from xllm_eplb.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 MiB = 1 << 20
 
@@ -39,8 +45,9 @@ class EplbConfig:
         0.05, "minimum predicted relative drop of the slowest rank's load to publish a layer",
         lo=0, hi=1)
     eplb_policy_kind: str = opt(
-        "balanced", "placement policy: balanced, greedy, incremental, hierarchical "
-        "(case-insensitive; legacy names map to balanced; unknown -> greedy with a warning)")
+        "balanced", "placement policy: balanced, greedy, incremental, node_aware "
+        "(case-insensitive; legacy names flat/deepseek_flat/deepseek_hier/hier/hierarchical map "
+        "to balanced; unknown -> greedy with one warning)")
     eplb_use_decode_only_load: bool = opt(
         False, "eager path counts only real decode tokens (prefill rows of mixed batches are masked)")
     eplb_prepare_timeout_seconds: float = opt(
@@ -54,7 +61,7 @@ class EplbConfig:
     eplb_migration_budget_slots: int = opt(
         0, "incremental policy: max cross-rank slot copies per round over all layers (0 = auto)",
         lo=0)
-    eplb_num_nodes: int = opt(1, "hierarchical policy: nodes in the EP domain (divides ep_size)",
+    eplb_num_nodes: int = opt(1, "node_aware policy: nodes in the EP domain (divides ep_size)",
                               lo=1)
     eplb_estimator_window: int = opt(16, "load estimator: sliding window in batches", lo=1)
     eplb_estimator_decay: float = opt(0.85, "load estimator: exponential decay per batch",
@@ -157,3 +164,193 @@ class Config:
     @property
     def slots_per_rank(self) -> int:
         return self.model.num_experts // self.eplb.ep_size + self.eplb.redundant_experts_num
+
+
+# --- schema helpers -------------------------------------------------------------------------
+
+SECTIONS: dict[str, type] = {"eplb": EplbConfig, "model": ModelConfig,
+                             "runtime": RuntimeConfig, "serve": ServeConfig}
+
+
+@dataclass(frozen=True)
+class FieldSpec:
+    """One flag: its section, Python type name (``bool``/``int``/``float``/``str``) and metadata."""
+
+    name: str
+    section: str
+    type: str
+    default: Any
+    help: str
+    unit: str = ""
+    lo: float | None = None
+    hi: float | None = None
+    lo_open: bool = False
+    hi_open: bool = False
+    choices: tuple | None = None
+    required: bool = False
+
+    def rule(self) -> str:
+        """The constraint in words, e.g. ``in [0, 1]``, ``> 1``, ``one of -1, 0, 1, 2``."""
+        if self.choices is not None:
+            return "one of " + ", ".join(format_value(c) for c in self.choices)
+        lo, hi = self.lo, self.hi
+        if lo is not None and hi is not None:
+            return (f"in {'(' if self.lo_open else '['}{format_value(lo)}, "
+                    f"{format_value(hi)}{')' if self.hi_open else ']'}")
+        if lo is not None:
+            return f"{'>' if self.lo_open else '>='} {format_value(lo)}"
+        if hi is not None:
+            return f"{'<' if self.hi_open else '<='} {format_value(hi)}"
+        return ""
+
+
+def _build_fields() -> dict[str, FieldSpec]:
+    out: dict[str, FieldSpec] = {}
+    for sec, cls in SECTIONS.items():
+        for f in dataclasses.fields(cls):
+            m = f.metadata
+            assert f.name not in out, f"flag name {f.name} defined twice"
+            out[f.name] = FieldSpec(
+                name=f.name, section=sec, type=str(f.type).split("|")[0].strip(),
+                default=f.default, help=m["help"], unit=m["unit"], lo=m["lo"], hi=m["hi"],
+                lo_open=m["lo_open"], hi_open=m["hi_open"], choices=m["choices"],
+                required=m["required"])
+    return out
+
+
+#: every flag, in section order: name -> FieldSpec
+FIELDS: dict[str, FieldSpec] = _build_fields()
+
+
+def format_value(v: Any) -> str:
+    """Render a value the way a flag would be written: ``true``, ``0.05``, ``16``, ``""``."""
+    if v is None:
+        return "none"
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, float):
+        return f"{v:g}" if v == int(v) and abs(v) < 1e15 else repr(v)
+    s = str(v)
+    return s if s else '""'
+
+
+def get_value(cfg: Config, name: str) -> Any:
+    """The resolved value of flag ``name`` in ``cfg``."""
+    return getattr(getattr(cfg, FIELDS[name].section), name)
+
+
+def as_flat_dict(cfg: Config) -> dict[str, Any]:
+    """``{flag name: value}`` for every field, in section order."""
+    return {name: get_value(cfg, name) for name in FIELDS}
+
+
+# --- policy kind ----------------------------------------------------------------------------
+
+#: policies the registry implements
+POLICY_KINDS = ("balanced", "greedy", "incremental", "node_aware")
+#: historical xLLM names, all aliases of ``balanced``
+LEGACY_POLICY_KINDS = ("flat", "deepseek_flat", "deepseek-flat", "deepseek_hier",
+                       "deepseek-hier", "hier", "hierarchical")
+_warned_kinds: set[str] = set()
+
+
+def normalize_policy_kind(s: str) -> str:
+    """Case-insensitive policy name -> one of :data:`POLICY_KINDS`.
+
+    Legacy names map to ``balanced``; anything else (typos, "") becomes ``greedy`` with one
+    warning per distinct value per process, as xLLM does (never an error).
+    """
+    k = str(s).strip().lower()
+    if k in POLICY_KINDS:
+        return k
+    if k in LEGACY_POLICY_KINDS:
+        return "balanced"
+    if k not in _warned_kinds:
+        _warned_kinds.add(k)
+        log.warning("EPLB config unknown_policy_kind=%r fallback=greedy valid=%s", s,
+                    ",".join(POLICY_KINDS))
+    return "greedy"
+
+
+# --- validation -----------------------------------------------------------------------------
+
+def _bad(name: str, value: Any, rule: str) -> ConfigError:
+    return ConfigError(f"--{name}={format_value(value)}: {rule}")
+
+
+def check_field(spec: FieldSpec, value: Any) -> None:
+    """Range / choice check of one typed value; raises :class:`ConfigError` naming the flag."""
+    if value is None:
+        return
+    if spec.choices is not None:
+        if value not in spec.choices:
+            raise _bad(spec.name, value, "must be " + spec.rule())
+        return
+    lo, hi = spec.lo, spec.hi
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if value != value:  # NaN
+            raise _bad(spec.name, value, "must be a number")
+        too_low = lo is not None and (value <= lo if spec.lo_open else value < lo)
+        too_high = hi is not None and (value >= hi if spec.hi_open else value > hi)
+        if too_low or too_high:
+            raise _bad(spec.name, value, "must be " + spec.rule())
+
+
+def _cross_rules(cfg: Config) -> list[tuple[str, Any, str]]:
+    """Cross-field rules as (flag, value, rule) for every violation, in a fixed order."""
+    e, m, r = cfg.eplb, cfg.model, cfg.runtime
+    bad: list[tuple[str, Any, str]] = []
+    if m.num_experts_per_tok > m.num_experts:
+        bad.append(("num_experts_per_tok", m.num_experts_per_tok,
+                    f"must be <= --num_experts={m.num_experts}"))
+    if m.hidden_size % m.num_attention_heads:
+        bad.append(("hidden_size", m.hidden_size,
+                    f"must be divisible by --num_attention_heads={m.num_attention_heads}"))
+    if m.first_k_dense_replace >= m.num_layers:
+        bad.append(("first_k_dense_replace", m.first_k_dense_replace,
+                    f"must be < --num_layers={m.num_layers} (at least one MoE layer)"))
+    if m.routing_mode == "trace" and not m.routing_trace:
+        bad.append(("routing_trace", m.routing_trace, "required when --routing_mode=trace"))
+    if e.eplb_p2p_max_inflight_bytes < e.eplb_p2p_chunk_bytes:
+        bad.append(("eplb_p2p_max_inflight_bytes", e.eplb_p2p_max_inflight_bytes,
+                    f"must be >= --eplb_p2p_chunk_bytes={e.eplb_p2p_chunk_bytes}"))
+    want = {"nccl": "cuda", "hccl": "npu"}.get(r.backend)
+    if want and r.device != want:
+        bad.append(("backend", r.backend, f"needs --device={want} (got --device={r.device})"))
+    s = cfg.serve
+    if s.workload == "synthetic" and (s.workload_prompt_len + s.workload_output_len
+                                      > m.max_position_embeddings):
+        bad.append(("workload_output_len", s.workload_output_len,
+                    f"--workload_prompt_len + --workload_output_len must be <= "
+                    f"--max_position_embeddings={m.max_position_embeddings}"))
+    if e.ep_size is None:
+        return bad
+    # NOTE: every rank derives its slot layout from these; they must hold on all ranks alike.
+    if m.num_experts % e.ep_size:
+        bad.append(("num_experts", m.num_experts,
+                    f"must be divisible by --ep_size={e.ep_size}"))
+    elif e.redundant_experts_num > m.num_experts - m.num_experts // e.ep_size:
+        bad.append(("redundant_experts_num", e.redundant_experts_num,
+                    f"must be <= {m.num_experts - m.num_experts // e.ep_size} (num_experts - "
+                    f"num_experts/ep_size: at most one replica of an expert per rank)"))
+    if e.ep_size % e.eplb_num_nodes:
+        bad.append(("eplb_num_nodes", e.eplb_num_nodes,
+                    f"must divide --ep_size={e.ep_size}"))
+    return bad
+
+
+def validate(cfg: Config, *, require_ep_size: bool = True) -> Config:
+    """Check every field and cross-field rule; return ``cfg`` or raise :class:`ConfigError`.
+
+    The first violation is raised, its message naming flag, value and rule, e.g.
+    ``--eplb_min_peak_load_improvement=1.5: must be in [0, 1]``.
+    """
+    for name, spec in FIELDS.items():
+        value = get_value(cfg, name)
+        if value is None and spec.required and require_ep_size:
+            raise ConfigError(f"--{name} is required ({spec.help})")
+        check_field(spec, value)
+    bad = _cross_rules(cfg)
+    if bad:
+        raise _bad(*bad[0])
+    return cfg

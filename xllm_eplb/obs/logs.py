@@ -10,16 +10,21 @@ from __future__ import annotations
 import logging
 import sys
 import time
+from pathlib import Path
 
 _LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING,
            "error": logging.ERROR}
 
 
 def _fmt_value(v) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
     if isinstance(v, float):
         return f"{v:.6g}"
     s = str(v)
-    return f'"{s}"' if (" " in s or not s) else s
+    if not s or any(c in s for c in ' "=\n\t'):
+        return '"' + s.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
+    return s
 
 
 def event(prefix: str, **fields) -> str:
@@ -28,6 +33,10 @@ def event(prefix: str, **fields) -> str:
     if not fields:
         return prefix
     return prefix + " " + " ".join(f"{k}={_fmt_value(v)}" for k, v in fields.items())
+
+
+#: the name docs/architecture.md uses for :func:`event`
+kv = event
 
 
 class _Formatter(logging.Formatter):
@@ -47,7 +56,9 @@ def setup_logging(tag: str, level: str = "info", log_file: str | None = None,
                   stream=sys.stderr) -> None:
     """Configure the root logger of this process (call once per process).
 
-    tag: ``engine``, ``launcher``, ``ep3``...; level: debug/info/warning/error.
+    tag: ``engine``, ``launcher``, ``ep3``...; level: debug/info/warning/error (unknown ->
+    info); log_file: also append to this file (its directory is created); stream: None for none.
+    Replaces (and closes) any handlers installed before, so calling it again is safe.
     """
     root = logging.getLogger()
     for h in list(root.handlers):
@@ -58,6 +69,7 @@ def setup_logging(tag: str, level: str = "info", log_file: str | None = None,
     if stream is not None:
         handlers.append(logging.StreamHandler(stream))
     if log_file:
+        Path(log_file).parent.mkdir(parents=True, exist_ok=True)
         handlers.append(logging.FileHandler(log_file))
     for h in handlers:
         h.setFormatter(_Formatter(tag))

@@ -1,0 +1,24 @@
+"""Shared pytest fixtures (keep minimal)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def repo_root() -> Path:
+    """The repository root (the directory holding pyproject.toml)."""
+    return REPO_ROOT
+
+
+@pytest.fixture
+def shared_data() -> Path:
+    """``../shared/data/sglang_ep_statistics`` (real DeepSeek load dumps); skips when absent."""
+    path = (REPO_ROOT / ".." / "shared" / "data" / "sglang_ep_statistics").resolve()
+    if not path.is_dir() or not any(path.glob("*.json")):
+        pytest.skip(f"shared load data not found at {path}")
+    return path

@@ -1,0 +1,90 @@
+"""One-line ``key=value`` log events and the per-process logging set-up (xllm_eplb/obs/logs.py)."""
+
+from __future__ import annotations
+
+import io
+import logging
+import re
+import shlex
+
+import pytest
+
+from xllm_eplb.obs.logs import event, kv, setup_logging
+
+LINE = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3} (DEBUG|INFO|WARNING|ERROR) (\S+) (.*)$")
+
+
+@pytest.fixture
+def restore_root_logging():
+    root = logging.getLogger()
+    saved = (list(root.handlers), root.level)
+    yield
+    for h in list(root.handlers):
+        root.removeHandler(h)
+        h.close()
+    for h in saved[0]:
+        root.addHandler(h)
+    root.setLevel(saved[1])
+
+
+def test_event_formats_spec_prefix_and_fields():
+    assert event("EPLB rebalance", policy="balanced", layers_updated="3/58") == \
+        "EPLB rebalance policy=balanced layers_updated=3/58"
+    assert event("EPLB heartbeat") == "EPLB heartbeat"
+    assert kv is event
+
+
+def test_event_values_are_machine_splittable():
+    line = event("update_expert_weight", layer=3, t=0.0123456789, ok=True, none=None,
+                 note="two words", empty="", quote='a"b=c', nl="x\ny")
+    assert "\n" not in line
+    assert line.startswith("update_expert_weight layer=3 t=0.0123457 ok=true none=None ")
+    fields = dict(tok.split("=", 1) for tok in shlex.split(line)[1:])
+    assert fields["note"] == "two words" and fields["empty"] == ""
+    assert fields["quote"] == 'a"b=c' and fields["layer"] == "3"
+
+
+def test_setup_logging_line_format_and_level(restore_root_logging):
+    buf = io.StringIO()
+    setup_logging("engine", "info", stream=buf)
+    log = logging.getLogger("xllm_eplb.test")
+    log.debug("hidden")
+    log.info(event("EPLB manager start", policy="balanced", moe_layers=3))
+    log.warning("careful")
+    lines = buf.getvalue().splitlines()
+    assert len(lines) == 2
+    m = LINE.match(lines[0])
+    assert m and m.group(1) == "INFO" and m.group(2) == "engine"
+    assert m.group(3) == "EPLB manager start policy=balanced moe_layers=3"
+    assert LINE.match(lines[1]).group(1) == "WARNING"
+
+
+def test_setup_logging_debug_file_and_replace(tmp_path, restore_root_logging):
+    first = io.StringIO()
+    setup_logging("ep0", "debug", stream=first)
+    logging.getLogger("a").debug("one")
+    second = io.StringIO()
+    path = tmp_path / "sub" / "ep3.log"
+    setup_logging("ep3", "debug", log_file=str(path), stream=second)  # replaces handlers
+    logging.getLogger("a").debug("two")
+    try:
+        raise ValueError("boom")
+    except ValueError:
+        logging.getLogger("a").exception("failed")
+    for h in logging.getLogger().handlers:
+        h.flush()
+    assert "one" in first.getvalue() and "two" not in first.getvalue()
+    text = path.read_text()
+    assert text == second.getvalue()
+    assert LINE.match(text.splitlines()[0]).group(2) == "ep3"
+    assert "Traceback" in text and "ValueError: boom" in text
+
+
+def test_setup_logging_no_stream_and_unknown_level(tmp_path, restore_root_logging):
+    path = tmp_path / "x.log"
+    setup_logging("launcher", "loud", log_file=str(path), stream=None)
+    root = logging.getLogger()
+    assert root.level == logging.INFO and len(root.handlers) == 1
+    logging.getLogger("b").info("only in file")
+    root.handlers[0].flush()
+    assert "launcher only in file" in path.read_text()

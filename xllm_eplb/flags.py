@@ -1,0 +1,332 @@
+"""gflags-style flags, config files and flagfiles -> one validated :class:`Config`.
+
+Accepted tokens (names use ``_`` or ``-`` interchangeably: ``--ep-size 16`` == ``--ep_size=16``):
+
+- ``--name=value`` and ``--name value``;
+- booleans: ``--name``, ``--noname``, ``--no-name``, ``--name=false``; values
+  true/false/1/0/yes/no (any case);
+- ``--config FILE``: YAML (``yaml.safe_load``) or JSON (``.json``), flat ``{name: value}`` or
+  sectioned ``{eplb: {...}, model: {...}}`` (both may be mixed);
+- ``--flagfile FILE``: one flag per line, ``#`` comments, nested flagfiles; relative paths are
+  resolved against the including file; cycles are an error.
+
+Precedence: defaults < config file < flagfile < command line, whatever the token order; within
+one source the last value wins. NOTE: xLLM lets its JSON file win over flags; we do not.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import shlex
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from xllm_eplb.config import (
+    FIELDS,
+    SECTIONS,
+    Config,
+    FieldSpec,
+    format_value,
+    normalize_policy_kind,
+    validate,
+)
+from xllm_eplb.errors import ConfigError
+
+SOURCES = ("default", "file", "flagfile", "cli")
+_META = ("config", "flagfile")
+_TRUE = ("true", "1", "yes")
+_FALSE = ("false", "0", "no")
+
+
+# --- values -----------------------------------------------------------------------------------
+
+def parse_bool(text: str) -> bool | None:
+    """``true/false/1/0/yes/no`` (any case) -> bool; anything else -> None."""
+    t = str(text).strip().lower()
+    return True if t in _TRUE else False if t in _FALSE else None
+
+
+def coerce(spec: FieldSpec, raw: Any) -> Any:
+    """A string (command line) or a YAML/JSON value -> the field's Python type.
+
+    Raises ConfigError naming the flag, the value and the expected type; range and choice
+    checks happen later in :func:`xllm_eplb.config.validate`.
+    """
+    t = spec.type
+    if raw is None and spec.default is None:
+        return None
+    try:
+        if t == "bool":
+            if isinstance(raw, bool):
+                return raw
+            if isinstance(raw, int) and raw in (0, 1):
+                return bool(raw)
+            v = parse_bool(raw) if isinstance(raw, str) else None
+            if v is None:
+                raise ValueError
+            return v
+        if t == "int":
+            if isinstance(raw, bool):
+                raise ValueError
+            if isinstance(raw, float):
+                if not raw.is_integer():
+                    raise ValueError
+                return int(raw)
+            if isinstance(raw, int):
+                return raw
+            text = str(raw).strip()
+            try:
+                return int(text)
+            except ValueError:
+                return int(text, 0)
+        if t == "float":
+            if isinstance(raw, bool) or not isinstance(raw, (int, float, str)):
+                raise ValueError
+            v = float(raw)
+            if v != v or v in (float("inf"), float("-inf")):
+                raise ValueError
+            return v
+        if not isinstance(raw, str):
+            raise ValueError
+        return raw
+    except (TypeError, ValueError):
+        what = {"bool": "a boolean (true/false/1/0/yes/no)", "int": "an integer",
+                "float": "a finite number", "str": "a string"}[t]
+        shown = format_value(raw) if isinstance(raw, (str, int, float, bool)) else repr(raw)
+        raise ConfigError(f"--{spec.name}={shown}: must be {what}") from None
+
+
+def _suggest(name: str, extra: tuple[str, ...] = _META) -> str:
+    cands = list(FIELDS) + list(extra)
+    close = difflib.get_close_matches(name, cands, n=1, cutoff=0.6)
+    return f" (did you mean --{close[0]}?)" if close else ""
+
+
+# --- config files -----------------------------------------------------------------------------
+
+def _yaml_error(path: Path, err: yaml.YAMLError) -> ConfigError:
+    mark = getattr(err, "problem_mark", None) or getattr(err, "context_mark", None)
+    where = f"{path}:{mark.line + 1}" if mark is not None else str(path)
+    problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+    return ConfigError(f"config file {where}: YAML syntax error: {problem}")
+
+
+def _key_lines(text: str) -> dict[tuple[str, ...], int]:
+    """1-based line of every mapping key of a YAML text (top level and one level down)."""
+    lines: dict[tuple[str, ...], int] = {}
+    try:
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.YAMLError:
+        return lines
+    if not isinstance(node, yaml.MappingNode):
+        return lines
+    for k, v in node.value:
+        lines[(str(k.value),)] = k.start_mark.line + 1
+        if isinstance(v, yaml.MappingNode):
+            for k2, _ in v.value:
+                lines[(str(k.value), str(k2.value))] = k2.start_mark.line + 1
+    return lines
+
+
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    """Read a YAML/JSON config file -> flat ``{name: typed value}``; ConfigError on any problem."""
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"config file {p}: not found") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"config file {p}: cannot read: {e}") from None
+    if p.suffix.lower() == ".json":
+        try:
+            data = json.loads(text) if text.strip() else {}
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"config file {p}:{e.lineno}: JSON syntax error: {e.msg}") from None
+        lines: dict[tuple[str, ...], int] = {}
+    else:
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            raise _yaml_error(p, e) from None
+        lines = _key_lines(text)
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {p}: top level must be a mapping of flag names to "
+                          f"values (or of sections {', '.join(SECTIONS)}), got "
+                          f"{type(data).__name__}")
+    return _flatten(p, data, lines)
+
+
+def _flatten(p: Path, data: dict, lines: dict[tuple[str, ...], int]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+
+    def where(*key: str) -> str:
+        return f"{p}:{lines[key]}" if key in lines else str(p)
+
+    def put(name: str, value: Any, key: tuple[str, ...]) -> None:
+        norm = name.replace("-", "_")
+        spec = FIELDS.get(norm)
+        if spec is None:
+            raise ConfigError(f"config file {where(*key)}: unknown key '{name}'"
+                              f"{_suggest(norm, tuple(SECTIONS))}")
+        if len(key) == 2 and key[0] != spec.section:
+            raise ConfigError(f"config file {where(*key)}: key '{name}' belongs to section "
+                              f"'{spec.section}', not '{key[0]}'")
+        try:
+            out[norm] = coerce(spec, value)
+        except ConfigError as e:
+            raise ConfigError(f"config file {where(*key)}: {e}") from None
+
+    for k, v in data.items():
+        k = str(k)
+        if k in SECTIONS and isinstance(v, dict):
+            for k2, v2 in v.items():
+                put(str(k2), v2, (k, str(k2)))
+        elif k in SECTIONS and v is None:
+            continue
+        elif k in SECTIONS:
+            raise ConfigError(f"config file {where(k)}: section '{k}' must be a mapping of "
+                              f"flag names to values, got {type(v).__name__}")
+        else:
+            put(k, v, (k,))
+    return out
+
+
+# --- tokens -----------------------------------------------------------------------------------
+
+class _Layers:
+    """Values per source plus the config files named on the way (resolved in order)."""
+
+    def __init__(self) -> None:
+        self.values: dict[str, dict[str, Any]] = {s: {} for s in SOURCES[1:]}
+        self.config_files: list[Path] = []
+
+
+def _read_flagfile(path: Path, stack: tuple[Path, ...]) -> list[tuple[str, str]]:
+    """Tokens of a flagfile with their origin (``file:line``)."""
+    try:
+        real = path.resolve()
+    except OSError:
+        real = path
+    if real in stack:
+        chain = " -> ".join(str(s) for s in (*stack, real))
+        raise ConfigError(f"flagfile {path}: include cycle: {chain}")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"flagfile {path}: not found") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"flagfile {path}: cannot read: {e}") from None
+    toks: list[tuple[str, str]] = []
+    for i, line in enumerate(text.splitlines(), 1):
+        try:
+            parts = shlex.split(line, comments=True)
+        except ValueError as e:
+            raise ConfigError(f"flagfile {path}:{i}: {e}") from None
+        toks.extend((t, f"{path}:{i}") for t in parts)
+    return toks
+
+
+def _split(tok: str) -> tuple[str, str | None]:
+    body = tok[2:]
+    name, eq, value = body.partition("=")
+    return name.replace("-", "_"), (value if eq else None)
+
+
+def _consume(tokens: list[tuple[str, str]], layers: _Layers, source: str,
+             base: Path, stack: tuple[Path, ...]) -> None:
+    """Walk tokens of one source; flagfiles recurse with source ``flagfile``."""
+    i = 0
+    while i < len(tokens):
+        tok, origin = tokens[i]
+        i += 1
+        at = "" if origin == "cli" else f"flagfile {origin}: "
+        if not tok.startswith("--") or tok == "--":
+            raise ConfigError(f"{at}unexpected argument '{tok}': flags look like --name=value")
+        name, value = _split(tok)
+        spec = FIELDS.get(name)
+        if spec is None and name not in _META:
+            neg = name[3:] if name.startswith("no_") else name[2:] if name.startswith("no") else ""
+            nspec = FIELDS.get(neg)
+            if nspec is not None and nspec.type == "bool":
+                if value is not None:
+                    raise ConfigError(f"{at}{tok}: --no{neg} takes no value")
+                layers.values[source][neg] = False
+                continue
+            raise ConfigError(f"{at}unknown flag '{tok.partition('=')[0]}'{_suggest(name)}")
+        if value is None:
+            if spec is not None and spec.type == "bool":
+                nxt = tokens[i][0] if i < len(tokens) else None
+                if nxt is not None and not nxt.startswith("-") and parse_bool(nxt) is not None:
+                    value, i = nxt, i + 1
+                else:
+                    value = "true"
+            elif i < len(tokens):
+                value, i = tokens[i][0], i + 1
+            else:
+                raise ConfigError(f"{at}--{name} needs a value")
+        if name == "config":
+            layers.config_files.append(_resolve(value, base))
+        elif name == "flagfile":
+            path = _resolve(value, base)
+            sub = _read_flagfile(path, stack)
+            _consume(sub, layers, "flagfile", path.parent, (*stack, path.resolve()))
+        else:
+            try:
+                layers.values[source][name] = coerce(spec, value)
+            except ConfigError as e:
+                raise ConfigError(f"{at}{e}") from None
+
+
+def _resolve(value: str, base: Path) -> Path:
+    p = Path(value).expanduser()
+    return p if p.is_absolute() else base / p
+
+
+# --- public API -------------------------------------------------------------------------------
+
+def config_from_dict(d: dict[str, Any], *, require_ep_size: bool = False) -> Config:
+    """A validated Config from ``{name: value}`` (flat or sectioned, like a config file)."""
+    flat = _flatten(Path("<dict>"), d, {})
+    cfg, _ = _build(flat, {k: "file" for k in flat}, require_ep_size)
+    return cfg
+
+
+def _build(values: dict[str, Any], sources: dict[str, str],
+           require_ep_size: bool) -> tuple[Config, dict[str, str]]:
+    if "eplb_policy_kind" in values:
+        values = dict(values, eplb_policy_kind=normalize_policy_kind(values["eplb_policy_kind"]))
+    per_sec: dict[str, dict[str, Any]] = {s: {} for s in SECTIONS}
+    for name, v in values.items():
+        per_sec[FIELDS[name].section][name] = v
+    cfg = Config(**{s: dataclasses.replace(SECTIONS[s](), **kv) for s, kv in per_sec.items()})
+    validate(cfg, require_ep_size=require_ep_size)
+    full = {name: sources.get(name, "default") for name in FIELDS}
+    return cfg, full
+
+
+def load_config(argv: list[str], *, require_ep_size: bool = True
+                ) -> tuple[Config, dict[str, str]]:
+    """Resolve ``argv`` (flags only) into a validated Config and each field's source.
+
+    Returns ``(cfg, sources)``, sources mapping every field name to one of
+    ``default``/``file``/``flagfile``/``cli``. Raises ConfigError (a UserError, exit 2) naming
+    the file/flag, the value and the rule.
+    """
+    layers = _Layers()
+    _consume([(t, "cli") for t in argv], layers, "cli", Path(), ())
+    values: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    for path in layers.config_files:
+        for k, v in read_config_file(path).items():
+            values[k], sources[k] = v, "file"
+    for src in ("flagfile", "cli"):
+        for k, v in layers.values[src].items():
+            values[k], sources[k] = v, src
+    return _build(values, sources, require_ep_size)
+
