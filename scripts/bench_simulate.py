@@ -1,0 +1,94 @@
+#!/usr/bin/env python
+"""Offline EPLB replay on the real DeepSeek decode loads: balanced vs incremental.
+
+Runs ``xllm-eplb simulate`` (subprocess, exact command printed) on a trace built from the SGLang
+decode dumps with a switch to the second decode dump half-way, at EP32 + 32 redundant slots,
+for the ``balanced`` and ``incremental`` policies and two flag sets:
+
+- ``defaults``: estimator on (16 batches, 0.85), gate 0.05;
+- ``tuned``: policy fed the raw window (``--no-estimator``), gate 0.02.
+
+Reports balancedness (100-step windows) with and without EPLB, slots moved, rounds, timeouts,
+the incremental/balanced slot ratio and the replay time. Falls back to a Zipf trace when
+``../shared/data`` is absent.
+
+Usage: ``python scripts/bench_simulate.py [--quick] [--json PATH] [--out DIR]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DATA = ROOT / ".." / "shared" / "data" / "sglang_ep_statistics"
+FLAGSETS = {"defaults": [], "tuned": ["--no-estimator", "--eplb_min_peak_load_improvement=0.02"]}
+POLICIES = ("balanced", "incremental")
+HEAD = ("balancedness_static", "balancedness_eplb", "balancedness_static_global_start",
+        "balancedness_eplb_global_start", "slots_moved", "weight_copies", "rounds",
+        "layers_committed", "timeouts", "first_activation_step", "step_cost_static_mean",
+        "step_cost_eplb_mean", "wall_seconds")
+
+
+def spec(steps: int) -> str:
+    if (DATA / "decode_in1000out1000.json").is_file():
+        return (f"sglang:decode_in1000out1000->decode_in500out1500,steps={steps},tokens=4096,"
+                f"seed=0")
+    return f"zipf:layers=58,experts=256,steps={steps},skew=1.0,depth=0.5,shift_every={steps // 2}"
+
+
+def run(policy: str, flags: list[str], steps: int, out: Path) -> dict:
+    cmd = ["xllm-eplb", "simulate", "--generate", spec(steps), "--ep-size", "32",
+           "--redundant-experts-num", "1", "--policy", policy, "--eplb_update_interval=5",
+           *flags, "--no-plots", "--out", str(out)]
+    print("$", shlex.join(cmd), flush=True)
+    t0 = time.perf_counter()
+    subprocess.run([sys.executable, "-m", "xllm_eplb", *cmd[1:]], check=True, cwd=ROOT,
+                   stdout=subprocess.DEVNULL)
+    s = json.loads((out / "summary.json").read_text())
+    row = {k: s[k] for k in HEAD}
+    row.update(policy=policy, command=shlex.join(cmd), total_seconds=time.perf_counter() - t0)
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="400 steps, tuned flags only")
+    ap.add_argument("--json", dest="json_path", default=None)
+    ap.add_argument("--out", default="/tmp/xllm_eplb_bench_simulate")
+    args = ap.parse_args()
+    steps = 400 if args.quick else 2000
+    sets = {"tuned": FLAGSETS["tuned"]} if args.quick else FLAGSETS
+    results = {}
+    for name, flags in sets.items():
+        rows = {p: run(p, flags, steps, Path(args.out) / f"{name}_{p}") for p in POLICIES}
+        b, i = rows["balanced"], rows["incremental"]
+        results[name] = {"flags": flags, "rows": rows,
+                         "slots_ratio_incremental_over_balanced":
+                             i["slots_moved"] / max(b["slots_moved"], 1),
+                         "balancedness_gap": b["balancedness_eplb"] - i["balancedness_eplb"]}
+    print(f"\nsteps={steps} trace={spec(steps)}")
+    print(f"{'flags':<9} {'policy':<12} {'bal_static':>10} {'bal_eplb':>9} {'bal_eplb_g':>10} "
+          f"{'slots':>7} {'rounds':>6} {'timeouts':>8} {'replay_s':>8}")
+    for name, r in results.items():
+        for p, row in r["rows"].items():
+            print(f"{name:<9} {p:<12} {row['balancedness_static']:>10.4f} "
+                  f"{row['balancedness_eplb']:>9.4f} {row['balancedness_eplb_global_start']:>10.4f}"
+                  f" {row['slots_moved']:>7} {row['rounds']:>6} {row['timeouts']:>8} "
+                  f"{row['wall_seconds']:>8.1f}")
+        print(f"{name:<9} incremental/balanced slots = "
+              f"{r['slots_ratio_incremental_over_balanced']:.3f}, balancedness gap = "
+              f"{r['balancedness_gap']:+.4f}")
+    if args.json_path:
+        Path(args.json_path).write_text(json.dumps({"bench": "simulate", "steps": steps,
+                                                    "trace": spec(steps), "results": results},
+                                                   indent=1))
+
+
+if __name__ == "__main__":
+    main()

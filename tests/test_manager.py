@@ -1,0 +1,406 @@
+"""EplbManager state machine, deterministic with a fake clock (xLLM eplb_manager_test scenarios,
+overwrite guard, allow=False, both timeout kinds, late tokens, bad outputs)."""
+
+import logging
+
+import numpy as np
+import pytest
+
+from xllm_eplb.config import EplbConfig
+from xllm_eplb.eplb.manager import EplbManager
+
+NO = -1
+
+
+class Clock:
+    def __init__(self):
+        self.t = 100.0
+
+    def __call__(self):
+        return self.t
+
+    def advance(self, dt):
+        self.t += dt
+
+
+class RecordingPolicy:
+    """Returns a scripted candidate per round and records every call (xLLM's test policy)."""
+
+    name = "recording"
+
+    def __init__(self, candidates):
+        self.candidates = list(candidates)    # per round: (cand [L, D*S], update [L])
+        self.seed = None
+        self.calls = []                        # (logical, physical) per round
+        self.commits, self.aborts = [], []
+
+    def initialize(self, phy2log):
+        self.seed = np.array(phy2log)
+
+    def rebalance(self, logical, physical=None):
+        self.calls.append((np.array(logical), np.array(physical)))
+        cand, upd = self.candidates[min(len(self.calls), len(self.candidates)) - 1]
+        return np.array(cand, dtype=np.int64), np.array(upd, dtype=bool)
+
+    def commit_layer(self, layer):
+        self.commits.append(layer)
+
+    def abort_layer(self, layer):
+        self.aborts.append(layer)
+
+
+def make(policy, layers=1, ep=2, experts=2, redundant=0, interval=0.0, timeout=1.0, **kw):
+    cfg = EplbConfig(ep_size=ep, redundant_experts_num=redundant, eplb_update_interval=interval,
+                     eplb_prepare_timeout_seconds=timeout)
+    clock = Clock()
+    mgr = EplbManager(cfg, layers, ep, experts, policy=policy, clock=clock, runner="sync",
+                      use_estimator=False, **kw)
+    return mgr, clock
+
+
+def counters(*per_rank):
+    """Per-rank per-slot counts ([L][S] lists) -> prefix-sum counters."""
+    return [np.cumsum(np.array(r, dtype=np.int64), axis=1) for r in per_rank]
+
+
+def out(mgr, loads=None, prepared=None, act=NO):
+    loads = loads if loads is not None else [[[0] * mgr.slots] * mgr.num_layers] * mgr.ep_size
+    mgr.on_outputs(counters(*loads), prepared or [NO] * mgr.ep_size, act)
+
+
+SWAP = ([[1, 0]], [True])
+
+
+def test_seeds_policy_with_active_distribution():
+    pol = RecordingPolicy([SWAP])
+    mgr, _ = make(pol)
+    assert pol.seed.tolist() == [[0, 1]]
+    assert mgr.active_placement.tolist() == [[0, 1]] and mgr.generation == 0
+
+
+def test_rebalance_timer_processes_samples_without_followup_traffic():
+    pol = RecordingPolicy([SWAP])
+    mgr, clock = make(pol, interval=1.0)
+    mgr.tick()
+    clock.advance(5.0)
+    mgr.tick()
+    assert not pol.calls                                   # no sample: timer not armed
+    out(mgr, [[[3]], [[1]]])
+    mgr.tick()                                             # arms at the first valid sample
+    clock.advance(0.1)
+    mgr.tick()
+    assert not pol.calls
+    clock.advance(0.95)
+    mgr.tick()                                             # fires without more traffic
+    assert len(pol.calls) == 1 and mgr.stats()["rounds"] == 1
+
+
+def test_never_runs_the_policy_on_an_empty_window():
+    pol = RecordingPolicy([SWAP])
+    mgr, clock = make(pol, interval=0.0)
+    for _ in range(3):
+        clock.advance(10)
+        mgr.tick()
+    assert not pol.calls
+
+
+def test_queued_load_uses_placement_active_at_submission():
+    pol = RecordingPolicy([SWAP, ([[1, 0]], [False])])
+    mgr, clock = make(pol)
+    out(mgr, [[[10]], [[0]]])
+    mgr.tick()
+    assert pol.calls[0][1].tolist() == [[[10], [0]]]
+    info = mgr.eplb_info(True)
+    assert info.prepare_layer_id == 0 and info.prepare_token == 1
+    assert info.expert_ids.tolist() == [1, 0] and info.update_layer_id == NO
+    out(mgr, [[[1]], [[1]]])                               # token -1: nothing acknowledged
+    assert mgr.eplb_info(True).update_layer_id == NO
+    out(mgr, prepared=[1, 1])
+    info = mgr.eplb_info(True)
+    assert (info.update_layer_id, info.activation_token) == (0, 1)
+    assert mgr.active_placement.tolist() == [[0, 1]]       # not before the output returns
+    out(mgr, [[[7]], [[7]]], act=1)                        # measured with the OLD weights
+    assert mgr.active_placement.tolist() == [[1, 0]] and pol.commits == [0]
+    assert mgr.generation == 1 and not mgr.window_physical().any()
+    out(mgr, [[[2]], [[4]]])                               # slot 0 now holds expert 1
+    mgr.tick()
+    logical, physical = pol.calls[1]
+    assert logical.tolist() == [[4, 2]] and physical.tolist() == [[[2], [4]]]
+
+
+def test_window_halves_after_each_round():
+    pol = RecordingPolicy([([[0, 1]], [False])])
+    mgr, _ = make(pol)
+    out(mgr, [[[10]], [[5]]])
+    mgr.tick()
+    assert mgr.window_physical().tolist() == [[[5], [2]]]
+    mgr.tick()
+    assert pol.calls[1][1].tolist() == [[[5], [2]]]        # next round: halved window
+
+
+def test_prepare_timeout_skips_stalled_layer_and_ignores_old_token(caplog):
+    pol = RecordingPolicy([SWAP])
+    mgr, clock = make(pol)
+    out(mgr, [[[10]], [[0]]])
+    mgr.tick()
+    assert mgr.eplb_info(True).prepare_token == 1
+    out(mgr, prepared=[1, NO])                             # only rank 0 is ready
+    clock.advance(1.01)
+    with caplog.at_level(logging.WARNING):
+        mgr.tick()
+    assert pol.aborts == [0] and mgr.stats()["layers_timed_out"] == 1
+    assert "EPLB layer 0 prepare progress timed out after 1s" in caplog.text
+    mgr.tick()                                             # next round republishes layer 0
+    info = mgr.eplb_info(True)
+    assert info.prepare_layer_id == 0 and info.prepare_token == 2
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        out(mgr, prepared=[1, 1])                          # late tokens of the aborted attempt
+    assert "stale prepare token" in caplog.text
+    assert mgr.eplb_info(True).update_layer_id == NO
+    out(mgr, prepared=[2, 2])
+    info = mgr.eplb_info(True)
+    assert (info.update_layer_id, info.activation_token) == (0, 2)
+    out(mgr, act=2)
+    assert mgr.active_placement.tolist() == [[1, 0]]
+
+
+def test_prepare_timeout_starts_after_worker_output_is_observable():
+    pol = RecordingPolicy([SWAP])
+    mgr, clock = make(pol, timeout=1.0)
+    out(mgr, [[[10]], [[0]]])
+    mgr.tick()
+    mgr.eplb_info(True)
+    clock.advance(1.2)                                     # no output yet: 2x budget applies
+    mgr.tick()
+    assert not pol.aborts
+    out(mgr)                                               # first output: 1x budget starts now
+    clock.advance(0.9)
+    mgr.tick()
+    assert not pol.aborts
+    out(mgr, prepared=[1, 1])
+    assert mgr.eplb_info(True).update_layer_id == 0
+
+
+def test_prepare_dispatch_without_worker_output_eventually_aborts(caplog):
+    pol = RecordingPolicy([SWAP, ([[0, 1]], [False])])
+    mgr, clock = make(pol, timeout=1.0)
+    out(mgr, [[[10]], [[0]]])
+    mgr.tick()
+    mgr.eplb_info(True)
+    clock.advance(2.0)
+    mgr.tick()
+    assert not pol.aborts                                  # exactly 2x: not yet (strict >)
+    clock.advance(0.01)
+    with caplog.at_level(logging.WARNING):
+        mgr.tick()
+    assert pol.aborts == [0]
+    assert "EPLB layer 0 output timed out after 2s" in caplog.text
+    assert not mgr.stats()["round_in_progress"]
+    assert mgr.active_placement.tolist() == [[0, 1]]
+
+
+def test_publishes_next_prepare_with_pending_activation():
+    cand = [[1, 0], [1, 0]]
+    pol = RecordingPolicy([(cand, [True, True])])
+    mgr, _ = make(pol, layers=2)
+    out(mgr, [[[10], [10]], [[0], [0]]])
+    mgr.tick()
+    info = mgr.eplb_info(True)
+    assert (info.prepare_layer_id, info.prepare_token) == (0, 1)
+    out(mgr, prepared=[1, 1])
+    info = mgr.eplb_info(True)                             # activation of 0 + prepare of 1
+    assert (info.update_layer_id, info.activation_token) == (0, 1)
+    assert (info.prepare_layer_id, info.prepare_token) == (1, 2)
+    out(mgr, prepared=[2, 2], act=1)
+    info = mgr.eplb_info(True)
+    assert (info.update_layer_id, info.activation_token, info.prepare_layer_id) == (1, 2, NO)
+    out(mgr, act=2)
+    assert mgr.active_placement.tolist() == cand and pol.commits == [0, 1]
+    st = mgr.stats()
+    assert st["layers_committed"] == 2 and st["slots_moved"] == 4 and st["weight_copies"] == 4
+
+
+def test_defers_pending_activation_until_weight_update_is_allowed():
+    pol = RecordingPolicy([SWAP])
+    mgr, clock = make(pol)
+    out(mgr, [[[10]], [[0]]])
+    mgr.tick()
+    mgr.eplb_info(True)
+    out(mgr, prepared=[1, 1])
+    before = mgr.stats()
+    for _ in range(5):
+        info = mgr.eplb_info(False)
+        assert info.empty and info.prepare_token == NO and info.activation_token == NO
+        clock.advance(10.0)                                # longer than any timeout
+        out(mgr)
+        mgr.tick()
+    assert mgr.stats()["waiting_on"] == before["waiting_on"] == "activation_send:layer=0"
+    assert not pol.aborts
+    info = mgr.eplb_info(True)
+    assert (info.update_layer_id, info.activation_token) == (0, 1)
+    out(mgr, act=1)
+    assert mgr.active_placement.tolist() == [[1, 0]]
+
+
+def test_allow_false_changes_no_state():
+    pol = RecordingPolicy([SWAP])
+    mgr, _ = make(pol)
+    out(mgr, [[[10]], [[0]]])
+    mgr.tick()
+    st = mgr.stats()
+    assert mgr.eplb_info(False).empty
+    assert mgr.stats() == st
+    assert mgr.eplb_info(True).prepare_token == 1          # the token was not consumed
+
+
+def test_overwrite_guard_ready_layer_not_overwritten():
+    """xLLM section 4.6: while layer 0's activation is unsent, layer 1 is not even prepared,
+    so it can never become READY and overwrite layer 0's pending activation."""
+    cand = [[1, 0], [1, 0], [1, 0]]
+    pol = RecordingPolicy([(cand, [True, True, True])])
+    mgr, clock = make(pol, layers=3)
+    out(mgr, [[[9], [9], [9]], [[1], [1], [1]]])
+    mgr.tick()
+    assert mgr.eplb_info(True).prepare_layer_id == 0
+    out(mgr, prepared=[1, 1])
+    # overlap-style: outputs keep arriving, sends are not allowed; late foreign tokens show up
+    for tok in (2, 3):
+        assert mgr.eplb_info(False).empty
+        out(mgr, prepared=[tok, tok])
+        mgr.tick()
+    st = mgr.stats()
+    assert st["waiting_on"] == "activation_send:layer=0" and st["layer_in_flight"] == 0
+    info = mgr.eplb_info(True)
+    assert (info.update_layer_id, info.activation_token) == (0, 1)
+    assert (info.prepare_layer_id, info.prepare_token) == (1, 2)
+    out(mgr, prepared=[2, 2], act=1)
+    info = mgr.eplb_info(True)
+    assert (info.update_layer_id, info.prepare_layer_id) == (1, 2)
+    out(mgr, prepared=[3, 3], act=2)
+    assert mgr.eplb_info(True).update_layer_id == 2
+    out(mgr, act=3)
+    assert pol.commits == [0, 1, 2] and mgr.active_placement.tolist() == cand
+
+
+def test_activation_token_only_commits_once_and_stale_ones_warn(caplog):
+    pol = RecordingPolicy([SWAP, ([[1, 0]], [False])])
+    mgr, _ = make(pol)
+    out(mgr, [[[10]], [[0]]])
+    mgr.tick()
+    mgr.eplb_info(True)
+    out(mgr, prepared=[1, 1])
+    with caplog.at_level(logging.WARNING):
+        out(mgr, act=1)                                    # activation not sent yet: foreign
+    assert "stale activation completion token" in caplog.text and not pol.commits
+    mgr.eplb_info(True)
+    out(mgr, act=1)
+    out(mgr, act=1)                                        # duplicate
+    assert pol.commits == [0] and mgr.generation == 1
+    assert mgr.stats()["stale_tokens"] == 2
+
+
+def test_no_new_round_while_previous_round_in_flight():
+    pol = RecordingPolicy([SWAP])
+    mgr, clock = make(pol)
+    out(mgr, [[[10]], [[0]]])
+    mgr.tick()
+    mgr.eplb_info(True)
+    for _ in range(3):
+        out(mgr, [[[10]], [[0]]])
+        clock.advance(0.1)
+        mgr.tick()
+    assert len(pol.calls) == 1
+
+
+def test_bad_worker_output_is_rejected_and_never_aggregated(caplog):
+    pol = RecordingPolicy([SWAP])
+    mgr, _ = make(pol, interval=100.0)
+    with caplog.at_level(logging.WARNING):
+        mgr.on_outputs([np.zeros((1, 2), np.int64), np.zeros((1, 1), np.int64)], [NO, NO], NO)
+        mgr.on_outputs([np.zeros((1, 1), np.int64)], [NO, NO], NO)
+        mgr.on_outputs([np.array([[5]]), np.array([[3]])], [NO], NO)
+        mgr.on_outputs([np.zeros((2, 1), np.int64)] * 2, [NO, NO], NO)
+    assert caplog.text.count("EPLB rejected worker output") == 4
+    st = mgr.stats()
+    assert st["samples_rejected"] == 4 and st["window_samples"] == 1   # tokens-only reject
+    assert mgr.window_physical().tolist() == [[[5], [3]]]
+
+
+@pytest.mark.timeout(60)
+def test_thread_runner_smoke():
+    """Real background thread, real clock: one round end to end, then close."""
+    pol = RecordingPolicy([SWAP, ([[1, 0]], [False])])
+    cfg = EplbConfig(ep_size=2, redundant_experts_num=0, eplb_update_interval=0.0)
+    with EplbManager(cfg, 1, 2, 2, policy=pol, runner="thread") as mgr:
+        import time
+        mgr.on_outputs(counters([[10]], [[0]]), [NO, NO], NO)
+        deadline = time.monotonic() + 30
+        while mgr.eplb_info(False).empty and not mgr.stats()["round_in_progress"]:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        info = mgr.eplb_info(True)
+        assert info.prepare_token == 1
+        mgr.on_outputs(counters([[1]], [[1]]), [1, 1], NO)
+        info = mgr.eplb_info(True)
+        mgr.on_outputs(counters([[1]], [[1]]), [NO, NO], info.activation_token)
+        assert mgr.active_placement.tolist() == [[1, 0]]
+    assert mgr._thread is None
+
+
+def test_real_balanced_policy_round():
+    """The manager built from config with the real `balanced` policy moves the hot expert."""
+    pytest.importorskip("xllm_eplb.eplb.policy.balanced")
+    cfg = EplbConfig(ep_size=2, redundant_experts_num=1, eplb_update_interval=0.0,
+                     eplb_policy_kind="balanced")
+    clock = Clock()
+    mgr = EplbManager(cfg, 1, 2, 4, clock=clock, runner="sync", use_estimator=False)
+    assert mgr.active_placement.tolist() == [[0, 1, 1, 2, 3, 3]]
+    # experts 0 and 1 are hot, both on rank 0
+    mgr.on_outputs(counters([[100, 80, 0]], [[5, 5, 0]]), [NO, NO], NO)
+    mgr.tick()
+    st = mgr.stats()
+    assert st["rounds"] == 1 and st["layers_published"] == 1
+    info = mgr.eplb_info(True)
+    mgr.on_outputs(counters([[0, 0, 0]], [[0, 0, 0]]), [info.prepare_token] * 2, NO)
+    info = mgr.eplb_info(True)
+    mgr.on_outputs(counters([[0, 0, 0]], [[0, 0, 0]]), [NO, NO], info.activation_token)
+    new = mgr.active_placement.reshape(2, 3)
+    assert {0, 1} & set(new[1].tolist())                   # a hot expert reached rank 1
+
+
+def test_heartbeats_and_decreasing_counters(caplog):
+    pol = RecordingPolicy([SWAP])
+    cfg = EplbConfig(ep_size=2, redundant_experts_num=0, eplb_update_interval=0.0,
+                     eplb_prepare_timeout_seconds=100.0, eplb_heartbeat_seconds=1.0)
+    clock = Clock()
+    with caplog.at_level(logging.INFO):
+        mgr = EplbManager(cfg, 1, 2, 2, policy=pol, clock=clock, runner="sync",
+                          use_estimator=False)
+        out(mgr, [[[10]], [[0]]])
+        mgr.on_outputs([np.array([[5]]), np.array([[2.0]])], [NO, NO], NO)     # float counters
+        mgr.tick()
+        mgr.eplb_info(True)                                # layer 0 preparing, never acked
+        clock.advance(1.5)
+        mgr.tick()
+    assert "EPLB manager start policy=recording layers=1 devices=2 device_experts=1" \
+        in caplog.text
+    assert "EPLB rebalance policy=recording layers_updated=1/1" in caplog.text
+    assert "EPLB heartbeat rebalance_thread policy=recording batches_since_last=1" \
+        in caplog.text
+    assert "EPLB heartbeat manager_thread layers_completed=0 layers_timed_out=0 " \
+        "waiting_on=" in caplog.text and "prepare:layer=0:token=1" in caplog.text
+    assert "dtype float64" in caplog.text and mgr.stats()["samples_rejected"] == 1
+
+
+def test_policy_gets_the_estimate_and_the_gate_the_raw_window():
+    pol = RecordingPolicy([([[0, 1]], [False])])
+    cfg = EplbConfig(ep_size=2, redundant_experts_num=0, eplb_update_interval=0.0,
+                     eplb_estimator_window=2, eplb_estimator_decay=1.0)
+    mgr = EplbManager(cfg, 1, 2, 2, policy=pol, clock=Clock(), runner="sync")
+    for loads in ([[[100]], [[0]]], [[[0]], [[10]]], [[[0]], [[30]]]):
+        out(mgr, loads)
+    mgr.tick()
+    logical, physical = pol.calls[0]
+    assert logical.tolist() == [[0, 40]]                   # last 2 batches: mean 20 x 2
+    assert physical.tolist() == [[[100], [40]]]            # raw measured window

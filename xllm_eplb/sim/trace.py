@@ -1,0 +1,94 @@
+"""Load traces: per-step logical expert loads for offline replay.
+
+File format (``.npz``): ``loads`` int64 ``[steps, layers, experts]`` = tokens routed to each
+logical expert of each MoE layer in each forward step; optional ``meta`` (a JSON string: how it
+was generated). Dense layers are not part of a trace.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from xllm_eplb.errors import InputFileError
+
+
+@dataclass
+class Trace:
+    """``loads`` int64 ``[steps, layers, experts]``; ``meta`` free-form provenance."""
+
+    loads: np.ndarray
+    meta: dict = field(default_factory=dict)
+
+    @property
+    def steps(self) -> int:
+        return int(self.loads.shape[0])
+
+    @property
+    def layers(self) -> int:
+        return int(self.loads.shape[1])
+
+    @property
+    def experts(self) -> int:
+        return int(self.loads.shape[2])
+
+    def head(self, steps: int) -> "Trace":
+        """The first ``steps`` steps (a view)."""
+        return Trace(self.loads[:steps], dict(self.meta))
+
+
+def check_loads(loads, where: str) -> np.ndarray:
+    """Validate a load array -> int64 ``[steps, layers, experts]``; InputFileError names the
+    file, the value and the rule."""
+    a = np.asarray(loads)
+    if a.ndim != 3 or 0 in a.shape:
+        raise InputFileError(f"{where}: loads of shape {a.shape}, expected a non-empty "
+                             f"[steps, layers, experts] array")
+    if a.dtype.kind not in "iuf":
+        raise InputFileError(f"{where}: loads of dtype {a.dtype}, expected integer token counts")
+    if a.dtype.kind == "f":
+        bad = ~np.isfinite(a)
+        if bad.any():
+            s, l_, e = np.argwhere(bad)[0]
+            raise InputFileError(f"{where}: loads[{s}, {l_}, {e}] = {a[s, l_, e]}: counts must "
+                                 f"be finite")
+        if (a != np.round(a)).any():
+            s, l_, e = np.argwhere(a != np.round(a))[0]
+            raise InputFileError(f"{where}: loads[{s}, {l_}, {e}] = {a[s, l_, e]}: counts must "
+                                 f"be whole numbers")
+    if (a < 0).any():
+        s, l_, e = np.argwhere(a < 0)[0]
+        raise InputFileError(f"{where}: loads[{s}, {l_}, {e}] = {a[s, l_, e]}: counts must be "
+                             f">= 0")
+    return a.astype(np.int64, copy=False)
+
+
+def load_trace(path: str | Path) -> Trace:
+    """Read a ``.npz`` trace (see module docstring)."""
+    p = Path(path)
+    if not p.is_file():
+        raise InputFileError(f"trace {p}: not found")
+    try:
+        with np.load(p, allow_pickle=False) as z:
+            if "loads" not in z.files:
+                raise InputFileError(f"trace {p}: no 'loads' array (has: "
+                                     f"{', '.join(z.files) or 'nothing'})")
+            loads = z["loads"]
+            meta = json.loads(str(z["meta"])) if "meta" in z.files else {}
+    except InputFileError:
+        raise
+    except Exception as e:  # zip/npy/JSON errors all mean the same thing to the user
+        raise InputFileError(f"trace {p}: cannot read as .npz: {e}") from None
+    return Trace(check_loads(loads, f"trace {p}"), meta)
+
+
+def save_trace(trace: Trace, path: str | Path) -> Path:
+    """Write ``trace`` as a compressed ``.npz``; returns the path."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    np.savez_compressed(p, loads=np.asarray(trace.loads, dtype=np.int64),
+                        meta=np.array(json.dumps(trace.meta)))
+    return p
