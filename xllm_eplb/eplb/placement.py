@@ -62,12 +62,14 @@ def validate_phy2log(phy2log: np.ndarray, num_logical: int, ep_size: int,
                              f"({missing.size} missing)")
     if allow_rank_duplicates:
         return
-    per_rank = p.reshape(ep_size, -1)
-    for r in range(ep_size):
-        u, c = np.unique(per_rank[r], return_counts=True)
-        if (c > 1).any():
-            raise PlacementError(f"{what}: rank {r} holds expert {int(u[c > 1][0])} "
-                                 f"{int(c.max())} times (at most one replica per rank)")
+    per_rank = np.sort(p.reshape(ep_size, -1), axis=1)
+    dup = per_rank[:, 1:] == per_rank[:, :-1]
+    if dup.any():
+        r, j = (int(x[0]) for x in np.nonzero(dup))
+        e = int(per_rank[r, j])
+        n = int((per_rank[r] == e).sum())
+        raise PlacementError(f"{what}: rank {r} holds expert {e} {n} times "
+                             f"(at most one replica per rank)")
 
 
 def logcnt(phy2log: np.ndarray, num_logical: int) -> np.ndarray:
@@ -117,10 +119,50 @@ def diff(old: np.ndarray, new: np.ndarray, ep_size: int) -> PlacementDiff:
     if o.shape != n.shape:
         raise PlacementError(f"cannot diff placements of shapes {o.shape} and {n.shape}")
     moved = int((o != n).sum())
-    copies = 0
-    for lo, ln in zip(o, n):
-        ro, rn = lo.reshape(ep_size, -1), ln.reshape(ep_size, -1)
-        for r in range(ep_size):
-            changed = rn[r][ro[r] != rn[r]]
-            copies += int((~np.isin(changed, ro[r])).sum())
+    layers, nslots = o.shape
+    ro = o.reshape(layers, ep_size, 1, -1)
+    rn = n.reshape(layers, ep_size, -1)
+    # a changed slot costs a cross-rank copy unless its new expert was already on that rank
+    resident = (rn[..., :, None] == ro).any(axis=-1)
+    copies = int(((o != n).reshape(rn.shape) & ~resident).sum())
     return PlacementDiff(moved, copies)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """One MoE layer's slot table with its derived views.
+
+    ``phy2log``: int64 [ep_size * slots_per_rank], rank-major. ``log2phy``: int64
+    [E, max_replicas] padded with -1. ``logcnt``: int64 [E] replica counts.
+    """
+
+    phy2log: np.ndarray
+    num_logical: int
+    ep_size: int
+
+    @classmethod
+    def initial(cls, num_logical: int, ep_size: int, redundant: int) -> "Placement":
+        return cls(initial_phy2log(num_logical, ep_size, redundant), num_logical, ep_size)
+
+    @property
+    def slots_per_rank(self) -> int:
+        return int(np.asarray(self.phy2log).size // self.ep_size)
+
+    @property
+    def log2phy(self) -> np.ndarray:
+        return log2phy(self.phy2log, self.num_logical)
+
+    @property
+    def logcnt(self) -> np.ndarray:
+        return logcnt(self.phy2log, self.num_logical)
+
+    def by_rank(self) -> np.ndarray:
+        """int64 [ep_size, slots_per_rank]."""
+        return np.asarray(self.phy2log, dtype=np.int64).reshape(self.ep_size, -1)
+
+    def validate(self, what: str = "placement", allow_rank_duplicates: bool = False) -> None:
+        validate_phy2log(self.phy2log, self.num_logical, self.ep_size, what,
+                         allow_rank_duplicates)
+
+    def diff(self, other: "Placement") -> PlacementDiff:
+        return diff(self.phy2log, other.phy2log, self.ep_size)

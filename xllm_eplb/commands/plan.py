@@ -1,0 +1,206 @@
+"""``xllm-eplb plan``: compute a placement offline from an expert-load file.
+
+Example::
+
+    xllm-eplb plan --load ../shared/data/sglang_ep_statistics/decode_in1000out1000.json \\
+        --ep-size 32 --redundant-experts-num 1 --policy incremental \\
+        --output placement.json --report report.md --plot rank_load.png
+
+Output JSON: ``ep_size``, ``slots_per_rank``, ``num_logical_experts``, ``policy``, ``moe_layers``
+(``[first, stop)`` MoE-local, after skipping dense layers), ``dense_layers_skipped``, ``phy2log``
+(``[layers][ep_size*slots]``), ``policy_seconds`` (time spent in the policy alone) and, with
+``--previous``, ``moved_slots`` and ``weight_copies``. Files are written via temp + rename.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import click
+import numpy as np
+
+from xllm_eplb.cli import handle_user_errors
+from xllm_eplb.eplb.balance import balancedness, rank_loads_from_phy2log
+from xllm_eplb.eplb.loads import parse_layer_range, read_loads
+from xllm_eplb.eplb.placement import PlacementError, diff, initial_phy2log, validate_phy2log
+from xllm_eplb.errors import InputFileError, UserError
+
+
+def write_atomic(path: str | Path, text: str) -> None:
+    p = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", dir=p.parent if str(p.parent) else ".")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, p)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def read_previous(path: str, layers: range, total_layers: int, ep_size: int, slots: int,
+                  num_logical: int) -> np.ndarray:
+    """A previous placement: a plan output (``{"phy2log": ...}``) or a bare list of lists with
+    either one row per planned layer or one per MoE layer of the load file. -> int64 [L, D*S]."""
+    p = Path(path)
+    try:
+        data = json.loads(p.read_text())
+    except FileNotFoundError:
+        raise InputFileError(f"{p}: previous placement not found") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise InputFileError(f"{p}: cannot read previous placement ({e})") from None
+    if isinstance(data, dict):
+        if "phy2log" not in data:
+            raise InputFileError(f"{p}: no 'phy2log' key in the previous placement")
+        if "ep_size" in data and int(data["ep_size"]) != ep_size:
+            raise InputFileError(f"{p}: previous placement has ep_size={data['ep_size']}, "
+                                 f"this plan uses --ep-size={ep_size}")
+        data = data["phy2log"]
+    try:
+        a = np.asarray(data, dtype=np.int64)
+    except (TypeError, ValueError):
+        raise InputFileError(f"{p}: phy2log must be a [layers][slots] table of integers") from None
+    want = (len(layers), ep_size * slots)
+    if a.ndim == 2 and a.shape == (total_layers, want[1]) and total_layers != want[0]:
+        a = a[layers.start:layers.stop]
+    if a.shape != want:
+        raise InputFileError(f"{p}: previous phy2log has shape {a.shape}, expected {want} "
+                             f"(layers x ep_size*slots_per_rank)")
+    for i, row in enumerate(a):
+        try:
+            validate_phy2log(row, num_logical, ep_size, f"{p}: layer {layers.start + i}",
+                             allow_rank_duplicates=True)
+        except PlacementError as e:
+            raise InputFileError(str(e)) from None
+    return a
+
+
+def _policy_opts(kind: str, num_nodes: int, num_groups: int, budget_slots: int) -> dict:
+    if kind == "node_aware":
+        return dict(num_nodes=num_nodes, num_groups=num_groups)
+    if kind == "incremental":
+        return dict(budget_slots=budget_slots)
+    return {}
+
+
+def run_plan(load: str, ep_size: int, redundant: int, policy: str, previous: str | None,
+             moe_layers: str | None, num_nodes: int = 1, num_groups: int = 0,
+             budget_slots: int = 0):
+    """Everything but the file writes. Returns (result dict, before [L, D], after [L, D], info)."""
+    from xllm_eplb.eplb.policy import make_policy, normalize_kind
+
+    lf = read_loads(load)
+    total, num_e = lf.loads.shape
+    layers = parse_layer_range(moe_layers, total)
+    loads = lf.loads[layers.start:layers.stop]
+    if ep_size < 2:
+        raise UserError(f"--ep-size={ep_size}: must be > 1")
+    if redundant < 0:
+        raise UserError(f"--redundant-experts-num={redundant}: must be >= 0")
+    if num_e % ep_size:
+        raise InputFileError(f"{load}: {num_e} experts per layer is not divisible by "
+                             f"--ep-size={ep_size}")
+    slots = num_e // ep_size + redundant
+    if slots > num_e:
+        raise UserError(f"--redundant-experts-num={redundant}: {slots} slots per rank exceed "
+                        f"the {num_e} experts (one replica of an expert per rank)")
+    kind = normalize_kind(policy)
+    prev = (read_previous(previous, layers, total, ep_size, slots, num_e) if previous else
+            np.tile(initial_phy2log(num_e, ep_size, redundant), (len(layers), 1)))
+    pol = make_policy(kind, ep_size, num_e, redundant, 0.0,
+                      **_policy_opts(kind, num_nodes, num_groups, budget_slots))
+    t0 = time.perf_counter()
+    cands = pol.plan_layers(loads, prev)
+    seconds = time.perf_counter() - t0
+    table = np.stack([prev[i] if c is None else np.asarray(c, np.int64)
+                      for i, c in enumerate(cands)])
+    result = {
+        "ep_size": ep_size, "slots_per_rank": slots, "num_logical_experts": num_e,
+        "policy": kind, "moe_layers": [layers.start, layers.stop],
+        "dense_layers_skipped": lf.dense_skipped,
+        "phy2log": table.tolist(), "policy_seconds": round(seconds, 6),
+    }
+    if previous:
+        d = diff(prev, table, ep_size)
+        result["moved_slots"], result["weight_copies"] = d.moved_slots, d.weight_copies
+    before = rank_loads_from_phy2log(prev, loads, ep_size)
+    after = rank_loads_from_phy2log(table, loads, ep_size)
+    skipped = [i for i, c in enumerate(cands) if c is None]
+    return result, before, after, dict(skipped=skipped, layers=layers)
+
+
+def render_report(result: dict, before: np.ndarray, after: np.ndarray, load: str,
+                  layers: range) -> str:
+    """Markdown: per-layer balancedness (mean/max rank load) and peak/ideal, before and after."""
+    bb, ba = balancedness(before), balancedness(after)
+    gb = before.mean(axis=1).sum() / before.max(axis=1).sum()
+    ga = after.mean(axis=1).sum() / after.max(axis=1).sum()
+    lines = [
+        f"# Placement plan: {result['policy']}", "",
+        f"- load file: `{load}` (dense layers skipped: {result['dense_layers_skipped']})",
+        f"- ep_size {result['ep_size']}, slots/rank {result['slots_per_rank']}, "
+        f"experts {result['num_logical_experts']}, MoE layers {layers.start}:{layers.stop}",
+        f"- policy time: {result['policy_seconds'] * 1000:.1f} ms",
+        f"- global balancedness (sum mean / sum max): before {gb:.4f}, after {ga:.4f}; "
+        f"peak/ideal before {1 / gb:.4f}, after {1 / ga:.4f}",
+    ]
+    if "moved_slots" in result:
+        lines.append(f"- moved slots {result['moved_slots']}, cross-rank weight copies "
+                     f"{result['weight_copies']}")
+    lines += ["", "| layer | balancedness before | after | peak/ideal before | after |",
+              "|---:|---:|---:|---:|---:|"]
+    for i in range(before.shape[0]):
+        lines.append(f"| {layers.start + i} | {bb[i]:.4f} | {ba[i]:.4f} | {1 / bb[i]:.4f} | "
+                     f"{1 / ba[i]:.4f} |")
+    return "\n".join(lines) + "\n"
+
+
+@click.command("plan")
+@click.option("--load", "load", required=True, help="expert-load file: SGLang dump .json, "
+              "JSON [layers][experts], or .npy")
+@click.option("--ep-size", type=int, required=True, help="EP ranks")
+@click.option("--redundant-experts-num", "redundant", type=int, default=1, show_default=True,
+              help="extra slots per rank")
+@click.option("--policy", default="balanced", show_default=True,
+              help="balanced, greedy, incremental, node_aware (legacy names -> balanced)")
+@click.option("--previous", default=None, help="current placement JSON (a plan output); "
+              "default: xLLM's initial layout")
+@click.option("--moe-layers", default=None, help="a:b, MoE layers to plan (after dense ones)")
+@click.option("--output", "-o", required=True, help="placement JSON to write")
+@click.option("--report", default=None, help="markdown report to write")
+@click.option("--plot", default=None, help="rank-load PNG to write")
+@click.option("--num-nodes", type=int, default=1, show_default=True, help="node_aware: nodes")
+@click.option("--num-groups", type=int, default=0, show_default=True,
+              help="node_aware: expert groups (0 = one per expert)")
+@click.option("--budget-slots", type=int, default=0, show_default=True,
+              help="incremental: max moved slots over all layers (0 = auto)")
+@handle_user_errors
+def plan(load, ep_size, redundant, policy, previous, moe_layers, output, report, plot,
+         num_nodes, num_groups, budget_slots):
+    """Compute a placement from an expert-load file."""
+    result, before, after, info = run_plan(load, ep_size, redundant, policy, previous,
+                                           moe_layers, num_nodes, num_groups, budget_slots)
+    if result["dense_layers_skipped"]:
+        click.echo(f"skipped {result['dense_layers_skipped']} leading all-zero (dense) layers "
+                   f"of {load}")
+    if info["skipped"]:
+        click.echo(f"policy could not plan layers {info['skipped']}: previous placement kept")
+    write_atomic(output, json.dumps(result) + "\n")
+    if report:
+        write_atomic(report, render_report(result, before, after, load, info["layers"]))
+    if plot:
+        from xllm_eplb.obs.plots import plot_rank_loads
+
+        plot_rank_loads(before, after, plot, title=f"{result['policy']} ep{ep_size}"
+                        f"+{redundant}", layer_ids=list(info["layers"]))
+    ga = after.mean(axis=1).sum() / after.max(axis=1).sum()
+    msg = (f"policy={result['policy']} layers={len(info['layers'])} "
+           f"peak_over_ideal={1 / ga:.4f} balancedness={ga:.4f} "
+           f"policy_ms={result['policy_seconds'] * 1000:.1f}")
+    if "moved_slots" in result:
+        msg += f" moved_slots={result['moved_slots']} weight_copies={result['weight_copies']}"
+    click.echo(msg + f" output={output}")
