@@ -1,0 +1,200 @@
+"""Dispatch/combine of routed tokens across the EP group, and the choice of path (spec §9).
+
+Two paths, both built on ``all_to_all_single`` and both taking part in every layer even with
+zero local tokens (split sizes are exchanged first with an all_to_all of counts):
+
+- ``plain``: all rows (the rank's own included) go through the all_to_all and are waited for
+  before any compute; experts run on the received rows; results return by a blocking reverse
+  all_to_all.
+- ``fused`` (this project's overlapped path on CPU/CUDA): rows for local slots never leave the
+  rank; the split-size exchange is posted with ``async_op=True`` and the local experts run while
+  it is in flight; the remote rows are then posted async and the caller's ``overlap`` work (the
+  shared expert) runs while they are in flight; then the received rows run and return.
+
+Counters are receiver-observed in both paths: every dispatched row carries its local slot and a
+``counted`` flag (0 for padding, fillers and masked prefill rows), and the slot's owner counts.
+For float32/float64 the two metadata columns are packed into the row (one all_to_all per
+direction); bfloat16 rows send them in a second all_to_all.
+
+Mode resolution (:func:`resolve_dispatch_mode`) is a pure function of the config and a
+step-level ``pure_decode`` flag.
+NOTE: the decision must be identical on every rank or the collectives mismatch, so its inputs are
+config values and the engine's step-level flag, never the rank's own batch.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from xllm_eplb.model.moe import FusedMoE
+
+log = logging.getLogger(__name__)
+
+PLAIN, FUSED = "plain", "fused"
+
+
+def resolve_fused_setting(expert_parallel_degree: int, enable_fused_mc2: int) -> int:
+    """``enable_fused_mc2`` with auto (-1) resolved: 1 when ``expert_parallel_degree == 2``, else 0."""
+    if enable_fused_mc2 == -1:
+        return 1 if expert_parallel_degree == 2 else 0
+    if enable_fused_mc2 not in (0, 1, 2):
+        raise ValueError(f"enable_fused_mc2={enable_fused_mc2} must be -1, 0, 1 or 2")
+    return enable_fused_mc2
+
+
+def fused_precondition_failure(device: str, dtype: str, enable_graph: bool,
+                               bf16_supported: bool = True) -> str | None:
+    """Why the overlapped path cannot run here, or None if it can.
+
+    - graph mode on an accelerator: the async collectives synchronise with the host and cannot
+      be captured in a graph;
+    - bfloat16 on a device without bf16 support (``bf16_supported`` = the device's answer).
+    """
+    if enable_graph and device != "cpu":
+        return "graph mode cannot capture the async all_to_all"
+    if dtype == "bfloat16" and not bf16_supported:
+        return f"bfloat16 unsupported on device={device}"
+    return None
+
+
+def resolve_dispatch_mode(expert_parallel_degree: int, enable_fused_mc2: int, *,
+                          pure_decode: bool, precondition_failure: str | None = None
+                          ) -> tuple[str, str | None]:
+    """-> (mode, fallback reason or None). A reason is returned only when a fused path was asked
+    for this step and its preconditions failed (the caller logs it once).
+
+    setting 0: plain; 1: fused; 2: fused only when the step is pure decode (else plain, which
+    is not a fallback).
+    """
+    s = resolve_fused_setting(expert_parallel_degree, enable_fused_mc2)
+    if s == 0 or (s == 2 and not pure_decode):
+        return PLAIN, None
+    if precondition_failure:
+        return PLAIN, precondition_failure
+    return FUSED, None
+
+
+@dataclass
+class CommStats:
+    """Seconds spent blocked on communication (waits + blocking collectives), per step."""
+
+    wait_s: float = 0.0
+    calls: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+def _add(stats: CommStats, key: str, v: float) -> None:
+    stats.extra[key] = stats.extra.get(key, 0.0) + v
+
+
+def _a2a(out, inp, out_splits, in_splits, group, async_op=False):
+    return dist.all_to_all_single(out, inp, out_splits, in_splits, group=group, async_op=async_op)
+
+
+def _timed(stats: CommStats, fn):
+    t = time.perf_counter()
+    r = fn()
+    stats.wait_s += time.perf_counter() - t
+    stats.calls += 1
+    return r
+
+
+class _Inflight:
+    """Rows + their metadata posted in one (float32/64: packed) or two all_to_alls."""
+
+    def __init__(self, works, unpack):
+        self.works, self.unpack = works, unpack
+
+    def wait(self, stats: CommStats):
+        for w in self.works:
+            _timed(stats, w.wait)
+        return self.unpack()
+
+
+PACKABLE = (torch.float32, torch.float64)   # slot ids < 2**24 and 0/1 flags are exact
+
+
+def _post_rows(xs, meta, out_splits, in_splits, group) -> _Inflight:
+    """Post rows xs [n, H] with meta int64 [n, 2] (local slot, counted) asynchronously."""
+    n_out, H = sum(out_splits), xs.shape[1]
+    if xs.dtype in PACKABLE:
+        buf = torch.cat([xs, meta.to(xs.dtype)], dim=1)
+        out = buf.new_empty((n_out, H + 2))
+        w = _a2a(out, buf, out_splits, in_splits, group, async_op=True)
+        return _Inflight([w], lambda: (out[:, :H], out[:, H:].to(torch.int64)))
+    xr, mr = xs.new_empty((n_out, H)), meta.new_empty((n_out, 2))
+    w1 = _a2a(xr, xs, out_splits, in_splits, group, async_op=True)
+    w2 = _a2a(mr, meta, out_splits, in_splits, group, async_op=True)
+    return _Inflight([w1, w2], lambda: (xr, mr))
+
+
+def _count(moe, stats, *metas) -> torch.Tensor:
+    tc = time.perf_counter()
+    m = metas[0] if len(metas) == 1 else torch.cat(metas)
+    counts = moe.count(m[:, 0], m[:, 1])
+    _add(stats, "count_s", time.perf_counter() - tc)
+    return counts
+
+
+def moe_dispatch(moe: FusedMoE, x: torch.Tensor, phys: torch.Tensor, counted: torch.Tensor,
+                 group, mode: str, stats: CommStats, overlap=None
+                 ) -> tuple[torch.Tensor, torch.Tensor, object]:
+    """Route ``x`` [T, H] to global slots ``phys`` [T, k] and back.
+
+    ``counted`` [T] bool (False = not counted in the load). Returns (expert outputs [T, k, H]
+    unweighted, this rank's slot loads int64 [S] as observed by the receiver, the result of
+    ``overlap()`` or None).
+    """
+    T, k = phys.shape
+    S, D, H = moe.slots_per_rank, moe.ep_size, x.shape[1]
+    flat = phys.reshape(-1)
+    dest = torch.div(flat, S, rounding_mode="floor")
+    order = torch.argsort(dest, stable=True)
+    tok = torch.div(order, k, rounding_mode="floor")
+    xs = x[tok]
+    meta = torch.stack([flat[order] % S, counted[tok].to(torch.int64)], dim=1)
+    send = torch.bincount(dest, minlength=D).to(torch.int64)
+    recv = torch.empty_like(send)
+    if mode == FUSED:
+        ys, extra, counts = _fused(moe, xs, meta, send, recv, group, stats, overlap)
+    else:
+        _timed(stats, lambda: _a2a(recv, send, None, None, group))
+        s_l, r_l = send.tolist(), recv.tolist()
+        xr, mr = _post_rows(xs, meta, r_l, s_l, group).wait(stats)   # no compute in between
+        yr = moe.compute(xr, mr[:, 0])
+        counts = _count(moe, stats, mr)
+        ys = x.new_empty((T * k, H))
+        _timed(stats, lambda: _a2a(ys, yr, s_l, r_l, group))
+        extra = overlap() if overlap is not None else None
+    y = torch.empty_like(ys)
+    y[order] = ys
+    return y.reshape(T, k, H), counts, extra
+
+
+def _fused(moe, xs, meta, send, recv, group, stats, overlap):
+    """Overlapped path: local rows never travel. The local experts run while the split sizes
+    are exchanged, the ``overlap`` work (shared expert) runs while the remote rows are in
+    flight. -> (expert outputs in send order [n, H], overlap() result, slot loads [S])."""
+    me, H = moe.ep_rank, xs.shape[1]
+    w0 = _a2a(recv, send, None, None, group, async_op=True)
+    lo, n_local = int(send[:me].sum()), int(send[me])
+    x_loc, m_loc = xs[lo:lo + n_local], meta[lo:lo + n_local]
+    y_loc = moe.compute(x_loc, m_loc[:, 0])                 # overlaps the count exchange
+    _timed(stats, w0.wait)
+    s_r, r_r = send.tolist(), recv.tolist()
+    s_r[me] = r_r[me] = 0
+    x_rem = torch.cat([xs[:lo], xs[lo + n_local:]])
+    m_rem = torch.cat([meta[:lo], meta[lo + n_local:]])
+    inflight = _post_rows(x_rem, m_rem, r_r, s_r, group)
+    extra = overlap() if overlap is not None else None     # overlaps the dispatch
+    xr, mr = inflight.wait(stats)
+    yr = moe.compute(xr, mr[:, 0])
+    counts = _count(moe, stats, m_loc, mr)
+    back = xs.new_empty((x_rem.shape[0], H))
+    _timed(stats, lambda: _a2a(back, yr, s_r, r_r, group))
+    return torch.cat([back[:lo], y_loc, back[lo:]]), extra, counts

@@ -1,0 +1,100 @@
+"""Run the sharded model without the engine: N real processes (one per EP rank), fed batches.
+
+``run_sharded(cfgs, steps)`` spawns ``ep_size`` ranks with ``testing.dist.run_ranks``; every
+rank builds one :class:`MoETransformer` per config variant (so several dispatch modes share one
+spawn) and runs the same steps: ``steps[t][rank]`` is rank's :class:`RankBatch` at step t.
+``reference_steps(cfg, steps)`` runs the single-process reference on the merged batches and
+splits its outputs per rank the same way. Results come back as :class:`StepResult` with numpy
+logits (no tensor crosses a process boundary).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+
+from xllm_eplb.config import Config
+from xllm_eplb.model.batch import RankBatch
+from xllm_eplb.model.transformer import MoETransformer, StepResult
+
+
+def step_pure_decode(batches: list[RankBatch]) -> bool:
+    """The engine's step-level flag: some batch non-empty and every non-empty one pure decode."""
+    nonempty = [b for b in batches if not b.is_empty]
+    return bool(nonempty) and all(b.is_pure_decode for b in nonempty)
+
+
+def _np(res: StepResult) -> StepResult:
+    lg = None if res.logits is None else res.logits.numpy()
+    return replace(res, logits=lg)
+
+
+def run_steps(model: MoETransformer, steps: list[list[RankBatch]], rank: int,
+              switch: dict | None = None, warmup_steps: tuple = ()) -> list[StepResult]:
+    """Run ``steps`` on one rank's model. ``switch``: step index -> new placement
+    [L_moe, D*S] materialised (weights + tables) before that step's forward."""
+    out = []
+    for t, batches in enumerate(steps):
+        if switch and t in switch:
+            for ml, fm in enumerate(model.moe_layers):
+                fm.load_placement(np.asarray(switch[t])[ml])
+        out.append(_np(model.forward_step(batches[rank], warmup=t in warmup_steps,
+                                          pure_decode=step_pure_decode(batches),
+                                          return_logits=True, return_routing=True)))
+    return out
+
+
+def _rank_program(rank: int, world: int, cfgs: list[Config], steps, phy2log, switch, warmup):
+    from xllm_eplb.worker.comm import groups_from_world
+
+    groups = groups_from_world(cfgs[0])
+    results = []
+    for cfg in cfgs:
+        model = MoETransformer(cfg, rank, groups.ep_group, phy2log)
+        res = run_steps(model, steps, rank, switch, warmup)
+        tags_bad = [fm.check_tags() for fm in model.moe_layers]
+        results.append({"results": res, "bad_tags": tags_bad,
+                        "kv_requests": len(model.kv)})
+    return results
+
+
+def run_sharded(cfgs: Config | list[Config], steps: list[list[RankBatch]], *,
+                phy2log: np.ndarray | None = None, switch: dict | None = None,
+                warmup_steps: tuple = (), timeout: float = 120.0) -> list[list[dict]]:
+    """-> ``out[variant][rank]`` = {"results": [StepResult per step], "bad_tags": per-layer
+    canary failures, "kv_requests": open KV entries at the end}."""
+    from xllm_eplb.testing.dist import run_ranks
+
+    cfgs = [cfgs] if isinstance(cfgs, Config) else list(cfgs)
+    world = cfgs[0].eplb.ep_size
+    if any(c.eplb.ep_size != world for c in cfgs):
+        raise ValueError("run_sharded: every config variant needs the same ep_size")
+    for t, b in enumerate(steps):
+        if len(b) != world:
+            raise ValueError(f"run_sharded: step {t} has {len(b)} rank batches, ep_size={world}")
+    per_rank = run_ranks(_rank_program, world, cfgs, steps, phy2log, switch, tuple(warmup_steps),
+                         timeout=timeout)
+    return [[per_rank[r][v] for r in range(world)] for v in range(len(cfgs))]
+
+
+def reference_steps(cfg: Config, steps: list[list[RankBatch]]) -> list[list[StepResult]]:
+    """Single-process reference: ``out[t][rank]`` with that rank's rows' sampled tokens and
+    logits; counters (per logical expert, [L_moe, E]) are of the whole merged step and are
+    stored on rank 0's entry only (others get zeros)."""
+    model = MoETransformer.reference(cfg)
+    out = []
+    for batches in steps:
+        merged = RankBatch([r for b in batches for r in b.rows],
+                           [q for b in batches for q in b.release])
+        res = _np(model.forward_step(merged, return_logits=True))
+        per, start = [], 0
+        for rank, b in enumerate(batches):
+            n = len(b.rows)
+            ids = [r.req_id for r in b.rows]
+            ctr = res.counters if rank == 0 else np.zeros_like(res.counters)
+            per.append(StepResult({i: res.sampled[i] for i in ids}, ctr,
+                                  res.logits[start:start + n], False, res.mode, {}))
+            start += n
+        out.append(per)
+    return out

@@ -1,0 +1,167 @@
+"""``FusedMoE``: one MoE layer's routed experts on one EP rank, stored per physical local slot.
+
+Storage contract (the EPLB migration path relies on it):
+
+- ``w13`` [S, 2I, H] (gate rows then up rows), ``w2`` [S, H, I], ``tag`` [S, 2] int64 =
+  (logical expert id, MoE layer id) — allocated once, never reassigned (stable addresses for
+  graph capture); weights move by ``copy_`` / ``index_copy_`` into these tensors.
+- ``expert_tensors()`` returns exactly the per-slot tensors that move with an expert
+  (``w13``, ``w2``, ``tag``; first dim S).
+- ``local_expert_ids`` torch int64 [S] (updated in place), ``global_phy2log`` host numpy int64
+  [D*S] (mirror of the active global slot table), ``log2phy`` torch int64 [E] (updated in place):
+  logical id -> the global physical slot this rank sends that expert's tokens to.
+
+Replica choice (``log2phy``): as xLLM, source rank r sends all tokens of logical expert e to the
+replica with index ``r % count(e)`` among e's slots in global rank-major order
+(``placement.build_log2phy``). Each source rank is deterministic; different source ranks spread
+over the replicas, so with D ranks and c replicas each replica serves about D/c source ranks.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from xllm_eplb.config import Config
+from xllm_eplb.eplb import placement
+from xllm_eplb.model.weights import expert_weights, torch_dtype
+
+GATHER_LIMIT = 1 << 20   # elements of gathered w13 rows below which compute() gathers weights
+
+
+class FusedMoE:
+    """Routed experts of MoE layer ``layer_id`` (MoE-local, 0..L-1) on rank ``ep_rank``.
+
+    ``phy2log``: the global slot table of this layer, int64 [D*S]; its slice
+    ``[ep_rank*S, (ep_rank+1)*S)`` is materialised from :func:`expert_weights`.
+    """
+
+    def __init__(self, cfg: Config, layer_id: int, ep_rank: int, phy2log: np.ndarray,
+                 device: torch.device | str = "cpu"):
+        m = cfg.model
+        self.cfg = cfg
+        self.layer_id = int(layer_id)
+        self.ep_rank = int(ep_rank)
+        self.ep_size = int(cfg.eplb.ep_size)
+        self.num_logical = int(m.num_experts)
+        self.slots_per_rank = placement.slots_per_rank(self.num_logical, self.ep_size,
+                                                       cfg.eplb.redundant_experts_num)
+        S, H, inter = self.slots_per_rank, m.hidden_size, m.moe_intermediate_size
+        dt = torch_dtype(cfg)
+        self.device = torch.device(device)
+        self.w13 = torch.empty((S, 2 * inter, H), dtype=dt, device=self.device)
+        self.w2 = torch.empty((S, H, inter), dtype=dt, device=self.device)
+        self.tag = torch.empty((S, 2), dtype=torch.int64, device=self.device)
+        self.local_expert_ids = torch.empty(S, dtype=torch.int64, device=self.device)
+        self.log2phy = torch.empty(self.num_logical, dtype=torch.int64, device=self.device)
+        self.global_phy2log = np.empty(self.ep_size * S, dtype=np.int64)
+        self.load_placement(phy2log)
+
+    # ---- placement -------------------------------------------------------------------------
+    def local_slice(self, phy2log: np.ndarray) -> np.ndarray:
+        S = self.slots_per_rank
+        return np.asarray(phy2log, dtype=np.int64)[self.ep_rank * S:(self.ep_rank + 1) * S]
+
+    def load_placement(self, phy2log: np.ndarray) -> None:
+        """Materialise every local slot of ``phy2log`` [D*S] from the seeded/file weights and
+        activate the table (model construction and tests; EPLB moves weights by copy)."""
+        p = np.asarray(phy2log, dtype=np.int64)
+        if p.shape != (self.ep_size * self.slots_per_rank,):
+            raise ValueError(f"layer {self.layer_id}: phy2log has shape {p.shape}, expected "
+                             f"({self.ep_size * self.slots_per_rank},)")
+        for s, e in enumerate(self.local_slice(p).tolist()):
+            w = expert_weights(self.cfg, self.layer_id, e)
+            self.w13[s].copy_(w["w13"])
+            self.w2[s].copy_(w["w2"])
+            self.tag[s, 0] = e
+            self.tag[s, 1] = self.layer_id
+        self.activate_table(p)
+
+    def activate_table(self, phy2log: np.ndarray) -> None:
+        """Switch the id tables (not the weights) to ``phy2log`` [D*S], all in place."""
+        p = np.asarray(phy2log, dtype=np.int64)
+        l2p = placement.build_log2phy(p, self.num_logical, self.ep_rank)
+        if (l2p < 0).any():
+            raise ValueError(f"layer {self.layer_id}: logical expert {int(np.argmax(l2p < 0))} "
+                             f"has no replica")
+        self.global_phy2log[:] = p
+        self.local_expert_ids.copy_(torch.as_tensor(self.local_slice(p)))
+        self.log2phy.copy_(torch.as_tensor(l2p))
+
+    def expert_tensors(self) -> dict[str, torch.Tensor]:
+        """The per-slot tensors that move with an expert: name -> tensor [S, ...]."""
+        return {"w13": self.w13, "w2": self.w2, "tag": self.tag}
+
+    def check_tags(self) -> list[int]:
+        """Canary: local slots whose tag is not (local_expert_ids[s], layer_id); [] if all good."""
+        want = torch.stack([self.local_expert_ids,
+                            torch.full_like(self.local_expert_ids, self.layer_id)], dim=1)
+        return torch.nonzero((self.tag != want).any(dim=1)).flatten().tolist()
+
+    # ---- compute ---------------------------------------------------------------------------
+    def route(self, topk_ids: torch.Tensor) -> torch.Tensor:
+        """Logical top-k ids [T, k] -> global physical slot ids [T, k] via ``log2phy``."""
+        return self.log2phy[topk_ids]
+
+    def compute(self, x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """Expert outputs (unweighted): row n of ``x`` [N, H] through local slot ``slots[n]``
+        [N] int64 in [0, S) -> [N, H]. Many rows: grouped by slot (one GEMM pair per active
+        slot); few rows: per-row gathered weights and batched GEMVs."""
+        out = torch.empty_like(x)
+        if x.shape[0] == 0:
+            return out
+        if x.shape[0] * self.w13[0].numel() <= GATHER_LIMIT:
+            # few rows (decode): gather each row's weights and run two batched GEMVs, which
+            # costs a fixed handful of kernels instead of one GEMM pair per active slot
+            h = torch.bmm(self.w13[slots], x.unsqueeze(-1)).squeeze(-1)
+            g, u = h.chunk(2, dim=-1)
+            return torch.bmm(self.w2[slots], (F.silu(g) * u).unsqueeze(-1)).squeeze(-1)
+        order = torch.argsort(slots, stable=True)
+        counts = torch.bincount(slots, minlength=self.slots_per_rank).tolist()
+        xs = x[order]
+        ys = torch.empty_like(xs)
+        start = 0
+        for s, c in enumerate(counts):
+            if c:
+                ys[start:start + c] = expert_ffn(xs[start:start + c], self.w13[s], self.w2[s])
+                start += c
+        out[order] = ys
+        return out
+
+    def count(self, slots: torch.Tensor, counted: torch.Tensor) -> torch.Tensor:
+        """Per-slot load of received rows: int64 [S] (rows with ``counted`` 0 excluded)."""
+        out = torch.zeros(self.slots_per_rank, dtype=torch.int64, device=slots.device)
+        return out.index_add_(0, slots, counted.to(torch.int64))
+
+
+def expert_ffn(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """SwiGLU FFN: x [N, H], w13 [2I, H], w2 [H, I] -> [N, H]."""
+    h = x @ w13.t()
+    g, u = h.chunk(2, dim=-1)
+    return (F.silu(g) * u) @ w2.t()
+
+
+class LogicalMoE:
+    """Single-process reference: every logical expert of one layer, no placement, no dispatch.
+
+    ``w13`` [E, 2inter, H], ``w2`` [E, H, I]; same weights as any FusedMoE slot holding the expert.
+    """
+
+    def __init__(self, cfg: Config, layer_id: int, device: torch.device | str = "cpu"):
+        ws = [expert_weights(cfg, layer_id, e) for e in range(cfg.model.num_experts)]
+        self.layer_id = layer_id
+        self.num_logical = cfg.model.num_experts
+        self.w13 = torch.stack([w["w13"] for w in ws]).to(device)
+        self.w2 = torch.stack([w["w2"] for w in ws]).to(device)
+
+    def forward(self, x: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        """x [T, H], topk_ids [T, k] logical -> expert outputs [T, k, H] (unweighted)."""
+        T, k = topk_ids.shape
+        flat = topk_ids.reshape(-1)
+        xr = x.repeat_interleave(k, dim=0)
+        y = torch.empty_like(xr)
+        for e in torch.unique(flat).tolist():
+            sel = flat == e
+            y[sel] = expert_ffn(xr[sel], self.w13[e], self.w2[e])
+        return y.reshape(T, k, -1)

@@ -1,0 +1,127 @@
+"""Routers: top-k logical experts per token, from the model's gate or from a load trace.
+
+``routing_mode=model`` (default): ``scores = softmax(x @ gate^T)`` or ``sigmoid(...)``; with
+sigmoid the DeepSeek score-correction bias ``gate_bias`` [E] is added for *selection only* and the
+k chosen scores are renormalised to sum to 1; with softmax the chosen scores are the weights.
+
+``routing_mode=trace`` (benchmarks only, clearly not a model): each layer's top-k is sampled
+without replacement from the layer's expert-load distribution of a recorded trace (an SGLang
+``logical_count`` dump, a ``.npy`` [layers, E] or [steps, layers, E], or a ``.npz`` with
+``loads``). Sampling is Gumbel-top-k with uniforms hashed from (seed, layer, req_id, position,
+token id), so it is deterministic per token and independent of the batch a token shares.
+Weights are 1/k. Trace layers map to model layers by relative depth; if the trace has more
+experts than the model, the first E columns are used (their relative skew is kept).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import torch
+
+from xllm_eplb.config import Config
+from xllm_eplb.errors import InputFileError
+
+_M64 = (1 << 64) - 1
+
+
+def _splitmix64(x: np.ndarray) -> np.ndarray:
+    with np.errstate(over="ignore"):
+        x = x + np.uint64(0x9E3779B97F4A7C15)
+        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return x ^ (x >> np.uint64(31))
+
+
+def hashed_uniform(keys: np.ndarray, n: int) -> np.ndarray:
+    """Deterministic uniforms in (0, 1): keys uint64 [T] -> float64 [T, n]."""
+    k = _splitmix64(keys.astype(np.uint64))
+    cols = _splitmix64(k[:, None] ^ _splitmix64(np.arange(n, dtype=np.uint64))[None, :])
+    return ((cols >> np.uint64(11)).astype(np.float64) + 0.5) / float(1 << 53)
+
+
+def load_trace(path: str) -> np.ndarray:
+    """Per-layer load of the MoE layers of a trace, float64 [layers, E] (all-zero rows dropped)."""
+    if not os.path.exists(path):
+        raise InputFileError(f"routing_trace: file {path!r} does not exist")
+    try:
+        if path.endswith(".json"):
+            with open(path) as f:
+                arr = np.asarray(json.load(f)["logical_count"], dtype=np.float64)
+        elif path.endswith(".npz"):
+            arr = np.asarray(np.load(path)["loads"], dtype=np.float64)
+        elif path.endswith(".npy"):
+            arr = np.asarray(np.load(path), dtype=np.float64)
+        else:
+            raise InputFileError(f"routing_trace: {path!r} must end in .json, .npy or .npz")
+    except InputFileError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - malformed user file
+        raise InputFileError(f"routing_trace: cannot read {path!r}: {exc}") from None
+    if arr.ndim == 3:
+        arr = arr.sum(axis=0)
+    if arr.ndim != 2:
+        raise InputFileError(f"routing_trace: {path!r} has shape {arr.shape}, expected "
+                             f"[layers, experts] or [steps, layers, experts]")
+    arr = arr[arr.sum(axis=1) > 0]
+    if arr.shape[0] == 0 or (arr < 0).any():
+        raise InputFileError(f"routing_trace: {path!r} has no non-negative non-zero layer")
+    return arr
+
+
+def trace_probs(trace: np.ndarray, num_layers: int, num_experts: int) -> np.ndarray:
+    """Map a trace [Lt, Et] onto the model: float64 [num_layers, num_experts] rows summing to 1."""
+    Lt, Et = trace.shape
+    rows = [trace[round(ml * (Lt - 1) / max(1, num_layers - 1))] for ml in range(num_layers)]
+    t = np.stack(rows)
+    if Et >= num_experts:
+        t = t[:, :num_experts]
+    else:
+        t = np.tile(t, (1, -(-num_experts // Et)))[:, :num_experts]
+    t = t + 1e-9 * t.sum(axis=1, keepdims=True) + 1e-12
+    return t / t.sum(axis=1, keepdims=True)
+
+
+class Router:
+    """Top-k router of one MoE layer. ``__call__(xn [T, H], keys int64 [T, 3]) ->
+    (topk_ids int64 [T, k], topk_weights [T, k] in x's dtype)``; keys = (req_id, position,
+    token id), used only by trace mode."""
+
+    def __init__(self, cfg: Config, moe_layer: int, gate: torch.Tensor, bias: torch.Tensor,
+                 probs: np.ndarray | None = None):
+        self.k = cfg.model.num_experts_per_tok
+        self.num_experts = cfg.model.num_experts
+        self.scoring = cfg.model.scoring_func
+        self.mode = cfg.model.routing_mode
+        self.gate, self.bias = gate, bias
+        self.seed = int(cfg.model.seed) * 131 + moe_layer
+        self.log_probs = None if probs is None else np.log(probs)
+
+    def __call__(self, xn: torch.Tensor, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.mode == "trace":
+            return self._trace(xn, keys)
+        logits = xn @ self.gate.t()
+        if self.scoring == "sigmoid":
+            scores = torch.sigmoid(logits)
+            ids = torch.topk(scores + self.bias, self.k, dim=-1).indices
+            w = scores.gather(1, ids)
+            w = w / w.sum(dim=-1, keepdim=True)
+        else:
+            scores = torch.softmax(logits, dim=-1)
+            w, ids = torch.topk(scores, self.k, dim=-1)
+        return ids, w
+
+    def _trace(self, xn: torch.Tensor, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        T = xn.shape[0]
+        kk = keys.cpu().numpy().astype(np.uint64)
+        with np.errstate(over="ignore"):
+            h = _splitmix64(np.full(T, self.seed, dtype=np.uint64))
+            for c in range(kk.shape[1]):
+                h = _splitmix64(h ^ kk[:, c])
+        u = hashed_uniform(h, self.num_experts)
+        score = self.log_probs[None, :] - np.log(-np.log(u))
+        ids = np.argsort(-score, axis=1, kind="stable")[:, : self.k]
+        w = torch.full((T, self.k), 1.0 / self.k, dtype=xn.dtype, device=xn.device)
+        return torch.as_tensor(ids, dtype=torch.int64, device=xn.device), w
