@@ -1,0 +1,399 @@
+"""Broadcast ring over a :class:`~xllm_eplb.ipc.shm.Segment` (the mechanism under
+:mod:`xllm_eplb.ipc.ring`): one producer, N readers, every reader reads every frame, in order.
+
+Payload layout (little endian, inside the segment payload)::
+
+    [0, 64)          ring header: b"RNG1", ring version u32, slots u32, frame_bytes u32,
+                     num_readers u32, flags u32 (1 = checksums on), write_seq u64,
+                     producer pid u64, producer start time u64
+    [64, 64+32*N)    per reader: read_seq u64, pid u64, start u64, pad u64
+    frames_off ...   ``slots`` frames of ``frame_bytes``: 32-byte frame header
+                     (b"FRM1", body_len u32, seq u64, body checksum u32, checksum kind u32,
+                     crc32 of the previous 24 header bytes u32, pad) + msgpack body.
+                     The header is always checked; the body checksum only on rings created
+                     with ``checksum=True`` (kind 1 = crc32 below 16 KiB, 2 = u64 word sum,
+                     :mod:`xllm_eplb.ipc.checksum`; 0 = none). Without it a corrupted body is
+                     still rejected when it stops being a valid message of this run/schema.
+
+Synchronisation (no busy spinning): per reader ``i`` two named POSIX semaphores,
+``<ring>_d<i>`` (frames ready for ``i``, starts 0) and ``<ring>_s<i>`` (free slots for ``i``,
+starts ``slots``). ``put`` takes one "space" from every reader (back-pressure: it blocks, with a
+timeout, while the slowest reader is a full ring behind), writes the frame, then posts every
+reader's "data". ``get`` waits on its "data", copies the frame out, posts its "space".
+All waits are sliced (``poll_interval`` s); between slices the peer's pid + start time
+registered in the header is checked, so a dead peer raises :class:`PeerDeadError` within one
+slice instead of blocking forever; a timeout raises :class:`RingTimeoutError` naming the ring.
+
+A frame that fails its magic / length / sequence / checksum check, or whose body the ``decode``
+callable rejects with :class:`MessageError`, is logged (``shm ring bad frame ring=...``) and
+skipped; the reader keeps going.
+
+NOTE: the ring's *owner* (``Ring.create``) creates the semaphores and unlinks them on close;
+creation and attach happen under the generation lock, so an attacher sees all or nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import struct
+import time
+import zlib
+from typing import Callable
+
+import posix_ipc
+
+from xllm_eplb.errors import LayoutError
+from xllm_eplb.ipc.checksum import NONE, algo_for, checksum
+from xllm_eplb.ipc.errors import (
+    FrameTooLargeError,
+    MessageError,
+    PeerDeadError,
+    RingTimeoutError,
+    SegmentBusyError,
+    SegmentMissingError,
+)
+from xllm_eplb.ipc.liveness import CLOSED, peer_gone, self_identity
+from xllm_eplb.ipc.shm import HEADER_SIZE, Segment, generation_lock
+
+log = logging.getLogger(__name__)
+
+RING_MAGIC = b"RNG1"
+RING_VERSION = 1
+FRAME_MAGIC = b"FRM1"
+_RHDR = struct.Struct("<4sIIIIIQQQ")   # 48 bytes, padded to 64
+_READER = struct.Struct("<QQQQ")       # 32 bytes per reader
+_FHDR = struct.Struct("<4sIQII")       # 24 bytes, then their crc32 (u32), padded to 32
+_HCRC = 24
+RING_HEADER = 64
+FRAME_HEADER = 32
+_U64 = struct.Struct("<Q")
+_U32 = struct.Struct("<I")
+_UNSET = object()
+_WSEQ = 24                             # offsets inside the ring header
+FLAG_CHECKSUM = 1                      # ring header flags: frames carry a body checksum
+_PROD = 32
+POLL_INTERVAL = 0.2
+
+
+def _align64(n: int) -> int:
+    return (n + 63) // 64 * 64
+
+
+def ring_payload_size(num_readers: int, slots: int, frame_bytes: int) -> int:
+    """Segment payload bytes for a ring of these dimensions."""
+    return _frames_off(num_readers) + slots * frame_bytes
+
+
+def _frames_off(num_readers: int) -> int:
+    return _align64(RING_HEADER + _READER.size * num_readers)
+
+
+def sem_names(name: str, num_readers: int) -> list[str]:
+    """Semaphore names of ring ``name``: ``[d0, s0, d1, s1, ...]``."""
+    return [f"{name}_{k}{i}" for i in range(num_readers) for k in ("d", "s")]
+
+
+class Ring:
+    """A single-producer, N-reader broadcast ring (see module docstring).
+
+    Roles: :meth:`create` makes the owner; :meth:`claim_producer` / :meth:`claim_reader` register
+    this process (pid + start time) in the header for the peer's liveness checks.
+    """
+
+    def __init__(self, seg: Segment, slots: int, frame_bytes: int, num_readers: int,
+                 sems: list, owner: bool, flags: int = 0):
+        self.seg = seg
+        self.name = seg.name
+        self.slots, self.frame_bytes, self.num_readers = slots, frame_bytes, num_readers
+        self._data = sems[0::2]
+        self._space = sems[1::2]
+        self.owner = owner
+        self.poll_interval = POLL_INTERVAL
+        self._frames = _frames_off(num_readers)
+        self._frames_abs = HEADER_SIZE + self._frames   # offsets into seg.mm (header included)
+        self._rseq_abs = 0
+        self.checksum = bool(flags & FLAG_CHECKSUM)
+        self.reader_index: int | None = None
+        self.is_producer = False
+        self._seq = 0
+        self.closed = False
+
+    # ------------------------------------------------------------ create / attach
+    @classmethod
+    def create(cls, name: str, num_readers: int, slots: int, frame_bytes: int,
+               checksum: bool = False) -> "Ring":
+        """Create (or reclaim a stale) ring; raises SegmentBusyError if live holders exist.
+
+        ``checksum``: frames carry a body checksum, checked by readers (recorded in the
+        ring header, so every end agrees)."""
+        flags = FLAG_CHECKSUM if checksum else 0
+        if num_readers < 1 or slots < 2 or frame_bytes < FRAME_HEADER + 32:
+            raise ValueError(f"ring {name}: num_readers={num_readers} (>=1), slots={slots} (>=2), "
+                             f"frame_bytes={frame_bytes} (>= {FRAME_HEADER + 32}) out of range")
+        size = ring_payload_size(num_readers, slots, frame_bytes)
+        with generation_lock():
+            seg = Segment.open_locked(name, size, mode="create")
+            try:
+                seg.write(0, _RHDR.pack(RING_MAGIC, RING_VERSION, slots, frame_bytes,
+                                        num_readers, flags, 0, 0, 0))
+                sems = []
+                for i, sname in enumerate(sem_names(name, num_readers)):
+                    with contextlib.suppress(posix_ipc.ExistentialError):
+                        posix_ipc.unlink_semaphore(sname)  # leftover of a killed run
+                    sems.append(posix_ipc.Semaphore(sname, posix_ipc.O_CREX, mode=0o600,
+                                                    initial_value=0 if i % 2 == 0 else slots))
+            except BaseException:
+                for sname in sem_names(name, num_readers):
+                    with contextlib.suppress(posix_ipc.ExistentialError):
+                        posix_ipc.unlink_semaphore(sname)
+                seg.close_locked()
+                raise
+        log.debug("shm ring create ring=%s readers=%d slots=%d frame_bytes=%d generation=%d",
+                  name, num_readers, slots, frame_bytes, seg.generation)
+        return cls(seg, slots, frame_bytes, num_readers, sems, owner=True, flags=flags)
+
+    @classmethod
+    def attach(cls, name: str, *, num_readers: int | None = None, slots: int | None = None,
+               frame_bytes: int | None = None, timeout: float = 0.0) -> "Ring":
+        """Attach to a live ring; dimensions given are checked (LayoutError on mismatch).
+
+        ``timeout``: keep retrying this long while the ring does not exist yet.
+        """
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                return cls._attach_once(name, num_readers, slots, frame_bytes)
+            except SegmentMissingError:
+                if time.monotonic() >= deadline:
+                    raise
+                time.sleep(0.05)
+
+    @classmethod
+    def _attach_once(cls, name, num_readers, slots, frame_bytes) -> "Ring":
+        with generation_lock():
+            seg = Segment.open_locked(name, None, mode="attach")
+            sems = []
+            try:
+                dims = cls._check_ring_header(seg, num_readers, slots, frame_bytes)
+                for sname in sem_names(name, dims[2]):
+                    try:
+                        sems.append(posix_ipc.Semaphore(sname))
+                    except posix_ipc.ExistentialError:
+                        raise SegmentMissingError(f"ring {name}: semaphore {sname} is missing "
+                                                  "(owner closed the ring)") from None
+            except BaseException:
+                for sem in sems:
+                    sem.close()
+                seg.close_locked()
+                raise
+        return cls(seg, *dims[:3], sems, owner=False, flags=dims[3])
+
+    @staticmethod
+    def _check_ring_header(seg, num_readers, slots, frame_bytes) -> tuple[int, int, int, int]:
+        if seg.payload_size < RING_HEADER:
+            raise LayoutError(f"ring {seg.name}: payload {seg.payload_size} < ring header")
+        magic, ver, s, fb, n, flags, _, _, _ = _RHDR.unpack(seg.read(0, _RHDR.size))
+        problems = []
+        if magic != RING_MAGIC or ver != RING_VERSION:
+            problems.append(f"ring magic/version {magic!r}/{ver} != {RING_MAGIC!r}/{RING_VERSION}")
+        for what, want, got in (("num_readers", num_readers, n), ("slots", slots, s),
+                                ("frame_bytes", frame_bytes, fb)):
+            if want is not None and want != got:
+                problems.append(f"{what} {got} != expected {want}")
+        if not problems and ring_payload_size(n, s, fb) != seg.payload_size:
+            problems.append(f"payload {seg.payload_size} != size implied by header")
+        if problems:
+            raise LayoutError(f"ring {seg.name}: {'; '.join(problems)}. Stop old xllm-eplb "
+                              "processes, check the shm_* settings match, run `xllm-eplb shm clean`")
+        return s, fb, n, flags
+
+    # ------------------------------------------------------------ roles
+    def claim_producer(self) -> "Ring":
+        """Register this process as the producer (refused while another live one holds it)."""
+        with generation_lock():
+            self._claim(_PROD, "producer")
+        self.is_producer = True
+        self._seq = _U64.unpack(self.seg.read(_WSEQ, 8))[0]
+        return self
+
+    def claim_reader(self, index: int) -> "Ring":
+        """Register this process as reader ``index``; it resumes at that reader's position."""
+        if not 0 <= index < self.num_readers:
+            raise ValueError(f"ring {self.name}: reader index {index} not in [0, {self.num_readers})")
+        off = RING_HEADER + _READER.size * index
+        with generation_lock():
+            self._claim(off + 8, f"reader {index}")
+        self._seq = _U64.unpack(self.seg.read(off, 8))[0]
+        self.reader_index = index
+        self._rseq_abs = HEADER_SIZE + off
+        return self
+
+    def _claim(self, off: int, role: str) -> None:
+        old_pid, old_start = struct.unpack("<QQ", self.seg.read(off, 16))
+        pid, start = self_identity()
+        if old_pid != 0 and not peer_gone(old_pid, old_start):
+            raise SegmentBusyError(f"ring {self.name}: {role} is already attached by live pid "
+                                   f"{old_pid}")
+        self.seg.write(off, struct.pack("<QQ", pid, start))
+
+    # ------------------------------------------------------------ waits
+    def _wait(self, sem, deadline: float | None, what: str, peer: Callable[[], str | None]):
+        """Acquire ``sem`` before ``deadline`` (monotonic s), checking ``peer()`` each slice.
+
+        A first non-blocking try means ``timeout=0`` polls once."""
+        while True:
+            if sem.value > 0:
+                sem.acquire(0)
+                return
+            if deadline is None:
+                slice_s = self.poll_interval
+            else:
+                slice_s = min(self.poll_interval, deadline - time.monotonic())
+                if slice_s <= 0:
+                    raise RingTimeoutError(f"ring {self.name}: timed out waiting for {what}")
+            try:
+                sem.acquire(slice_s)
+                return
+            except posix_ipc.BusyError:
+                pass
+            except posix_ipc.SignalError:
+                continue
+            dead = peer()
+            if dead:
+                raise PeerDeadError(f"ring {self.name}: {dead} while waiting for {what}")
+
+    def _reader_gone(self, i: int) -> str | None:
+        _, pid, start, _ = _READER.unpack(self.seg.read(RING_HEADER + _READER.size * i, 32))
+        return f"reader {i} (pid {pid}) is gone" if peer_gone(pid, start) else None
+
+    def _producer_gone(self) -> str | None:
+        pid, start = struct.unpack("<QQ", self.seg.read(_PROD, 16))
+        return f"producer (pid {pid}) is gone" if peer_gone(pid, start) else None
+
+    # ------------------------------------------------------------ put / get
+    @property
+    def capacity(self) -> int:
+        """Largest body (bytes) one frame can carry."""
+        return self.frame_bytes - FRAME_HEADER
+
+    def put_bytes(self, body: bytes, timeout: float | None = None) -> int:
+        """Publish ``body`` to every reader; returns its sequence number."""
+        if not self.is_producer:
+            raise RuntimeError(f"ring {self.name}: put by a process that is not its producer")
+        n = len(body)
+        if n > self.capacity:
+            raise FrameTooLargeError(
+                f"ring {self.name}: message of {n} bytes exceeds the slot capacity of "
+                f"{self.capacity} bytes (frame_bytes {self.frame_bytes} - {FRAME_HEADER}); "
+                "raise shm_input_frame_bytes / shm_output_frame_bytes")
+        deadline = _UNSET                    # computed at the first wait (fast path: never)
+        taken = 0
+        try:
+            for sem in self._space:
+                if sem.value > 0:            # fast path (this process is the only taker)
+                    sem.acquire(0)
+                else:
+                    if deadline is _UNSET:
+                        deadline = None if timeout is None else time.monotonic() + timeout
+                    self._wait(sem, deadline, f"reader {taken} to free a slot",
+                               functools.partial(self._reader_gone, taken))
+                taken += 1
+        except BaseException:
+            for sem in self._space[:taken]:
+                sem.release()
+            raise
+        seq = self._seq
+        mm, off = self.seg.mm, self._frames_abs + (seq % self.slots) * self.frame_bytes
+        algo = algo_for(n) if self.checksum else NONE
+        _FHDR.pack_into(mm, off, FRAME_MAGIC, n, seq, checksum(body, algo) if algo else 0, algo)
+        _U32.pack_into(mm, off + _HCRC, zlib.crc32(mm[off:off + _HCRC]))
+        mm[off + FRAME_HEADER:off + FRAME_HEADER + n] = body
+        self._seq = seq + 1
+        _U64.pack_into(mm, HEADER_SIZE + _WSEQ, self._seq)
+        for d in self._data:
+            d.release()
+        return seq
+
+    def get_bytes(self, timeout: float | None = None,
+                  decode: Callable[[bytes], object] | None = None):
+        """Next valid frame body (or ``decode(body)``); bad frames are logged and skipped."""
+        r = self.reader_index
+        if r is None:
+            raise RuntimeError(f"ring {self.name}: get by a process that is not a reader")
+        deadline = _UNSET
+        data, space = self._data[r], self._space[r]
+        while True:
+            if data.value > 0:               # fast path (this reader is the only taker)
+                data.acquire(0)
+            else:
+                if deadline is _UNSET:
+                    deadline = None if timeout is None else time.monotonic() + timeout
+                self._wait(data, deadline, "a frame", self._producer_gone)
+            seq = self._seq
+            body, why = self._read_frame(seq)
+            self._seq = seq + 1
+            _U64.pack_into(self.seg.mm, self._rseq_abs, self._seq)
+            space.release()
+            if why is None:
+                if decode is None:
+                    return body
+                try:
+                    return decode(body)
+                except MessageError as e:
+                    why = str(e)
+            log.error("shm ring bad frame ring=%s reader=%d seq=%d reason=%s",
+                      self.name, r, seq, why)
+
+    def _read_frame(self, seq: int) -> tuple[bytes | None, str | None]:
+        mm, off = self.seg.mm, self._frames_abs + (seq % self.slots) * self.frame_bytes
+        if zlib.crc32(mm[off:off + _HCRC]) != _U32.unpack_from(mm, off + _HCRC)[0]:
+            return None, "frame header crc mismatch"
+        magic, n, fseq, csum, algo = _FHDR.unpack_from(mm, off)
+        if magic != FRAME_MAGIC:
+            return None, f"frame magic {magic!r} != {FRAME_MAGIC!r}"
+        if fseq != seq:
+            return None, f"frame seq {fseq} != expected {seq}"
+        if n > self.capacity:
+            return None, f"frame length {n} > capacity {self.capacity}"
+        body = mm[off + FRAME_HEADER:off + FRAME_HEADER + n]
+        if self.checksum:
+            if algo != algo_for(n):
+                return None, f"checksum kind {algo} != {algo_for(n)} for {n} bytes"
+            if checksum(body, algo) != csum:
+                return None, f"checksum mismatch on {n} bytes (kind {algo})"
+        return body, None
+
+    def pending(self) -> int:
+        """Frames written but not yet read by this reader (from the header; diagnostic)."""
+        wseq = struct.unpack("<Q", self.seg.read(_WSEQ, 8))[0]
+        return wseq - self._seq
+
+    # ------------------------------------------------------------ close
+    def close(self) -> None:
+        """Mark this end closed, close the semaphores (owner: unlink them), unmap."""
+        if self.closed:
+            return
+        self.closed = True
+        with contextlib.suppress(Exception):
+            if self.is_producer:
+                self.seg.write(_PROD + 8, struct.pack("<Q", CLOSED))
+            if self.reader_index is not None:
+                off = RING_HEADER + _READER.size * self.reader_index
+                self.seg.write(off + 16, struct.pack("<Q", CLOSED))
+        with generation_lock():
+            if self.owner:
+                for sname in sem_names(self.name, self.num_readers):
+                    with contextlib.suppress(posix_ipc.ExistentialError):
+                        posix_ipc.unlink_semaphore(sname)
+            for s in self._data + self._space:
+                with contextlib.suppress(Exception):
+                    s.close()
+            self.seg.close_locked()
+
+    def __enter__(self) -> "Ring":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,172 @@
+"""Forward-step messages engine <-> workers and their msgpack wire schema (version 1).
+
+Body = msgpack map ``{"v": SCHEMA_VERSION, "run": run_id, "k": "in" | "out", ...fields}``.
+:func:`encode` / :func:`decode` are the only entry points; :func:`decode` raises
+:class:`MessageError` (never anything else) for a body that is not msgpack, has another schema
+version, another run id, an unexpected kind or malformed fields.
+
+``ForwardInput`` (engine -> every worker, one per step)::
+
+    step: int                      engine step counter
+    batches: list[RankBatch]       one per DP rank (= worker), possibly empty
+    eplb_info: EplbInfo            the step's control message
+    warmup: bool, graph: bool      step flags
+    shutdown: bool                 last message: workers exit their loop
+
+``ForwardOutput`` (worker -> engine, one per step and rank)::
+
+    step, rank: int
+    counters: np.ndarray [L, S] int64   per-MoE-layer prefix-sum dispatch counters
+                                        (raw int64 bytes + shape on the wire)
+    prepared_token, activation_token: int   (-1 = none)
+    sampled: dict[int, int]             req_id -> sampled token id
+    timings: dict[str, float]           seconds
+    heartbeat: dict                     e.g. {"ts": time.monotonic(), "executor": {...}}
+                                        (msgpack-safe values only)
+    error: str | None                   worker-side failure of this step
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import msgpack
+import numpy as np
+
+from xllm_eplb.eplb.info import NO_TOKEN, EplbInfo
+from xllm_eplb.ipc.errors import MessageError
+from xllm_eplb.model.batch import RankBatch
+
+SCHEMA_VERSION = 1
+KIND_INPUT = "in"
+KIND_OUTPUT = "out"
+
+
+@dataclass
+class ForwardInput:
+    step: int
+    batches: list[RankBatch] = field(default_factory=list)
+    eplb_info: EplbInfo = field(default_factory=EplbInfo)
+    warmup: bool = False
+    graph: bool = False
+    shutdown: bool = False
+
+    @classmethod
+    def make_shutdown(cls, step: int = -1) -> "ForwardInput":
+        return cls(step=step, shutdown=True)
+
+    def to_dict(self) -> dict:
+        return {"step": int(self.step), "batches": [b.to_dict() for b in self.batches],
+                "eplb": self.eplb_info.to_dict(), "warmup": bool(self.warmup),
+                "graph": bool(self.graph), "shutdown": bool(self.shutdown)}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ForwardInput":
+        return cls(step=_int(d, "step"),
+                   batches=[RankBatch.from_dict(b) for b in _typed(d, "batches", list)],
+                   eplb_info=EplbInfo.from_dict(_typed(d, "eplb", dict)),
+                   warmup=_typed(d, "warmup", bool), graph=_typed(d, "graph", bool),
+                   shutdown=_typed(d, "shutdown", bool))
+
+
+@dataclass
+class ForwardOutput:
+    step: int
+    rank: int
+    counters: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), dtype=np.int64))
+    prepared_token: int = NO_TOKEN
+    activation_token: int = NO_TOKEN
+    sampled: dict[int, int] = field(default_factory=dict)
+    timings: dict[str, float] = field(default_factory=dict)
+    heartbeat: dict = field(default_factory=dict)
+    error: str | None = None
+
+    def to_dict(self) -> dict:
+        c = np.ascontiguousarray(self.counters, dtype=np.int64)
+        if c.ndim != 2:
+            raise ValueError(f"ForwardOutput.counters: shape {c.shape} must be [layers, slots]")
+        return {"step": int(self.step), "rank": int(self.rank),
+                "counters": c.tobytes(), "cshape": [int(c.shape[0]), int(c.shape[1])],
+                "prepared": int(self.prepared_token), "activation": int(self.activation_token),
+                "sampled": [[int(k), int(v)] for k, v in self.sampled.items()],
+                "timings": {str(k): float(v) for k, v in self.timings.items()},
+                "heartbeat": dict(self.heartbeat), "error": self.error}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ForwardOutput":
+        raw = _typed(d, "counters", bytes)
+        shape = _typed(d, "cshape", list)
+        if len(shape) != 2 or not all(isinstance(x, int) and x >= 0 for x in shape):
+            raise MessageError(f"field cshape={shape!r}: must be [layers, slots] >= 0")
+        if len(raw) != shape[0] * shape[1] * 8:
+            raise MessageError(f"field counters: {len(raw)} bytes != {shape[0]}*{shape[1]}*8")
+        err = d.get("error")
+        if err is not None and not isinstance(err, str):
+            raise MessageError(f"field error={err!r}: must be a string or nil")
+        return cls(step=_int(d, "step"), rank=_int(d, "rank"),
+                   counters=np.frombuffer(raw, dtype=np.int64).reshape(shape).copy(),
+                   prepared_token=_int(d, "prepared"), activation_token=_int(d, "activation"),
+                   sampled={int(k): int(v) for k, v in _typed(d, "sampled", list)},
+                   timings={str(k): float(v) for k, v in _typed(d, "timings", dict).items()},
+                   heartbeat=_typed(d, "heartbeat", dict), error=err)
+
+
+def _typed(d: dict, key: str, typ: type):
+    if key not in d:
+        raise MessageError(f"field {key!r} missing")
+    v = d[key]
+    if not isinstance(v, typ):
+        raise MessageError(f"field {key}={v!r:.60}: must be {typ.__name__}")
+    return v
+
+
+def _int(d: dict, key: str) -> int:
+    v = _typed(d, key, int)
+    if isinstance(v, bool):
+        raise MessageError(f"field {key}={v!r}: must be int")
+    return v
+
+
+def encode(msg: ForwardInput | ForwardOutput, run_id: str) -> bytes:
+    """msgpack body of ``msg`` tagged with the schema version and ``run_id``."""
+    if isinstance(msg, ForwardInput):
+        kind = KIND_INPUT
+    elif isinstance(msg, ForwardOutput):
+        kind = KIND_OUTPUT
+    else:
+        raise TypeError(f"cannot encode {type(msg).__name__}: expected ForwardInput/Output")
+    body = msg.to_dict()
+    body.update({"v": SCHEMA_VERSION, "run": run_id, "k": kind})
+    try:
+        return msgpack.packb(body, use_bin_type=True)
+    except (TypeError, ValueError, OverflowError) as e:
+        raise TypeError(f"{type(msg).__name__} step={msg.step}: a field is not msgpack-safe "
+                        f"(plain int/float/str/bytes/list/dict only, e.g. in heartbeat): {e}"
+                        ) from None
+
+
+def decode(body: bytes, run_id: str, kind: str | None = None) -> ForwardInput | ForwardOutput:
+    """Parse a body; ``kind`` (``"in"``/``"out"``) restricts the accepted message type.
+
+    Raises :class:`MessageError` naming the problem for any bad body.
+    """
+    try:
+        d = msgpack.unpackb(body, raw=False, strict_map_key=False)
+    except Exception as e:  # msgpack raises several unrelated types on garbage
+        raise MessageError(f"body of {len(body)} bytes is not msgpack: {e!r:.80}") from None
+    if not isinstance(d, dict):
+        raise MessageError(f"body is a {type(d).__name__}, expected a map")
+    v = d.get("v")
+    if v != SCHEMA_VERSION:
+        raise MessageError(f"schema version {v!r:.20} != {SCHEMA_VERSION} (mixed builds?)")
+    if d.get("run") != run_id:
+        raise MessageError(f"message of run {d.get('run')!r:.50} != this run {run_id!r}")
+    k = d.get("k")
+    if k not in (KIND_INPUT, KIND_OUTPUT) or (kind is not None and k != kind):
+        raise MessageError(f"message kind {k!r:.20} unexpected (want {kind or 'in/out'})")
+    try:
+        return ForwardInput.from_dict(d) if k == KIND_INPUT else ForwardOutput.from_dict(d)
+    except MessageError:
+        raise
+    except Exception as e:  # malformed nested fields (RankBatch, EplbInfo, ...)
+        raise MessageError(f"malformed {k} message: {e!r:.120}") from None

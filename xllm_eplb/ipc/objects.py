@@ -1,0 +1,140 @@
+"""Find and remove this project's OS objects (``xllm-eplb shm ls`` / ``shm clean``).
+
+Only names starting with ``xllm_eplb_`` are considered: segments ``/dev/shm/xllm_eplb_<run>_*``
+and named semaphores ``/dev/shm/sem.xllm_eplb_<run>_*``. The generation lock object
+``/dev/shm/xllm_eplb_generation_lock`` is not listed: it exists only while a process holds or
+waits for it, and its holder unlinks it on release.
+
+Rules for ``clean`` (all under the generation lock):
+
+* a segment is removed when no process holds it (``flock(LOCK_EX|LOCK_NB)`` succeeds);
+* a semaphore is removed when no segment of its run is held (semaphores are used only
+  together with their ring's segment, whose users all hold it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import logging
+import os
+from dataclasses import dataclass, field
+
+import posix_ipc
+
+from xllm_eplb.ipc.shm import (
+    HEADER_SIZE,
+    LOCK_NAME,
+    MAGIC,
+    PROJECT_PREFIX,
+    SHM_DIR,
+    generation_lock,
+    holder_pids,
+    run_prefix,
+    unpack_header,
+)
+
+log = logging.getLogger(__name__)
+SEM_PREFIX = "sem."
+
+
+@dataclass
+class ShmObject:
+    """One project object as seen in /dev/shm."""
+
+    name: str                 # POSIX name with leading slash
+    kind: str                 # "segment" | "semaphore"
+    run_id: str
+    size: int
+    generation: int | None = None   # segments with a valid header
+    holders: list[int] = field(default_factory=list)   # pids holding an flock
+    held: bool = False
+
+
+def _run_of(bare: str) -> str:
+    """``xllm_eplb_<run>_<what>`` -> ``<run>``."""
+    return bare[len(PROJECT_PREFIX):].split("_", 1)[0]
+
+
+def _probe_segment(path: str) -> tuple[int | None, bool]:
+    """(generation or None, held?) of a segment file without changing it."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        raw = os.pread(fd, HEADER_SIZE, 0)
+        gen = None
+        if len(raw) == HEADER_SIZE and raw[:8] == MAGIC:
+            gen = unpack_header(raw)[4]
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            held = False
+        except BlockingIOError:
+            held = True
+        return gen, held
+    finally:
+        os.close(fd)   # drops the probe lock
+
+
+def list_objects(run_id: str | None = None) -> list[ShmObject]:
+    """Every project object (optionally of one run), sorted by run and name.
+
+    Probing a segment takes ``flock(LOCK_EX|LOCK_NB)`` for an instant, so it is done under the
+    generation lock (an opener or closer must never see the probe as a live holder).
+    """
+    with generation_lock():
+        return _list_locked(run_id)
+
+
+def _list_locked(run_id: str | None) -> list[ShmObject]:
+    want = run_prefix(run_id) if run_id else PROJECT_PREFIX
+    lock_bare = LOCK_NAME.lstrip("/")
+    out = []
+    try:
+        entries = sorted(os.listdir(SHM_DIR))
+    except FileNotFoundError:
+        return []
+    for entry in entries:
+        path = os.path.join(SHM_DIR, entry)
+        try:
+            if entry == lock_bare:
+                continue   # exists only while held (or after a holder was killed): self-cleaning
+            if entry.startswith(want):
+                gen, held = _probe_segment(path)
+                out.append(ShmObject("/" + entry, "segment", _run_of(entry),
+                                     os.stat(path).st_size, gen, holder_pids("/" + entry), held))
+            elif entry.startswith(SEM_PREFIX + want):
+                bare = entry[len(SEM_PREFIX):]
+                out.append(ShmObject("/" + bare, "semaphore", _run_of(bare),
+                                     os.stat(path).st_size))
+        except FileNotFoundError:
+            continue   # removed while listing
+    return sorted(out, key=lambda o: (o.run_id, o.name))
+
+
+def clean(run_id: str | None = None, *, force: bool = False) -> list[ShmObject]:
+    """Remove unheld project objects (of one run when given); returns what was removed.
+
+    ``force=True`` (tests, a launcher after killing its whole run) removes held ones too.
+    The generation lock object needs no cleaning: its holder unlinks it on release.
+    """
+    removed = []
+    with generation_lock():
+        objs = _list_locked(run_id)
+        live_runs = set() if force else {o.run_id for o in objs
+                                         if o.kind == "segment" and o.held}
+        for o in objs:
+            if o.kind == "segment" and (force or not o.held):
+                if _unlink(posix_ipc.unlink_shared_memory, o.name):
+                    removed.append(o)
+            elif o.kind == "semaphore" and o.run_id not in live_runs:
+                if _unlink(posix_ipc.unlink_semaphore, o.name):
+                    removed.append(o)
+    for o in removed:
+        log.info("shm clean removed name=%s kind=%s run=%s", o.name, o.kind, o.run_id)
+    return removed
+
+
+def _unlink(fn, name: str) -> bool:
+    with contextlib.suppress(posix_ipc.ExistentialError):
+        fn(name)
+        return True
+    return False

@@ -1,0 +1,178 @@
+"""Forward rings engine <-> workers (spec section 12), built on :class:`~xllm_eplb.ipc.broadcast.Ring`.
+
+Objects of run ``R`` (names from :func:`~xllm_eplb.ipc.shm.object_name`)::
+
+    /xllm_eplb_R_in           InputRing: engine -> all workers (every worker reads every message)
+    /xllm_eplb_R_in_d<i>, _s<i>   its semaphores, one pair per worker i
+    /xllm_eplb_R_out<r>       OutputRing of worker r: worker r -> engine
+    /xllm_eplb_R_out<r>_d0, _s0
+
+Typical use::
+
+    # engine (owner: creates rings and semaphores, unlinks them on close)
+    inp = InputRing.create(run_id, num_readers=N, slots=8, frame_bytes=1 << 20)   # producer
+    outs = [OutputRing.create(run_id, r, slots=8, frame_bytes=256 << 10) for r in range(N)]
+    inp.put(ForwardInput(step, batches, info), timeout=60)
+    outputs = [o.get(timeout=60) for o in outs]
+    # worker r
+    inp = InputRing.attach(run_id, reader_index=r, timeout=30)
+    out = OutputRing.attach(run_id, r, timeout=30)                                  # producer
+    msg = inp.get(timeout=None); out.put(ForwardOutput(...), timeout=60)
+
+When a launcher owns the objects instead, it calls ``create(..., producer=False)`` /
+``create(..., reader=False)`` and the engine attaches with ``InputRing.attach(run_id,
+producer=True)`` / ``OutputRing.attach(run_id, r, reader=True)``.
+
+Errors: ``RingTimeoutError`` (a ``TimeoutError``) and ``PeerDeadError`` name the ring;
+``FrameTooLargeError`` when an encoded message exceeds a slot; ``LayoutError`` on a dimension or
+layout mismatch. A frame with a bad header (or body checksum, on rings created with
+``checksum=True``), a body that is not a valid message, an unknown schema version or another
+run id is logged and skipped by the reader (``get`` keeps waiting for the next one).
+"""
+
+from __future__ import annotations
+
+import functools
+
+from xllm_eplb.ipc.broadcast import Ring
+from xllm_eplb.ipc.messages import KIND_INPUT, KIND_OUTPUT, ForwardInput, ForwardOutput
+from xllm_eplb.ipc.messages import decode as _decode
+from xllm_eplb.ipc.messages import encode as _encode
+from xllm_eplb.ipc.shm import object_name, validate_run_id
+
+DEFAULT_SLOTS = 8
+DEFAULT_INPUT_FRAME_BYTES = 1 << 20
+DEFAULT_OUTPUT_FRAME_BYTES = 256 << 10
+
+
+def input_ring_name(run_id: str) -> str:
+    return object_name(run_id, "in")
+
+
+def output_ring_name(run_id: str, rank: int) -> str:
+    return object_name(run_id, f"out{int(rank)}")
+
+
+class _MessageRing:
+    """A :class:`Ring` that carries one message kind of one run."""
+
+    _kind = ""
+
+    def __init__(self, ring: Ring, run_id: str):
+        self.ring = ring
+        self.run_id = run_id
+        self._decoder = functools.partial(_decode, run_id=run_id, kind=self._kind)
+
+    @property
+    def name(self) -> str:
+        return self.ring.name
+
+    @property
+    def generation(self) -> int:
+        return self.ring.seg.generation
+
+    def put(self, msg, timeout: float | None = None) -> int:
+        """Encode and publish ``msg``; blocks (up to ``timeout`` s, None = forever) on a full
+        ring. Returns the frame sequence number."""
+        return self.ring.put_bytes(_encode(msg, self.run_id), timeout)
+
+    def get(self, timeout: float | None = None):
+        """Next valid message (bad frames are logged and skipped)."""
+        return self.ring.get_bytes(timeout, decode=self._decoder)
+
+    def close(self) -> None:
+        self.ring.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class InputRing(_MessageRing):
+    """Engine -> workers: one producer, ``num_readers`` workers, each reads every ``ForwardInput``."""
+
+    _kind = KIND_INPUT
+
+    @classmethod
+    def create(cls, run_id: str, num_readers: int, slots: int = DEFAULT_SLOTS,
+               frame_bytes: int = DEFAULT_INPUT_FRAME_BYTES, *, producer: bool = True,
+               checksum: bool = False) -> "InputRing":
+        """Engine (or launcher with ``producer=False``); ``checksum=True`` adds a body
+        checksum to every frame (costs ~1 us per 4 KiB per reader; see broadcast.py)."""
+        ring = Ring.create(input_ring_name(validate_run_id(run_id)), num_readers, slots,
+                           frame_bytes, checksum)
+        if producer:
+            ring.claim_producer()
+        return cls(ring, run_id)
+
+    @classmethod
+    def attach(cls, run_id: str, reader_index: int | None = None, *, producer: bool = False,
+               num_readers: int | None = None, slots: int | None = None,
+               frame_bytes: int | None = None, timeout: float = 0.0) -> "InputRing":
+        """Worker: ``reader_index=r``; an engine that did not create the ring: ``producer=True``.
+        Dimensions given are checked against the ring (LayoutError on mismatch)."""
+        if (reader_index is None) == (not producer):
+            raise ValueError("InputRing.attach: give exactly one of reader_index / producer=True")
+        ring = Ring.attach(input_ring_name(validate_run_id(run_id)), num_readers=num_readers,
+                           slots=slots, frame_bytes=frame_bytes, timeout=timeout)
+        try:
+            ring.claim_producer() if producer else ring.claim_reader(reader_index)
+        except BaseException:
+            ring.close()
+            raise
+        return cls(ring, run_id)
+
+    def put(self, msg: ForwardInput, timeout: float | None = None) -> int:
+        if not isinstance(msg, ForwardInput):
+            raise TypeError(f"ring {self.name}: put expects ForwardInput, got {type(msg).__name__}")
+        return super().put(msg, timeout)
+
+    def get(self, timeout: float | None = None) -> ForwardInput:
+        return super().get(timeout)
+
+
+class OutputRing(_MessageRing):
+    """Worker ``rank`` -> engine: one producer (the worker), one reader (the engine)."""
+
+    _kind = KIND_OUTPUT
+
+    @classmethod
+    def create(cls, run_id: str, rank: int, slots: int = DEFAULT_SLOTS,
+               frame_bytes: int = DEFAULT_OUTPUT_FRAME_BYTES, *, reader: bool = True,
+               checksum: bool = False) -> "OutputRing":
+        """Engine (or launcher with ``reader=False``); ``checksum=True``: body checksums."""
+        ring = Ring.create(output_ring_name(validate_run_id(run_id), rank), 1, slots,
+                           frame_bytes, checksum)
+        if reader:
+            ring.claim_reader(0)
+        out = cls(ring, run_id)
+        out.rank = rank
+        return out
+
+    @classmethod
+    def attach(cls, run_id: str, rank: int, *, producer: bool = True, reader: bool = False,
+               slots: int | None = None, frame_bytes: int | None = None,
+               timeout: float = 0.0) -> "OutputRing":
+        """Worker: ``attach(run_id, rank)``; an engine that did not create it: ``reader=True``."""
+        if reader:
+            producer = False
+        ring = Ring.attach(output_ring_name(validate_run_id(run_id), rank), num_readers=1,
+                           slots=slots, frame_bytes=frame_bytes, timeout=timeout)
+        try:
+            ring.claim_producer() if producer else ring.claim_reader(0)
+        except BaseException:
+            ring.close()
+            raise
+        out = cls(ring, run_id)
+        out.rank = rank
+        return out
+
+    def put(self, msg: ForwardOutput, timeout: float | None = None) -> int:
+        if not isinstance(msg, ForwardOutput):
+            raise TypeError(f"ring {self.name}: put expects ForwardOutput, got {type(msg).__name__}")
+        return super().put(msg, timeout)
+
+    def get(self, timeout: float | None = None) -> ForwardOutput:
+        return super().get(timeout)
