@@ -1,0 +1,228 @@
+"""`EplbExecutor`: the worker side of one rebalance (xLLM's EplbExecutor, spec section 5).
+
+Per forward step, on the worker's main thread::
+
+    executor.before_forward(info)   # start P2P for info.update_layer_id; queue the prepare
+    model.forward_step(...)
+    executor.after_forward()        # wait P2P, activate in place; release a deferred prepare
+    token = executor.consume_ready_token()
+
+Prepares run on one background thread (host-only work). A prepare that arrives in the same
+step as an activation is deferred until that activation finishes, so it plans against the
+placement the activation leaves behind. The ready token holds the latest successful prepare
+and is read-and-cleared; a failed prepare is logged and never reported (the manager's timeout
+aborts the layer).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from xllm_eplb.eplb.info import NO_LAYER, NO_TOKEN, EplbInfo
+from xllm_eplb.obs.logs import event
+
+log = logging.getLogger(__name__)
+
+STAT_KEYS = ("prepares_ok", "prepares_failed", "activations", "last_prepare_ms",
+             "last_materialize_ms", "last_transfer_ms", "last_activation_ms", "last_total_ms",
+             "p2p_bytes_total", "p2p_ops_total", "slots_changed_total", "last_slots_changed",
+             "last_update_layer", "heartbeat_ts")
+
+
+@dataclass
+class _Task:
+    layer: int
+    token: int
+    expert_ids: np.ndarray
+
+
+class EplbExecutor:
+    """``hooks``: a :class:`~xllm_eplb.worker.migration.ModelEplbHooks` (or anything with the
+    same four methods). ``clock``: wall clock for the heartbeat timestamp."""
+
+    def __init__(self, hooks, cfg, *, clock=time.time):
+        self.hooks = hooks
+        self.heartbeat_s = float(cfg.eplb.eplb_heartbeat_seconds)
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._tasks: queue.Queue[_Task | None] = queue.Queue()
+        self._ready_token = NO_TOKEN
+        self._pending_update = NO_LAYER
+        self._deferred: _Task | None = None
+        self._stats = {k: 0 for k in STAT_KEYS}
+        self._stats.update(last_update_layer=NO_LAYER, heartbeat_ts=clock())
+        self._since = {"ok": 0, "failed": 0}
+        self._buckets_seen = dict(getattr(hooks, "bucket_totals", {}))
+        self._closed = False
+        self._thread = threading.Thread(target=self._loop, name="eplb-executor", daemon=True)
+        self._thread.start()
+
+    # ---- main thread ------------------------------------------------------------------------
+    def before_forward(self, info: EplbInfo) -> None:
+        task = None
+        if info.prepare_layer_id != NO_LAYER:
+            if info.prepare_token <= 0:
+                raise ValueError(f"EplbInfo: prepare_layer_id={info.prepare_layer_id} with "
+                                 f"prepare_token={info.prepare_token}, must be > 0")
+            task = _Task(int(info.prepare_layer_id), int(info.prepare_token),
+                         np.asarray(info.expert_ids, dtype=np.int64).copy())
+        if info.update_layer_id != NO_LAYER:
+            if self._pending_update != NO_LAYER:
+                raise RuntimeError(f"activation of layer {info.update_layer_id} while layer "
+                                   f"{self._pending_update} is still pending")
+            self.hooks.start_expert_weight_transfer(int(info.update_layer_id))
+            self._pending_update = int(info.update_layer_id)
+        if task is None:
+            return
+        if self._pending_update != NO_LAYER:
+            if self._deferred is not None:
+                raise RuntimeError("two prepares deferred behind one activation")
+            self._deferred = task
+        else:
+            self._tasks.put(task)
+
+    def after_forward(self) -> None:
+        if self._pending_update == NO_LAYER:
+            return
+        layer, self._pending_update = self._pending_update, NO_LAYER
+        st = self.hooks.update_expert_weight(layer)
+        with self._lock:
+            s = self._stats
+            s["activations"] += 1
+            s["last_update_layer"] = layer
+            if isinstance(st, dict):
+                s["last_materialize_ms"] = float(st.get("materialize_ms", 0.0))
+                s["last_transfer_ms"] = float(st.get("transfer_ms", 0.0))
+                s["last_activation_ms"] = float(st.get("activation_ms", 0.0))
+                s["last_total_ms"] = float(st.get("total_ms", 0.0))
+                s["last_slots_changed"] = int(st.get("changed_slots", 0))
+                s["slots_changed_total"] += int(st.get("changed_slots", 0))
+                s["p2p_bytes_total"] += int(st.get("p2p_bytes", 0))
+                s["p2p_ops_total"] += int(st.get("p2p_operations", 0))
+        if self._deferred is not None:
+            self._tasks.put(self._deferred)
+            self._deferred = None
+
+    def consume_ready_token(self) -> int:
+        """The latest successful prepare token, exactly once; -1 if none since the last call."""
+        with self._lock:
+            t, self._ready_token = self._ready_token, NO_TOKEN
+            return t
+
+    def stats(self) -> dict:
+        with self._lock:
+            out = dict(self._stats)
+        out["queued"] = self._tasks.qsize() + (self._deferred is not None)
+        return out
+
+    def close(self, timeout: float = 5.0) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._tasks.put(None)
+        self._thread.join(timeout)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # ---- background thread ------------------------------------------------------------------
+    def _loop(self) -> None:
+        next_beat = time.monotonic() + self.heartbeat_s
+        while True:
+            try:
+                task = self._tasks.get(timeout=max(0.0, next_beat - time.monotonic()))
+            except queue.Empty:
+                task = _Task(NO_LAYER, NO_TOKEN, np.zeros(0, np.int64))
+            if task is None:
+                return
+            if task.layer != NO_LAYER:
+                self._run(task)
+            with self._lock:
+                self._stats["heartbeat_ts"] = self._clock()
+            if time.monotonic() >= next_beat:
+                self._heartbeat()
+                next_beat = time.monotonic() + self.heartbeat_s
+
+    def _run(self, task: _Task) -> None:
+        t0 = time.perf_counter()
+        err = ""
+        try:
+            ok = bool(self.hooks.prepare_expert_weight(task.layer, task.expert_ids) is not False)
+            ok = ok and bool(self.hooks.last_prepare_ok(task.layer))
+            if not ok and hasattr(self.hooks, "last_prepare_error"):
+                err = self.hooks.last_prepare_error(task.layer)
+        except Exception as exc:  # noqa: BLE001 - a failed prepare is reported as not ready
+            ok, err = False, f"{type(exc).__name__}: {exc}"
+        ms = (time.perf_counter() - t0) * 1e3
+        with self._lock:
+            self._stats["last_prepare_ms"] = ms
+            if ok:
+                self._ready_token = task.token
+                self._stats["prepares_ok"] += 1
+                self._since["ok"] += 1
+            else:
+                self._stats["prepares_failed"] += 1
+                self._since["failed"] += 1
+        if ok:
+            log.info(event("prepare_expert_weight", layer=task.layer, token=task.token,
+                           experts=task.expert_ids.size, duration_ms=ms))
+        else:
+            log.error(event("prepare_expert_weight failed", layer=task.layer, token=task.token,
+                            experts=task.expert_ids.size, duration_ms=ms,
+                            error=err or "hook reported failure", ready="not_advanced"))
+
+    def _heartbeat(self) -> None:
+        with self._lock:
+            ok, failed = self._since["ok"], self._since["failed"]
+            self._since = {"ok": 0, "failed": 0}
+            last = self._stats["last_prepare_ms"]
+        log.info(event("EPLB heartbeat executor_thread", tasks_ok_since_last=ok,
+                       tasks_failed_since_last=failed, last_prepare_ms=float(last),
+                       queued=self._tasks.qsize()))
+        totals = dict(getattr(self.hooks, "bucket_totals", {}))
+        if ok and totals:
+            delta = {f"delta_{k}": v - self._buckets_seen.get(k, 0) for k, v in totals.items()}
+            self._buckets_seen = totals
+            log.info(event("EPLB heartbeat p2p_bucket", rank=getattr(self.hooks, "rank", -1),
+                           **delta, total_cross_rank=totals.get("cross_rank", 0)))
+
+
+class NullExecutor:
+    """EPLB off: no thread, no work; same interface."""
+
+    def before_forward(self, info: EplbInfo) -> None:
+        if not info.empty:
+            raise RuntimeError("EplbInfo carries a command but enable_eplb=false")
+
+    def after_forward(self) -> None:
+        pass
+
+    def consume_ready_token(self) -> int:
+        return NO_TOKEN
+
+    def stats(self) -> dict:
+        out = {k: 0 for k in STAT_KEYS}
+        out.update(last_update_layer=NO_LAYER, queued=0)
+        return out
+
+    def close(self, timeout: float = 5.0) -> None:
+        pass
+
+
+def make_executor(model, eplb_group, cfg, *, canary: bool | None = None):
+    """The worker's executor: :class:`EplbExecutor` over :class:`ModelEplbHooks` when
+    ``cfg.eplb.enable_eplb``, else a :class:`NullExecutor` (reserves nothing)."""
+    if not cfg.eplb.enable_eplb:
+        return NullExecutor()
+    from xllm_eplb.worker.migration import ModelEplbHooks
+
+    return EplbExecutor(ModelEplbHooks(model, eplb_group, cfg, canary=canary), cfg)
