@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import shlex
 import subprocess
 import sys
@@ -42,6 +43,19 @@ def spec(steps: int) -> str:
     return f"zipf:layers=58,experts=256,steps={steps},skew=1.0,depth=0.5,shift_every={steps // 2}"
 
 
+def slots_by_round(log_path: Path) -> list[int]:
+    """Slots moved by the layers each round activated, from the replay's ``simulate.log``
+    (``EPLB rebalance`` starts a round, ``EPLB layer activated ... slots_moved=N`` counts)."""
+    rounds: list[int] = []
+    for line in log_path.read_text().splitlines():
+        if "EPLB rebalance" in line:
+            rounds.append(0)
+        m = re.search(r"EPLB layer activated .*slots_moved=(\d+)", line)
+        if m and rounds:
+            rounds[-1] += int(m.group(1))
+    return rounds
+
+
 def run(policy: str, flags: list[str], steps: int, out: Path) -> dict:
     cmd = ["xllm-eplb", "simulate", "--generate", spec(steps), "--ep-size", "32",
            "--redundant-experts-num", "1", "--policy", policy, "--eplb_update_interval=5",
@@ -52,6 +66,9 @@ def run(policy: str, flags: list[str], steps: int, out: Path) -> dict:
                    stdout=subprocess.DEVNULL)
     s = json.loads((out / "summary.json").read_text())
     row = {k: s[k] for k in HEAD}
+    per_round = slots_by_round(out / "simulate.log")
+    row.update(slots_first_round=per_round[0] if per_round else 0,
+               slots_after_first_round=sum(per_round[1:]))
     row.update(policy=policy, command=shlex.join(cmd), total_seconds=time.perf_counter() - t0)
     return row
 
@@ -71,18 +88,22 @@ def main() -> None:
         results[name] = {"flags": flags, "rows": rows,
                          "slots_ratio_incremental_over_balanced":
                              i["slots_moved"] / max(b["slots_moved"], 1),
+                         "slots_ratio_after_first_round":
+                             i["slots_after_first_round"] / max(b["slots_after_first_round"], 1),
                          "balancedness_gap": b["balancedness_eplb"] - i["balancedness_eplb"]}
     print(f"\nsteps={steps} trace={spec(steps)}")
     print(f"{'flags':<9} {'policy':<12} {'bal_static':>10} {'bal_eplb':>9} {'bal_eplb_g':>10} "
-          f"{'slots':>7} {'rounds':>6} {'timeouts':>8} {'replay_s':>8}")
+          f"{'slots':>7} {'1st':>6} {'after':>6} {'rounds':>6} {'timeouts':>8} {'replay_s':>8}")
     for name, r in results.items():
         for p, row in r["rows"].items():
             print(f"{name:<9} {p:<12} {row['balancedness_static']:>10.4f} "
                   f"{row['balancedness_eplb']:>9.4f} {row['balancedness_eplb_global_start']:>10.4f}"
-                  f" {row['slots_moved']:>7} {row['rounds']:>6} {row['timeouts']:>8} "
+                  f" {row['slots_moved']:>7} {row['slots_first_round']:>6} "
+                  f"{row['slots_after_first_round']:>6} {row['rounds']:>6} {row['timeouts']:>8} "
                   f"{row['wall_seconds']:>8.1f}")
         print(f"{name:<9} incremental/balanced slots = "
-              f"{r['slots_ratio_incremental_over_balanced']:.3f}, balancedness gap = "
+              f"{r['slots_ratio_incremental_over_balanced']:.3f} (after the first round "
+              f"{r['slots_ratio_after_first_round']:.3f}), balancedness gap = "
               f"{r['balancedness_gap']:+.4f}")
     if args.json_path:
         Path(args.json_path).write_text(json.dumps({"bench": "simulate", "steps": steps,

@@ -1,23 +1,29 @@
 """`incremental`: migration-aware placement (this project's policy, beyond xLLM).
 
-Per round, starting from the table the policy believes is deployed:
-1. free the slots that repeat an expert on the same rank (only xLLM's initial layout has them);
-2. replica counts: keep the current counts, fill free slots by min-max (largest per-replica
-   load first), then move single replicas from the expert that loses least to the expert with the
-   largest per-replica load while that exceeds the min-max optimum by more than ``count_slack``;
-3. remove surplus replicas from the most loaded ranks, place missing ones LPT-style into the
-   freed slots (least-loaded rank that does not hold the expert);
-4. swap local search on the most loaded rank (``localsearch.swap_search``); a swap is scored by
-   the new max of the two ranks plus ``move_cost`` x ideal rank load per newly moved slot
-   (EasyBalance: benefit - migration cost; slots that already moved this round are free). Below
-   ``must = (1 + must_slack) x LB`` the cost counts fully, above it only breaks ties; the search
-   stops at ``(1 + target_slack) x LB``, LB = ``max(ideal, min-max per-replica load)``;
+Per round, starting from the table the policy believes is deployed; LB = ``max(ideal,
+min-max per-replica load)`` per layer:
+1. free the slots that repeat an expert on the same rank (only xLLM's initial layout has them)
+   and fill them (``repair``: min-max replica counts, LPT into the freed slots). Such a *fresh*
+   layer is planned down to ``target = (1 + target_slack) x LB``;
+2. hysteresis for a *deployed* layer (strict table): it is left alone unless its peak exceeds
+   ``(1 + trigger) x LB``, and then fixed only down to ``(1 + settle) x LB`` -- the balance it
+   needs, not the best one. ``settle = max(settle_slack, noise)``, ``trigger = max(trigger_slack,
+   settle + noise)``, ``noise = noise_z / sqrt(ideal rank load)`` for integer token counts (the
+   sampling noise of a rank's load: re-planning below it only chases noise);
+3. ``excess.excess_search``: per layer, the move with the largest reduction of the excess over
+   the target (``sum_d max(0, R_d - T)``) per newly moved slot, anchored on the most loaded
+   rank: swaps (2 slots) and, with ``rewrite_moves``, single-slot replica rewrites; a move must
+   gain more than ``move_cost`` x ideal rank load per slot (EasyBalance: benefit - migration
+   cost) on deployed layers; the search stops as soon as the layer is within its target;
+4. a fresh layer the excess search leaves above ``must = (1 + must_slack) x LB`` also gets the
+   xLLM-style swap search (``localsearch.swap_search``) from its result and from the repaired
+   table; the lowest peak wins;
 5. the move sequence is cut where ``peak reduction - move_cost x ideal x moved slots`` is best,
-   among the points at or below ``must`` when one is reached;
-6. a layer still above ``must`` is also planned from scratch (min-max counts, LPT, the same
-   search, slot stabilisation); that plan wins only when its benefit minus cost is higher.
-With ``budget_slots > 0`` (or ``budget_bytes`` / ``slot_bytes``) the cross-rank copies of one round
-are capped over all layers and spent where they buy the most peak reduction per slot.
+   among the points at or below the layer's target (``must`` for fresh layers) when one is
+   reached; with ``budget_slots > 0`` (or ``budget_bytes`` / ``slot_bytes``) the slots of one
+   round are capped over all layers and spent where they buy the most peak reduction per slot;
+6. a layer still above ``must`` and its trigger is also planned from scratch (min-max counts, LPT,
+   swap search, slot stabilisation); that plan wins only when its benefit minus cost is higher.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ import numpy as np
 from xllm_eplb.eplb.balance import rank_loads_from_phy2log
 from xllm_eplb.eplb.placement import initial_phy2log
 from xllm_eplb.eplb.policy.base import EplbPolicyBase
+from xllm_eplb.eplb.policy.excess import excess_search
 from xllm_eplb.eplb.policy.localsearch import slot_values, swap_search
 from xllm_eplb.eplb.policy.packing import (
     cyclic_fallback,
@@ -36,136 +43,47 @@ from xllm_eplb.eplb.policy.packing import (
     select_replicas_max_load,
     stabilize_slots,
 )
+from xllm_eplb.eplb.policy.repair import adjust_counts, dedup_ranks, repair
+from xllm_eplb.errors import ConfigError
+
+__all__ = ["IncrementalPolicy", "best_cut", "dedup_ranks", "replay", "spend_budget"]
 
 log = logging.getLogger(__name__)
-
-
-def dedup_ranks(table: np.ndarray) -> np.ndarray:
-    """[n, D, S]: later same-rank repeats of an expert become -1 (free)."""
-    s = table.shape[2]
-    eq = table[..., :, None] == table[..., None, :]                  # [n, D, s, t]
-    earlier = np.tril(np.ones((s, s), dtype=bool), k=-1)             # t < s
-    out = table.copy()
-    out[(eq & earlier).any(axis=3)] = -1
-    return out
-
-
-def adjust_counts(w: np.ndarray, c0: np.ndarray, free: np.ndarray, cap: int,
-                  c_opt: np.ndarray, count_slack: float) -> np.ndarray:
-    """Counts close to c0 whose max per-replica load is within ``count_slack`` of the min-max
-    optimum. w [n, E], c0 [n, E] (may hold zeros only if free covers them), free [n]."""
-    c = c0.copy()
-    n = w.shape[0]
-    rows = np.arange(n)
-    c = np.maximum(c, 1)
-    left = free - (c - c0).sum(axis=1)
-    for _ in range(int(left.max(initial=0))):
-        key = np.where(c >= cap, -np.inf, w / c)
-        b = np.argmax(key, axis=1)
-        go = left > 0
-        c[rows[go], b[go]] += 1
-        left -= go
-    best = (w / c_opt).max(axis=1) * (1 + count_slack)
-    for _ in range(w.shape[1]):
-        per = w / c
-        a = np.argmax(np.where(c >= cap, -np.inf, per), axis=1)
-        hi = per[rows, a]
-        loss = np.where(c >= 2, w / np.maximum(c - 1, 1), np.inf)
-        loss[rows, a] = np.inf
-        b = np.argmin(loss, axis=1)
-        go = (hi > best) & (loss[rows, b] < hi)
-        if not go.any():
-            break
-        c[rows[go], a[go]] += 1
-        c[rows[go], b[go]] -= 1
-    return c
-
-
-def drop_surplus(w_row, t, c_row) -> None:
-    """In place on t [D, S]: free the replicas beyond c_row, taken from the most loaded ranks."""
-    present = t >= 0
-    v = np.where(present, w_row[np.maximum(t, 0)] / c_row[np.maximum(t, 0)], 0.0)
-    r = v.sum(axis=1)
-    cur = np.bincount(t[present], minlength=w_row.size)
-    for e in np.nonzero(cur > c_row)[0]:
-        dr, ds = np.nonzero(t == e)
-        for k in np.argsort(-r[dr], kind="stable")[: cur[e] - c_row[e]]:
-            t[dr[k], ds[k]] = -1
-            r[dr[k]] -= w_row[e] / c_row[e]
-
-
-def repair(w, t0, c):
-    """Make every table hold exactly ``c`` replicas: drop surplus from the most loaded ranks,
-    then put the missing replicas (largest per-replica load first) LPT-style into free slots:
-    least-loaded rank with a free slot that does not hold the expert (ties: lowest rank).
-
-    w float [n, E]; t0 int64 [n, D, S] (free = -1); c int64 [n, E]. Vectorised over layers.
-    Returns (tables [n, D, S], ok [n])."""
-    t = t0.copy()
-    n, num_d, s = t.shape
-    num_e = w.shape[1]
-    for i in range(n):
-        row = t[i][t[i] >= 0]
-        if (np.bincount(row, minlength=num_e) > c[i]).any():
-            drop_surplus(w[i], t[i], c[i])
-    flat = t.reshape(n, -1)
-    cnt = np.zeros((n, num_e), dtype=np.int64)
-    np.add.at(cnt, (np.repeat(np.arange(n), flat.shape[1]), np.maximum(flat, 0).ravel()),
-              (flat >= 0).ravel())
-    need = np.maximum(c - cnt, 0)
-    width = int(need.sum(axis=1).max(initial=0))
-    ok = np.ones(n, dtype=bool)
-    if width == 0:
-        return t, ok
-    per = w / np.maximum(c, 1)
-    items = np.full((n, width), -1, dtype=np.int64)
-    for i in range(n):
-        it = np.repeat(np.arange(num_e), need[i])
-        items[i, : it.size] = it[np.argsort(-per[i, it], kind="stable")]
-    safe = np.maximum(t, 0)
-    r = np.where(t >= 0, np.take_along_axis(per, safe.reshape(n, -1), 1).reshape(t.shape),
-                 0.0).sum(axis=2)
-    has = np.zeros((n, num_d, num_e), dtype=bool)
-    ni, di, _ = np.nonzero(t >= 0)
-    has[ni, di, t[t >= 0]] = True
-    rows = np.arange(n)
-    for k in range(width):
-        e = items[:, k]
-        live = e >= 0
-        es = np.maximum(e, 0)
-        free = (t == -1)
-        cand = free.any(axis=2) & ~has[rows, :, es]
-        ok &= ~live | cand.any(axis=1)
-        go = live & ok
-        d = np.argmin(np.where(cand, r, np.inf), axis=1)
-        pos = np.argmax(free[rows, d], axis=1)
-        g = rows[go]
-        t[g, d[go], pos[go]] = es[go]
-        has[g, d[go], es[go]] = True
-        r[g, d[go]] += per[g, es[go]]
-    return t, ok
 
 
 class IncrementalPolicy(EplbPolicyBase):
     """Options: ``budget_slots`` (moved slots per round over all layers, 0 = auto: cost-based),
     ``budget_bytes`` + ``slot_bytes`` (the same in bytes), ``move_cost`` (fraction of the ideal
-    rank load one moved slot costs), ``target_slack``, ``must_slack``, ``count_slack``
-    (see the module doc), ``max_iters`` (search iterations, 0 = 8 x slots)."""
+    rank load one moved slot costs), ``target_slack``, ``must_slack``, ``count_slack``,
+    ``trigger_slack``, ``settle_slack``, ``noise_z`` (0 = no noise floor), ``rewrite_moves``
+    (None = only on deployed layers where one replica exceeds the target; see the module doc), ``max_iters`` (search iterations, 0 = 8 x slots)."""
 
     name = "incremental"
 
     def __init__(self, ep_size, num_logical, redundant, min_improvement=0.05, *,
                  budget_slots: int = 0, budget_bytes: int = 0, slot_bytes: int = 0,
                  move_cost: float = 2e-4, target_slack: float = 2e-3, must_slack: float = 4e-3,
-                 count_slack: float = 0.02, max_iters: int = 0, **opts):
+                 count_slack: float = 0.02, max_iters: int = 0, trigger_slack: float = 0.02,
+                 settle_slack: float = 0.009, noise_z: float = 2.5, rewrite_moves=None,
+                 **opts):
         opts.pop("num_nodes", None)
         opts.pop("num_groups", None)
         super().__init__(ep_size, num_logical, redundant, min_improvement, **opts)
         if budget_bytes and slot_bytes:
             budget_slots = max(1, int(budget_bytes) // int(slot_bytes))
+        for key, val in (("trigger_slack", trigger_slack), ("settle_slack", settle_slack),
+                         ("target_slack", target_slack)):
+            if not 0.0 <= float(val) < 1.0:
+                raise ConfigError(f"incremental {key}={val}: must be in [0, 1)")
+        if float(settle_slack) > float(trigger_slack):
+            raise ConfigError(f"incremental settle_slack={settle_slack} must be <= "
+                              f"trigger_slack={trigger_slack}")
         self.budget_slots = int(budget_slots)
         self.move_cost, self.target_slack = float(move_cost), float(target_slack)
         self.count_slack, self.must_slack = float(count_slack), float(must_slack)
+        self.trigger_slack, self.settle_slack = float(trigger_slack), float(settle_slack)
+        self.rewrite_moves = None if rewrite_moves is None else bool(rewrite_moves)
+        self.noise_z = float(noise_z)
         self.max_iters = int(max_iters) or 8 * self.num_slots
         self.last_stats: dict = {}
 
@@ -180,14 +98,21 @@ class IncrementalPolicy(EplbPolicyBase):
         c0 = np.stack([np.bincount(row[row >= 0], minlength=num_e) for row in t0.reshape(n, -1)])
         free = (t0 < 0).sum(axis=(1, 2))
         c_opt = select_replicas_max_load(w, self.num_slots - num_e, d)
+        # NOTE: a deployed strict layer keeps its replica counts here; only the excess search's
+        # single-slot rewrites change them (see `_search` and ``rewrite_moves``).
+        strict = ~(t0 < 0).any(axis=(1, 2))           # base itself obeys one replica per rank
         c = adjust_counts(w, c0, free, d, c_opt, self.count_slack)
+        c[strict] = c0[strict]
         ideal = w.sum(axis=1) / d
         lb = np.maximum(ideal, (w / c_opt).max(axis=1))
-        target = lb * (1 + self.target_slack)
-        must = lb * (1 + self.must_slack)
+        fresh = ~strict | unseeded
+        # hysteresis: a deployed layer is re-planned only above `trigger`, and then only down to
+        # `settle`; a layer coming from xLLM's initial layout is planned down to `target`
+        settle, trigger = self._hysteresis(loads, ideal)
+        target = np.where(fresh, lb * (1 + self.target_slack), lb * (1 + settle))
+        start = np.where(fresh, target, lb * (1 + trigger))
         slot_cost = self.move_cost * ideal
         base2 = base.reshape(n, d, s)
-        strict = ~(t0 < 0).any(axis=(1, 2))           # base itself obeys one replica per rank
         # NOTE: keeping a base with same-rank duplicates (xLLM's initial layout) is allowed: it is
         # what is deployed; every table this policy emits is strict.
         cur = rank_loads_from_phy2log(base, w, d).max(axis=1)
@@ -197,34 +122,103 @@ class IncrementalPolicy(EplbPolicyBase):
         if todo.size:
             rep[todo], ok[todo] = repair(w[todo], t0[todo], c[todo])
         traj = [[(0, cur[i])] for i in range(n)]     # point 0 = keep the deployed table
-        swaps: list[list] = [[] for _ in range(n)]
-        idx = np.nonzero(ok)[0]
+        moves: list[list] = [[] for _ in range(n)]
+        idx = np.nonzero(ok & (fresh | (cur > start)))[0]
+        n_fb = 0
         if idx.size:
             sub = rep[idx].copy()
-            rep_pk = slot_values(sub, w[idx], c[idx]).sum(axis=2).max(axis=1)
-            rep_mv = (sub != base2[idx]).sum(axis=(1, 2))
-            _, sw = swap_search(sub, w[idx], c[idx].copy(), target[idx], slot_cost[idx],
-                                self.max_iters, base=base2[idx], must=must[idx])
-            for j, i in enumerate(idx):
-                swaps[i] = sw[j]
-                traj[i] += [(int(rep_mv[j]), float(rep_pk[j]))] + [(x[4], x[3]) for x in sw[j]]
+            self._add_points(traj, idx, sub, w, c, base2)
+            mv, n_fb = self._search(sub, w[idx], c[idx], base2[idx], fresh[idx], target[idx],
+                                    start[idx], lb[idx], slot_cost[idx])
+            self._add_moves(traj, moves, idx, mv)
         if self.budget_slots > 0:
             pos = spend_budget(traj, self.budget_slots)
         else:
-            pos = [best_cut(t, cur[i], slot_cost[i], must[i]) for i, t in enumerate(traj)]
+            cut = np.where(fresh, lb * (1 + self.must_slack), target)
+            pos = [best_cut(t, cur[i], slot_cost[i], cut[i]) for i, t in enumerate(traj)]
         out: list[np.ndarray | None] = []
         for i in range(n):
-            k = pos[i] - 1                            # index into [repair, swap 1, swap 2, ...]
+            k = pos[i] - 1                            # index into [repair, move 1, move 2, ...]
             if k < 0:
                 out.append(None)
                 continue
             t = rep[i].reshape(-1).copy()
-            out.append(replay(t, swaps[i][:k]))
+            out.append(replay(t, moves[i][:k]))
         n_scratch = 0
         if self.budget_slots <= 0:
+            must = np.maximum(lb * (1 + self.must_slack), start)
             n_scratch = self._try_scratch(w, base, out, traj, pos, cur, must, slot_cost, c_opt)
-        self.last_stats = dict(scratch_layers=n_scratch)
+        self.last_stats = dict(scratch_layers=n_scratch, searched_layers=int(idx.size),
+                               fresh_fallback_layers=n_fb)
         return out
+
+    def _search(self, sub, w, c, base, fresh, target, start, lb, slot_cost):
+        """Moves for the layers of ``sub`` [k, D, S] (the repaired tables; other args [k, ...]).
+        Returns (moves per layer, number of fresh layers that took the swap fallback)."""
+        k = sub.shape[0]
+        # rewrites (replica count changes) where one replica alone exceeds the target: swaps
+        # cannot fix such a layer (``rewrite_moves`` None = there only, True/False = all/none)
+        rw = np.full(k, bool(self.rewrite_moves)) if self.rewrite_moves is not None else \
+            (w / np.maximum(c, 1)).max(axis=1) > target
+        rw &= ~fresh                                 # fresh layers got min-max counts already
+        pk = np.zeros(k)
+        mv: list = [None] * k
+        for grp in (np.nonzero(rw)[0], np.nonzero(~rw)[0]):
+            if grp.size == 0:
+                continue
+            t = sub[grp]
+            pk[grp], m = excess_search(t, w[grp], c[grp].copy(), target[grp], self.max_iters,
+                                       base=base[grp], start=np.minimum(start, target)[grp],
+                                       min_gain=np.where(fresh[grp], 0.0, slot_cost[grp]),
+                                       rewrites=bool(rw[grp[0]]))
+            sub[grp] = t
+            for j, x in enumerate(grp):
+                mv[x] = m[j]
+        # fresh layers the excess search left above `must`: the xLLM-style swap search (the slot
+        # cost only breaks ties above `must`) (a) from the excess result, (b) from the repaired
+        # table; the lowest peak wins
+        must = lb * (1 + self.must_slack)
+        redo = np.nonzero(fresh & (pk > must))[0]
+        if redo.size == 0:
+            return mv, 0
+        pa, ma = swap_search(sub[redo], w[redo], c[redo].copy(), target[redo], slot_cost[redo],
+                             self.max_iters, base=base[redo], must=must[redo])
+        rep0 = sub[redo].copy()
+        for j, x in enumerate(redo):                 # undo the excess moves: the repaired table
+            rep0[j] = replay_undo(rep0[j], mv[x])
+        pb, mb = swap_search(rep0, w[redo], c[redo].copy(), target[redo], slot_cost[redo],
+                             self.max_iters, base=base[redo], must=must[redo])
+        for j, x in enumerate(redo):
+            best = min((pk[x], 0), (pa[j], 1), (pb[j], 2))[1]
+            mv[x] = [mv[x], mv[x] + ma[j], mb[j]][best]
+        return mv, int(redo.size)
+
+    def _hysteresis(self, loads, ideal):
+        """Per-layer (settle, trigger) slacks [L]. With integer token counts a rank's load has
+        sampling noise ~ sqrt(load): a deployed layer is not chased below ``noise_z`` relative
+        standard deviations of the ideal rank load (settle), nor re-planned unless its peak is
+        another ``noise_z`` deviations above that (trigger)."""
+        settle = np.full(ideal.shape, self.settle_slack)
+        trigger = np.full(ideal.shape, self.trigger_slack)
+        if self.noise_z > 0 and np.asarray(loads).dtype.kind in "iu":
+            rel = self.noise_z / np.sqrt(np.maximum(ideal, 1.0))
+            settle = np.maximum(settle, rel)
+            trigger = np.maximum(trigger, settle + rel)
+        return settle, trigger
+
+    @staticmethod
+    def _add_points(traj, grp, sub, w, c, base2) -> None:
+        """Append the repaired table (before any search move) to the layers' trajectories."""
+        pk = slot_values(sub, w[grp], c[grp]).sum(axis=2).max(axis=1)
+        mv = (sub != base2[grp]).sum(axis=(1, 2))
+        for j, i in enumerate(grp):
+            traj[i].append((int(mv[j]), float(pk[j])))
+
+    @staticmethod
+    def _add_moves(traj, moves, grp, mv) -> None:
+        for j, i in enumerate(grp):
+            moves[i] = mv[j]
+            traj[i] += [(x[4], x[3]) for x in mv[j]]
 
     def _try_scratch(self, w, base, out, traj, pos, cur, must, slot_cost, c_opt) -> int:
         """Replace layers whose peak stays above ``must`` by a from-scratch plan when its benefit
@@ -235,8 +229,9 @@ class IncrementalPolicy(EplbPolicyBase):
         redo = np.nonzero(got > must)[0]
         if redo.size == 0:
             return 0
-        scr, spk = self._scratch(w[redo], c_opt[redo], must[redo] / (1 + self.must_slack) *
-                                 (1 + self.target_slack))
+        ideal = w[redo].sum(axis=1) / d
+        lb = np.maximum(ideal, (w[redo] / c_opt[redo]).max(axis=1))
+        scr, spk = self._scratch(w[redo], c_opt[redo], lb * (1 + self.target_slack))
         scr = stabilize_slots(scr.reshape(redo.size, -1), base[redo], d)
         replaced = 0
         for j, i in enumerate(redo):
@@ -265,12 +260,24 @@ class IncrementalPolicy(EplbPolicyBase):
 
 
 def replay(table: np.ndarray, moves) -> np.ndarray:
-    """Apply local-search moves ``(kind, x, y, ...)`` to a flat table [D*S] (in place)."""
+    """Apply search moves ``(kind, x, y, ...)`` to a flat table [D*S] (in place): kind 0 swaps
+    slots x and y, kind 1 sets slot x to expert y."""
     for kind, x, y, *_ in moves:
         if kind == 0:
             table[x], table[y] = table[y], table[x]
         else:
             table[x] = y
+    return table
+
+
+def replay_undo(table: np.ndarray, moves) -> np.ndarray:
+    """Undo swap moves (kind 0) on a [D, S] table, last first (in place). Rewrites (kind 1)
+    cannot be undone without the old expert, so they are not allowed here."""
+    flat = table.reshape(-1)
+    for kind, x, y, *_ in reversed(moves):
+        if kind != 0:
+            raise ValueError("replay_undo: only swaps can be undone")
+        flat[x], flat[y] = flat[y], flat[x]
     return table
 
 
