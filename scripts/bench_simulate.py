@@ -5,8 +5,9 @@ Runs ``xllm-eplb simulate`` (subprocess, exact command printed) on a trace built
 decode dumps with a switch to the second decode dump half-way, at EP32 + 32 redundant slots,
 for the ``balanced`` and ``incremental`` policies and two flag sets:
 
-- ``defaults``: estimator on (16 batches, 0.85), gate 0.05;
-- ``tuned``: policy fed the raw window (``--no-estimator``), gate 0.02.
+- ``defaults``: policy fed the raw window, gate 0.05;
+- ``estimator``: EasyBalance estimate on (``--eplb_use_estimator``: 16 batches, 0.85), gate 0.05;
+- ``tuned``: raw window, gate 0.02.
 
 Reports balancedness (100-step windows) with and without EPLB, slots moved, rounds, timeouts,
 the incremental/balanced slot ratio and the replay time. Falls back to a Zipf trace when
@@ -28,7 +29,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / ".." / "shared" / "data" / "sglang_ep_statistics"
-FLAGSETS = {"defaults": [], "tuned": ["--no-estimator", "--eplb_min_peak_load_improvement=0.02"]}
+FLAGSETS = {"defaults": [], "estimator": ["--eplb_use_estimator"],
+            "tuned": ["--eplb_min_peak_load_improvement=0.02"]}
 POLICIES = ("balanced", "incremental")
 HEAD = ("balancedness_static", "balancedness_eplb", "balancedness_static_global_start",
         "balancedness_eplb_global_start", "slots_moved", "weight_copies", "rounds",

@@ -396,7 +396,7 @@ def test_heartbeats_and_decreasing_counters(caplog):
 def test_policy_gets_the_estimate_and_the_gate_the_raw_window():
     pol = RecordingPolicy([([[0, 1]], [False])])
     cfg = EplbConfig(ep_size=2, redundant_experts_num=0, eplb_update_interval=0.0,
-                     eplb_estimator_window=2, eplb_estimator_decay=1.0)
+                     eplb_use_estimator=True, eplb_estimator_window=2, eplb_estimator_decay=1.0)
     mgr = EplbManager(cfg, 1, 2, 2, policy=pol, clock=Clock(), runner="sync")
     for loads in ([[[100]], [[0]]], [[[0]], [[10]]], [[[0]], [[30]]]):
         out(mgr, loads)

@@ -63,6 +63,9 @@ class EplbConfig:
         lo=0)
     eplb_num_nodes: int = opt(1, "node_aware policy: nodes in the EP domain (divides ep_size)",
                               lo=1)
+    eplb_use_estimator: bool = opt(
+        False, "feed the policy the EasyBalance estimate (window/decay/trend) instead of the raw "
+        "load window; the publication gate always uses the raw window")
     eplb_estimator_window: int = opt(16, "load estimator: sliding window in batches", lo=1)
     eplb_estimator_decay: float = opt(0.85, "load estimator: exponential decay per batch",
                                       lo=0, hi=1, lo_open=True)

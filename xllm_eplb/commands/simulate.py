@@ -111,8 +111,6 @@ def _text_summary(s: dict, out: Path) -> str:
               help="forwards until every rank has prepared a layer (1 = the same forward)")
 @click.option("--window-steps", type=int, default=100, show_default=True,
               help="steps per balancedness window")
-@click.option("--estimator/--no-estimator", default=True, show_default=True,
-              help="feed the policy the EasyBalance estimate (else the raw window)")
 @click.option("--save-trace", type=click.Path(dir_okay=False), default=None,
               help="also write the (generated) trace as .npz")
 @click.option("--plots/--no-plots", default=True, show_default=True)
@@ -120,7 +118,7 @@ def _text_summary(s: dict, out: Path) -> str:
               help="output directory (summary.json, plots, simulate.log)")
 @handle_user_errors
 def simulate(trace_path, spec, policy, steps, step_seconds, transfer_steps_per_layer,
-             window_steps, estimator, save_trace, plots, out_dir):
+             window_steps, save_trace, plots, out_dir):
     """Replay a load trace through aggregator + estimator + manager + policy.
 
     Needs --ep-size (a config flag) and --trace or --generate; every config flag and --config
@@ -143,14 +141,14 @@ def simulate(trace_path, spec, policy, steps, step_seconds, transfer_steps_per_l
     setup_logging("simulate", cfg.serve.v, log_file=str(out / "simulate.log"), stream=None)
     if save_trace:
         write_trace(tr, save_trace)
-    opts = ReplayOptions(step_seconds, transfer_steps_per_layer, window_steps, estimator)
+    opts = ReplayOptions(step_seconds, transfer_steps_per_layer, window_steps)
     res = replay(tr, cfg, opts)
     res.extra = {"trace": trace_path or spec, "ep_size": cfg.eplb.ep_size,
                  "redundant_experts_num": cfg.eplb.redundant_experts_num,
                  "layers": tr.layers, "experts": tr.experts,
                  "step_seconds": step_seconds,
                  "transfer_steps_per_layer": transfer_steps_per_layer,
-                 "estimator": estimator,
+                 "estimator": cfg.eplb.eplb_use_estimator,
                  "eplb_update_interval": cfg.eplb.eplb_update_interval,
                  "eplb_min_peak_load_improvement": cfg.eplb.eplb_min_peak_load_improvement}
     summary = summarize(res)

@@ -64,13 +64,18 @@ def build_policy(cfg, ep_size: int, num_logical: int):
                        num_nodes=int(_opt(cfg, "eplb_num_nodes", 1)))
 
 
+def _use_estimator(cfg, override: bool | None) -> bool:
+    """``override`` (tests, simulate) wins over ``eplb_use_estimator`` (default off)."""
+    return bool(_opt(cfg, "eplb_use_estimator", False)) if override is None else bool(override)
+
+
 class EplbManager:
     """See the module docstring. Shapes: ``L`` MoE layers, ``D`` = ep_size ranks,
     ``S`` slots per rank, ``E`` logical experts; placements are ``[L, D*S]`` int64."""
 
     def __init__(self, cfg, num_layers: int, ep_size: int, num_logical: int, policy=None,
                  clock: Callable[[], float] = time.monotonic, runner: str = "thread",
-                 use_estimator: bool = True):
+                 use_estimator: bool | None = None):
         cfg = getattr(cfg, "eplb", cfg)           # a full Config or its EplbConfig
         if runner not in RUNNERS:
             raise ValueError(f"runner={runner!r}: must be one of {', '.join(RUNNERS)}")
@@ -88,7 +93,7 @@ class EplbManager:
                                         int(_opt(cfg, "eplb_estimator_window", 16)),
                                         float(_opt(cfg, "eplb_estimator_decay", 0.85)),
                                         bool(_opt(cfg, "eplb_estimator_trend", False)))
-                          if use_estimator else None)
+                          if _use_estimator(cfg, use_estimator) else None)
         self.pipe = LayerPipeline(num_layers, ep_size)
         self._active = np.tile(initial_phy2log(num_logical, ep_size, redundant), (num_layers, 1))
         self._active.setflags(write=False)

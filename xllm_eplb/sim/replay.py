@@ -34,7 +34,7 @@ class ReplayOptions:
     step_seconds: float = 0.05
     transfer_steps_per_layer: int = 1
     window_steps: int = 100
-    use_estimator: bool = True
+    use_estimator: bool | None = None   # None: follow eplb_use_estimator
 
 
 class SimClock:
