@@ -138,6 +138,7 @@ def simulate(trace_path, spec, policy, steps, step_seconds, transfer_steps_per_l
     cfg = _resolve_config(list(click.get_current_context().args), tr, policy)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    (out / "simulate.log").unlink(missing_ok=True)        # one run per log, never appended
     setup_logging("simulate", cfg.serve.v, log_file=str(out / "simulate.log"), stream=None)
     if save_trace:
         write_trace(tr, save_trace)
