@@ -1,0 +1,97 @@
+"""Continuous-batching scheduler: admission, pinning, budgets, release, the EPLB boundary."""
+
+from __future__ import annotations
+
+from xllm_eplb.engine.scheduler import Request, Scheduler, is_eplb_boundary
+from xllm_eplb.engine.tokenizer import EOS_ID, decode, encode
+from xllm_eplb.model.batch import RankBatch, SeqRow
+
+
+def _req(n_prompt=4, max_tokens=3, **kw):
+    return Request(prompt=list(range(1, n_prompt + 1)), max_tokens=max_tokens, **kw)
+
+
+def _sample_all(s: Scheduler, batches, tok=7):
+    return s.update({r.req_id: tok for b in batches for r in b.rows})
+
+
+def test_admission_spreads_requests_over_ranks_and_pins_them():
+    s = Scheduler(dp_size=3, max_batch_size=4, max_prefill_tokens=64)
+    reqs = [s.submit(_req()) for _ in range(5)]
+    s.pull()
+    b = s.schedule()
+    assert [len(x.rows) for x in b] == [2, 2, 1]
+    assert all(r.is_prefill and r.start_pos == 0 for x in b for r in x.rows)
+    ranks = {r.req_id: r.dp_rank for r in reqs}
+    _sample_all(s, b)
+    b2 = s.schedule()
+    for k, batch in enumerate(b2):
+        for row in batch.rows:
+            assert not row.is_prefill and ranks[row.req_id] == k
+            assert row.token_ids == [7] and row.start_pos == 4   # prompt 4 tokens in the KV
+
+
+def test_budgets_limit_admission_fifo():
+    s = Scheduler(dp_size=2, max_batch_size=1, max_prefill_tokens=10)
+    for _ in range(3):
+        s.submit(_req(n_prompt=4))
+    s.pull()
+    b = s.schedule()
+    assert [len(x.rows) for x in b] == [1, 1] and len(s.waiting) == 1
+    s2 = Scheduler(dp_size=1, max_batch_size=8, max_prefill_tokens=10)
+    for _ in range(3):
+        s2.submit(_req(n_prompt=4))
+    s2.pull()
+    assert len(s2.schedule()[0].rows) == 2                  # 4 + 4 <= 10 < 4 + 4 + 4
+
+
+def test_finish_by_length_and_eos_then_release_on_next_step():
+    s = Scheduler(dp_size=2, max_batch_size=4, max_prefill_tokens=64)
+    a = s.submit(_req(max_tokens=2))
+    e = s.submit(_req(max_tokens=9))
+    s.pull()
+    b = s.schedule()
+    assert _sample_all(s, b) == []
+    b = s.schedule()
+    done = s.update({a.req_id: 5, e.req_id: EOS_ID})
+    assert {r.req_id for r in done} == {a.req_id, e.req_id}
+    assert a.finish_reason == "length" and a.output == [7, 5] and a.done.is_set()
+    assert e.finish_reason == "stop"
+    nxt = s.schedule()
+    assert sorted(x for bb in nxt for x in bb.release) == sorted([a.req_id, e.req_id])
+    assert all(bb.is_empty for bb in nxt) and not s.has_work
+
+
+def test_max_tokens_zero_finishes_at_submit_and_ignore_eos():
+    s = Scheduler(dp_size=1, max_batch_size=4, max_prefill_tokens=64)
+    r = s.submit(_req(max_tokens=0))
+    assert r.done.is_set() and r.output == [] and not s.has_work
+    k = s.submit(_req(max_tokens=2, stop_at_eos=False))
+    s.pull()
+    s.update({row.req_id: EOS_ID for row in s.schedule()[0].rows})
+    assert not k.done.is_set()
+
+
+def test_fail_all_finishes_waiting_and_running():
+    s = Scheduler(dp_size=1, max_batch_size=1, max_prefill_tokens=64)
+    a, b = s.submit(_req()), s.submit(_req())
+    s.pull()
+    s.schedule()
+    s.fail_all("stopping")
+    assert a.finish_reason == b.finish_reason == "error" and a.error == "stopping"
+
+
+def test_eplb_boundary_rule():
+    pre, dec = SeqRow(1, [1, 2], 0, True), SeqRow(2, [3], 5, False)
+    empty = RankBatch()
+    assert is_eplb_boundary([RankBatch([dec]), empty], warmup=False)
+    assert not is_eplb_boundary([RankBatch([dec]), empty], warmup=True)
+    assert not is_eplb_boundary([empty, empty], warmup=False)
+    assert not is_eplb_boundary([RankBatch([dec]), RankBatch([pre])], warmup=False)
+    assert not is_eplb_boundary([RankBatch([dec, pre])], warmup=False)
+
+
+def test_byte_tokenizer_round_trip():
+    ids = encode("héllo")
+    assert ids[0] == 256 and decode(ids) == "héllo"
+    assert decode([104, 300, EOS_ID, 105]) == "hi"

@@ -1,0 +1,259 @@
+"""End-to-end `xllm-eplb serve` at EP4 on the tiny CPU model: real processes, real shared
+memory, real gloo. Each test kills its process group and sweeps the run's /dev/shm objects,
+even on failure."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import psutil
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="needs POSIX shm")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _shm_objects(run_id: str) -> list[str]:
+    return [n for n in os.listdir("/dev/shm") if f"xllm_eplb_{run_id}_" in n]
+
+
+class Server:
+    """One `xllm-eplb serve` process group with its logs and every process it started."""
+
+    def __init__(self, tmp: Path, args: list[str]):
+        self.port = _free_port()
+        self.run_id = f"p{self.port}"
+        self.log_dir = tmp / "logs"
+        self.out, self.err = tmp / "stdout.txt", tmp / "stderr.txt"
+        cmd = [sys.executable, "-m", "xllm_eplb", "serve", "--ep-size", "4", "--config",
+               str(ROOT / "configs" / "eplb.yaml"), "--port", str(self.port),
+               "--log_dir", str(self.log_dir), *args]
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self.out.open("w"),
+                                     stderr=self.err.open("w"), start_new_session=True)
+        self.pids: set[int] = {self.proc.pid}
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def note_children(self) -> None:
+        try:
+            self.pids |= {c.pid for c in psutil.Process(self.proc.pid).children(recursive=True)}
+        except psutil.NoSuchProcess:
+            pass
+
+    def wait_ready(self, timeout: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if "xllm-eplb ready" in self.out.read_text():
+                self.note_children()
+                return
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.3)
+        raise AssertionError(f"no ready line: rc={self.proc.poll()}\n{self.err.read_text()[-3000:]}")
+
+    def alive(self) -> list[int]:
+        out = []
+        for p in self.pids:
+            try:
+                if psutil.Process(p).status() != psutil.STATUS_ZOMBIE:
+                    out.append(p)
+            except psutil.NoSuchProcess:
+                pass
+        return out
+
+    def kill(self) -> None:
+        self.note_children()
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        for p in self.alive():
+            try:
+                os.kill(p, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.proc.wait(10)
+        from xllm_eplb.ipc.objects import clean
+
+        clean(self.run_id)
+
+
+@pytest.fixture
+def start_server(tmp_path):
+    servers: list[Server] = []
+
+    def start(*args: str) -> Server:
+        d = tmp_path / f"s{len(servers)}"
+        d.mkdir()
+        s = Server(d, list(args))
+        servers.append(s)
+        return s
+
+    yield start
+    for s in servers:
+        s.kill()
+
+
+def _get(url: str):
+    with urllib.request.urlopen(url, timeout=30) as r:
+        body = r.read()
+        return json.loads(body) if r.headers.get_content_type() == "application/json" else body
+
+
+def _post(url: str, body: dict | bytes):
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    req = urllib.request.Request(url + "/v1/completions", data=data)
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def _wait(pred, timeout: float, what: str, server: Server):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        v = pred()
+        if v:
+            return v
+        assert server.proc.poll() is None, f"server died: {server.err.read_text()[-3000:]}"
+        time.sleep(0.5)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+REQUESTS = [
+    {"prompt": "the quick brown fox", "max_tokens": 12, "temperature": 0.0, "seed": 1},
+    {"prompt_token_ids": [256, 3, 19, 35, 51, 67, 83], "max_tokens": 12, "temperature": 0.0},
+    {"prompt": "sampled with a seed", "max_tokens": 12, "temperature": 0.8, "seed": 7},
+    {"prompt": "zzzz", "max_tokens": 12, "temperature": 1.0, "seed": 123},
+]
+
+
+def _reference_tokens(argv: list[str]) -> list[list[int]]:
+    """Same requests through the single-process reference model (every expert local)."""
+    from xllm_eplb.engine.api import ApiLimits, parse_completion
+    from xllm_eplb.flags import load_config
+    from xllm_eplb.model.batch import RankBatch, SeqRow
+    from xllm_eplb.model.transformer import MoETransformer
+
+    cfg, _ = load_config(argv)
+    model = MoETransformer.reference(cfg)
+    lim = ApiLimits(cfg.model.vocab_size, 512, cfg.model.max_position_embeddings)
+    outs = []
+    for i, body in enumerate(REQUESTS):
+        r = parse_completion(body, lim)
+        toks, pos, seq = [], 0, list(r.prompt)
+        while len(toks) < r.max_tokens:
+            res = model.forward_step(RankBatch([SeqRow(i, seq, pos, pos == 0, r.temperature,
+                                                       r.seed)]))
+            pos += len(seq)
+            seq = [res.sampled[i]]
+            toks.append(res.sampled[i])
+            if toks[-1] == 257:
+                break
+        outs.append(toks)
+    return outs
+
+
+@pytest.mark.timeout(200)
+def test_serve_rebalances_keeps_tokens_identical_and_stops_cleanly(start_server):
+    flags = ["--eplb_update_interval=3", "--dtype=float64", "--workload_rate=6",
+             "--workload_output_len=24"]
+    s = start_server(*flags)
+    s.wait_ready()
+    before = [_post(s.url, b) for b in REQUESTS]
+    assert all(code == 200 for code, _ in before), before
+    status = _wait(lambda: (lambda st: st if st["layers_committed"] >= 1 else None)(
+        _get(s.url + "/eplb/status")), 90, "a committed layer", s)
+    assert status["policy"] == "balanced" and status["generation"] >= 1
+    after = [_post(s.url, b) for b in REQUESTS]
+    tok = [[b["choices"][0]["token_ids"] for _, b in run] for run in (before, after)]
+    assert tok[0] == tok[1]
+    ref = _reference_tokens(["--config", str(ROOT / "configs" / "eplb.yaml"),
+                             "--ep-size", "4", *flags])
+    assert tok[0] == ref
+    # balancedness of the recent window improves on the first full window
+    st = _wait(lambda: (lambda st: st if st.get("initial_balancedness_mean") is not None and
+                        st["balancedness_mean"] > st["initial_balancedness_mean"] else None)(
+        _get(s.url + "/eplb/status")), 60, "balancedness above its start value", s)
+    assert {"rounds", "layers_timed_out", "layer_in_flight", "last_policy_seconds",
+            "slots_moved", "balancedness_min", "layers"} <= set(st)
+    fams = {f.name: f for f in text_string_to_metric_families(_get(s.url + "/metrics").decode())}
+    committed = [x.value for x in fams["xllm_eplb_rebalance_layers"].samples
+                 if x.labels.get("result") == "committed" and x.name.endswith("_total")]
+    assert committed and committed[0] >= 1
+    # bad input: 4xx JSON, server keeps serving
+    assert _post(s.url, b"{oops")[0] == 400
+    assert _post(s.url, {"prompt": "x", "max_tokens": -3})[0] == 400
+    assert _get(s.url + "/health")["status"] == "serving"
+    engine_log = (s.log_dir / "engine.log").read_text()
+    assert "EPLB rebalance" in engine_log and "EPLB placement benefit" in engine_log
+    assert "update_expert_weight" in (s.log_dir / "rank0.log").read_text()
+    # graceful stop
+    s.note_children()
+    t0 = time.monotonic()
+    s.proc.send_signal(signal.SIGTERM)
+    assert s.proc.wait(15) == 0
+    assert time.monotonic() - t0 < 10
+    time.sleep(0.3)
+    assert s.alive() == [] and _shm_objects(s.run_id) == []
+
+
+@pytest.mark.timeout(90)
+def test_killed_worker_stops_the_run_naming_the_rank(start_server):
+    s = start_server("--workload=none", "--enable_eplb=false")
+    s.wait_ready()
+    victim = next(p for p in psutil.Process(s.proc.pid).children()
+                  if "ep2" in " ".join(p.cmdline()))
+    t0 = time.monotonic()
+    victim.kill()
+    rc = s.proc.wait(15)
+    assert rc != 0 and time.monotonic() - t0 < 10
+    err = s.err.read_text()
+    assert "rank 2" in err and "SIGKILL" in err
+    time.sleep(0.3)
+    assert s.alive() == [] and _shm_objects(s.run_id) == []
+
+
+@pytest.mark.timeout(90)
+def test_killed_launcher_takes_its_children_and_shm_with_it(start_server):
+    s = start_server("--workload=none", "--enable_eplb=false")
+    s.wait_ready()
+    assert _shm_objects(s.run_id)
+    s.proc.kill()                                   # SIGKILL: no handler, no cleanup
+    s.proc.wait(5)
+    deadline = time.monotonic() + 10
+    while (s.alive() or _shm_objects(s.run_id)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert s.alive() == [] and _shm_objects(s.run_id) == []
+
+
+@pytest.mark.timeout(30)
+def test_port_in_use_fails_before_any_worker_starts(tmp_path):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        p = subprocess.run([sys.executable, "-m", "xllm_eplb", "serve", "--ep-size", "4",
+                            "--config", str(ROOT / "configs" / "eplb.yaml"), "--port", str(port),
+                            "--log_dir", str(tmp_path / "logs")], cwd=ROOT, capture_output=True,
+                           text=True, timeout=25)
+    assert p.returncode == 2, p.stderr
+    assert f"--port={port}" in p.stderr and "xllm-eplb ready" not in p.stdout
+    assert not (tmp_path / "logs" / "rank0.log").exists()
+    assert _shm_objects(f"p{port}") == []

@@ -1,0 +1,91 @@
+"""Single-process pieces of `serve`: the synthetic workload, launcher helpers, the CLI digest."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import time
+
+import numpy as np
+import pytest
+
+from xllm_eplb.engine.workload import SyntheticWorkload, topic_of_rank, zipf_probs
+from xllm_eplb.flags import config_from_dict
+from xllm_eplb.launcher import Progress, StartupError, check_port, describe_exit, ready_line
+from xllm_eplb.model import topics
+
+
+def test_zipf_probs_and_drift_rotation():
+    p = zipf_probs(4, 1.0)
+    np.testing.assert_allclose(p, np.array([1, 1 / 2, 1 / 3, 1 / 4]) / (25 / 12))
+    np.testing.assert_allclose(zipf_probs(5, 0.0), 0.2)
+    assert [topic_of_rank(0, t, 4, 10.0) for t in (0, 9.9, 10, 25, 40)] == [0, 0, 1, 2, 0]
+    assert topic_of_rank(2, 1e6, 4, 0.0) == 2                       # drift off
+
+
+def test_workload_requests_are_topic_tokens_and_skewed():
+    cfg = config_from_dict({"ep_size": 4, "workload": "synthetic", "workload_prompt_len": 9,
+                            "workload_output_len": 5, "workload_skew": 2.0,
+                            "workload_drift_seconds": 100.0})
+    sent = []
+    wl = SyntheticWorkload(cfg, sent.append, seed=3, clock=lambda: 0.0)
+    T = topics.num_topics(cfg)
+    tok_topic = topics.token_topics(cfg)
+    hist = np.zeros(T, int)
+    for _ in range(300):
+        r = wl.make_request(0.0)
+        assert r.prompt[0] == 256 and len(r.prompt) == 9 and r.max_tokens == 5
+        assert r.source == "workload" and not r.stop_at_eos
+        assert len({int(tok_topic[t]) for t in r.prompt[1:]}) == 1     # one topic per prompt
+        hist[tok_topic[r.prompt[1]]] += 1
+    assert hist.argmax() == 0 and hist[0] > 0.5 * 300                  # Zipf(2): rank 0 ~ 61 %
+    later = [wl.make_request(150.0) for _ in range(200)]                # shift = 1
+    assert np.bincount([tok_topic[r.prompt[1]] for r in later], minlength=T).argmax() == 1
+
+
+def test_workload_skips_arrivals_over_the_backlog():
+    cfg = config_from_dict({"ep_size": 4, "workload": "synthetic", "workload_rate": 500.0})
+    sent = []
+    wl = SyntheticWorkload(cfg, sent.append, backlog=lambda: len(sent), max_backlog=3)
+    wl.start()
+    deadline = time.monotonic() + 5
+    while wl.skipped < 5 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    wl.close()
+    assert len(sent) == 3 and wl.skipped >= 5
+
+
+def test_check_port_and_ready_line():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        with pytest.raises(StartupError, match=f"--port={port}"):
+            check_port("127.0.0.1", port)
+    assert check_port("127.0.0.1", 0) > 0
+    cfg = config_from_dict({"ep_size": 4, "port": 8123})
+    assert ready_line(cfg) == "xllm-eplb ready ep_size=4 backend=gloo url=http://127.0.0.1:8123"
+
+
+def test_describe_exit():
+    assert describe_exit(-signal.SIGKILL) == "killed by SIGKILL"
+    assert describe_exit(3) == "exit code 3" and describe_exit(None) == "still running"
+
+
+def test_plain_progress_prints_one_line_per_completed_stage(capsys):
+    p = Progress(2, tty=False)
+    p.update("ep0", "dist_init")
+    assert capsys.readouterr().err == ""
+    p.update("ep1", "dist_init")
+    p.update("engine", "warmup")
+    err = capsys.readouterr().err.splitlines()
+    assert err[0].startswith("xllm-eplb start stage=dist_init ranks=2/2")
+    assert err[1].startswith("xllm-eplb start engine=warmup")
+    p.close()
+
+
+def test_serve_digest_lists_non_defaults():
+    from xllm_eplb.commands.serve import digest
+
+    cfg = config_from_dict({"ep_size": 4, "eplb_update_interval": 5.0})
+    assert digest(cfg) == "ep_size=4 eplb_update_interval=5"

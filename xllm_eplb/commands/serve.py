@@ -1,0 +1,38 @@
+"""``xllm-eplb serve``: run the engine and one worker per EP rank until SIGINT/SIGTERM.
+
+Takes every configuration flag, gflags style::
+
+    xllm-eplb serve --ep-size 16 --config configs/eplb.yaml --eplb_update_interval=5 --port 8000
+
+Prints ``xllm-eplb ready ep_size=.. backend=.. url=http://127.0.0.1:PORT`` once serving.
+Exit codes: 0 after a signal-initiated stop, 1 when a process died (named on stderr), 2 for a
+configuration or start-up error (e.g. the port is taken).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+from xllm_eplb.cli import config_command
+from xllm_eplb.config import FIELDS, as_flat_dict, format_value
+from xllm_eplb.obs.logs import event
+
+log = logging.getLogger(__name__)
+
+
+def digest(cfg) -> str:
+    """One line of the non-default values (as xLLM's config dump), e.g. ``ep_size=16 ...``."""
+    vals = as_flat_dict(cfg)
+    return " ".join(f"{k}={format_value(v)}" for k, v in vals.items()
+                    if v != FIELDS[k].default)
+
+
+@config_command("serve", help="Run the engine and one worker per EP rank "
+                "(prints a ready line; stop with Ctrl-C or SIGTERM).")
+def serve(cfg) -> None:
+    from xllm_eplb.launcher import serve as run_serve
+
+    code = run_serve(cfg, digest=digest(cfg))
+    log.info(event("launcher exit", code=code))
+    sys.exit(code)

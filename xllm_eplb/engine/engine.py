@@ -1,0 +1,357 @@
+"""The engine process: HTTP API, continuous-batching step loop, EPLB manager, metrics.
+
+One step (``Engine.step``), in data order (docs/architecture.md)::
+
+    batches = scheduler.schedule()                     # one RankBatch per DP rank
+    info = manager.eplb_info(allow)                    # allow: pure-decode boundary, no warm-up
+    input_ring.put(ForwardInput(step, batches, info))  # every worker reads it
+    outputs = [ring.get() for ring in output_rings]    # one ForwardOutput per rank
+    manager.on_outputs(counters, prepared_tokens, activation_token)
+    scheduler.update(sampled) -> finished requests; telemetry -> metrics
+
+With ``enable_eplb=false`` there is no manager: every forward carries an empty ``EplbInfo``.
+Idle (no requests): the loop blocks on the request queue (``IDLE_WAIT`` s slices) and only
+ticks the manager's timeouts; the manager's policy thread sleeps on its own condition.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import signal
+import time
+from pathlib import Path
+
+from xllm_eplb import __version__
+from xllm_eplb.config import Config
+from xllm_eplb.engine.scheduler import Request, Scheduler, is_eplb_boundary
+from xllm_eplb.engine.telemetry import Telemetry
+from xllm_eplb.engine.tokenizer import BOS_ID
+from xllm_eplb.eplb.info import NO_TOKEN, EplbInfo
+from xllm_eplb.launcher import backend_name, child_exit, child_setup, parent_alive, send_event
+from xllm_eplb.model.batch import RankBatch, SeqRow
+from xllm_eplb.obs.logs import event, setup_logging
+from xllm_eplb.obs.metrics import EngineMetrics
+
+log = logging.getLogger(__name__)
+
+IDLE_WAIT = 0.5
+#: first forwards wait for every worker to join torch.distributed and build its shard
+STARTUP_TIMEOUT = 600.0
+
+
+class WorkerFault(RuntimeError):
+    """A worker reported an error, answered the wrong step, or went silent."""
+
+
+def step_kind(batches: list[RankBatch], warmup: bool) -> str:
+    if warmup:
+        return "warmup"
+    rows = [r for b in batches for r in b.rows]
+    if not rows:
+        return "idle"
+    pre = sum(r.is_prefill for r in rows)
+    return "prefill" if pre == len(rows) else "decode" if pre == 0 else "mixed"
+
+
+def agreed_token(tokens: list[int]) -> int:
+    """The activation token every rank returned, or -1 when they disagree (never commit)."""
+    first = tokens[0]
+    if any(t != first for t in tokens):
+        log.warning(event("EPLB activation token mismatch", tokens=",".join(map(str, tokens))))
+        return NO_TOKEN
+    return first
+
+
+class Engine:
+    """Owns the scheduler, the rings' engine ends, the manager and the telemetry."""
+
+    def __init__(self, cfg: Config, inp, outs, *, manager=None, metrics=None):
+        self.cfg, self.inp, self.outs = cfg, inp, outs
+        self.D = cfg.eplb.ep_size
+        rt = cfg.runtime
+        self.sched = Scheduler(self.D, rt.max_batch_size, rt.max_prefill_tokens)
+        self.manager = manager
+        self.metrics = metrics or EngineMetrics(
+            self.D, cfg.num_moe_layers, per_layer=cfg.serve.enable_per_layer_metrics,
+            version=__version__, backend=backend_name(cfg), policy=cfg.eplb.eplb_policy_kind)
+        self.metrics.enabled.set(1 if manager is not None else 0)
+        self.tele = Telemetry(self.metrics, cfg.num_moe_layers, self.D)
+        self.step_no = 0
+        self.state = "starting"
+        self.stopping = False
+
+    # --- one forward -----------------------------------------------------------------------
+    def step(self, batches: list[RankBatch], *, warmup: bool = False,
+             timeout: float | None = None) -> list:
+        """Run one forward on every rank; returns the rank-ordered outputs."""
+        from xllm_eplb.ipc.messages import ForwardInput
+
+        allow = is_eplb_boundary(batches, warmup)
+        c0 = time.thread_time()
+        info = self.manager.eplb_info(allow) if self.manager is not None else EplbInfo()
+        eplb_s = time.thread_time() - c0
+        self.step_no += 1
+        msg = ForwardInput(self.step_no, batches, info, warmup=warmup,
+                           graph=self.cfg.runtime.enable_graph)
+        timeout = timeout or self.cfg.runtime.worker_timeout_seconds
+        t0 = time.perf_counter()
+        self.inp.put(msg, timeout=timeout)
+        if time.perf_counter() - t0 > 0.01:
+            self.metrics.ring_full.labels("input").inc()
+        outs = [self._get(r, timeout) for r in range(self.D)]
+        seconds = time.perf_counter() - t0
+        self._ring_occupancy()
+        if self.manager is not None and not warmup:
+            c0 = time.thread_time()
+            self.manager.on_outputs([o.counters for o in outs], [o.prepared_token for o in outs],
+                                    agreed_token([o.activation_token for o in outs]))
+            self.tele.on_eplb(self.manager.stats())
+            eplb_s += time.thread_time() - c0
+        self.tele.on_step(step_kind(batches, warmup), outs, seconds, eplb_engine_s=eplb_s)
+        return outs
+
+    def _ring_occupancy(self) -> None:
+        """Frames still unread in the fullest output ring after the gather (back-pressure)."""
+        with contextlib.suppress(Exception):
+            ring = max(self.outs, key=lambda o: o.ring.pending()).ring
+            self.metrics.ring_occupancy.labels("output").set(ring.pending() / ring.slots)
+
+    def _get(self, rank: int, timeout: float):
+        from xllm_eplb.ipc.errors import IpcError
+
+        try:
+            out = self.outs[rank].get(timeout=timeout)
+        except IpcError as e:
+            self.metrics.worker_up.labels(str(rank)).set(0)
+            raise WorkerFault(f"rank {rank}: no output for step {self.step_no}: {e}") from None
+        if out.error:
+            raise WorkerFault(out.error)
+        if out.step != self.step_no or out.rank != rank:
+            raise WorkerFault(f"rank {rank}: answered step {out.step} rank {out.rank}, "
+                              f"expected step {self.step_no}")
+        return out
+
+    # --- warm-up and loop ------------------------------------------------------------------
+    def warmup(self) -> None:
+        """Two warm-up forwards (never counted, never EPLB boundaries): every rank prefills a
+        dummy row; then only rank 0 has a row (the empty-rank path)."""
+        row = [BOS_ID] + list(range(1, 8))
+        first = [RankBatch([SeqRow(-(r + 1), row, 0, True)]) for r in range(self.D)]
+        second = [RankBatch([SeqRow(-1, row[:3], 0, True)] if r == 0 else [])
+                  for r in range(self.D)]
+        t0 = time.perf_counter()
+        self.step(first, warmup=True, timeout=STARTUP_TIMEOUT)
+        self.step(second, warmup=True)
+        log.info(event("engine warmup done", steps=2, seconds=round(time.perf_counter() - t0, 3)))
+
+    def run(self) -> None:
+        """Serve until :meth:`request_stop` (signal) or a worker fault (raises)."""
+        self.state = "serving"
+        last_health = 0.0
+        while not self.stopping:
+            self.sched.pull(timeout=IDLE_WAIT)
+            if time.monotonic() - last_health > 1.0:
+                last_health = time.monotonic()
+                self._refresh()
+            if self.stopping or not self.sched.has_work:
+                continue
+            outs = self.step(self.sched.schedule())
+            sampled: dict[int, int] = {}
+            for o in outs:
+                sampled.update(o.sampled)
+            self.tele.on_requests(self.sched.update(sampled))
+
+    def _refresh(self) -> None:
+        if self.manager is not None:
+            self.manager.tick()
+            self.tele.on_eplb(self.manager.stats())
+        self.tele.refresh_health(self.cfg.runtime.worker_timeout_seconds)
+        q = self.sched.load()
+        self.metrics.queue.labels("waiting").set(q["waiting"])
+        self.metrics.queue.labels("running").set(q["running"])
+
+    def request_stop(self, *_args) -> None:
+        self.stopping = True
+        self.state = "stopping"
+
+    def shutdown_workers(self) -> None:
+        """Send the shutdown message (workers leave their loop); never blocks for long."""
+        from xllm_eplb.ipc.messages import ForwardInput
+
+        with contextlib.suppress(Exception):
+            self.inp.put(ForwardInput.make_shutdown(self.step_no + 1), timeout=2.0)
+
+    # --- API backend -----------------------------------------------------------------------
+    def submit(self, req: Request) -> Request:
+        return self.sched.submit(req)
+
+    def health(self) -> tuple[bool, dict]:
+        return self.state == "serving", {"status": self.state, "ep_size": self.D,
+                                         "step": self.step_no,
+                                         "eplb": self.manager is not None}
+
+    def status(self) -> dict:
+        out = {"enabled": self.manager is not None, "policy": self.cfg.eplb.eplb_policy_kind,
+               "ep_size": self.D, "num_layers": self.cfg.num_moe_layers, "step": self.step_no,
+               "generation": 0, "rounds": 0, "layers_published": 0, "layers_committed": 0,
+               "layers_timed_out": 0, "layer_in_flight": -1, "last_policy_seconds": 0.0,
+               "slots_moved": 0}
+        if self.manager is not None:
+            st = self.manager.stats()
+            out.update({k: v for k, v in st.items() if isinstance(v, (int, float, str))
+                        or v is None})
+            out["placement"] = self.manager.active_placement.tolist()
+        out.update(self.tele.balance_summary())
+        out["critical_path"] = self.tele.critical_path_summary()
+        out["critical_path"]["manager_thread_cpu_s"] = _thread_cpu(
+            getattr(self.manager, "_thread", None))
+        out["requests"] = self.sched.load()
+        return out
+
+
+def _thread_cpu(thread) -> float:
+    """CPU seconds used so far by ``thread`` (the manager's policy thread), 0 when unknown."""
+    try:
+        return time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
+    except (AttributeError, OSError, TypeError):
+        return 0.0
+
+
+# --- process entry ----------------------------------------------------------------------------
+
+def _make_manager(cfg: Config):
+    if not cfg.eplb.enable_eplb:
+        return None
+    from xllm_eplb.eplb.manager import EplbManager
+
+    return EplbManager(cfg, cfg.num_moe_layers, cfg.eplb.ep_size, cfg.model.num_experts,
+                       runner="thread")
+
+
+def _attach_rings(cfg: Config):
+    from xllm_eplb.ipc.ring import InputRing, OutputRing
+
+    rid = cfg.runtime.run_id
+    inp = InputRing.attach(rid, producer=True, timeout=30.0)
+    outs = [OutputRing.attach(rid, r, reader=True, timeout=30.0) for r in range(cfg.eplb.ep_size)]
+    return inp, outs
+
+
+def _api(cfg: Config, engine_ref: dict):
+    from xllm_eplb.engine.api import ApiBackend, ApiLimits, ApiServer
+
+    m, rt = cfg.model, cfg.runtime
+    limits = ApiLimits(m.vocab_size, rt.max_prefill_tokens, m.max_position_embeddings)
+
+    def need():
+        if "engine" not in engine_ref:
+            raise RuntimeError("engine not started")
+        return engine_ref["engine"]
+
+    backend = ApiBackend(
+        submit=lambda r: need().submit(r),
+        status=lambda: need().status() if "engine" in engine_ref else {"status": "starting"},
+        metrics=lambda: need().metrics.render() if "engine" in engine_ref else b"",
+        health=lambda: need().health() if "engine" in engine_ref else (False,
+                                                                         {"status": "starting"}),
+        limits=limits)
+    return ApiServer(cfg.serve.host, cfg.serve.port, backend)
+
+
+def _start_workload(cfg: Config, engine: Engine):
+    if cfg.serve.workload != "synthetic":
+        return None
+    from xllm_eplb.engine.workload import SyntheticWorkload
+
+    cap = 4 * cfg.eplb.ep_size * cfg.runtime.max_batch_size
+    wl = SyntheticWorkload(cfg, engine.submit,
+                           backlog=lambda: sum(engine.sched.load().values()), max_backlog=cap)
+    wl.start()
+    return wl
+
+
+def _serve(cfg: Config, events, parent_pid: int, res: dict) -> int:
+    ref: dict = {}
+    try:
+        res["api"] = api = _api(cfg, ref)
+    except OSError as e:
+        send_event(events, "engine", "error",
+                   f"--port={cfg.serve.port}: cannot listen on {cfg.serve.host} ({e.strerror})")
+        return 2
+    api.start()
+    send_event(events, "engine", "http_bound", str(api.port))
+    inp, outs = _attach_rings(cfg)
+    res["rings"] = [inp] + outs
+    send_event(events, "engine", "rings")
+    res["engine"] = eng = ref["engine"] = Engine(cfg, inp, outs)
+    eng.warmup()
+    signal.signal(signal.SIGTERM, eng.request_stop)
+    send_event(events, "engine", "warmup")
+    eng.manager = res["manager"] = _make_manager(cfg)
+    eng.metrics.enabled.set(1 if eng.manager is not None else 0)
+    res["workload"] = _start_workload(cfg, eng)
+    send_event(events, "engine", "ready")
+    log.info(event("engine ready", ep_size=cfg.eplb.ep_size, port=api.port,
+                   eplb=cfg.eplb.enable_eplb, workload=cfg.serve.workload))
+    eng.run()
+    return 0
+
+
+def _teardown(res: dict, parent_pid: int, run_id: str) -> None:
+    for key in ("workload", "manager"):
+        if res.get(key) is not None:
+            with contextlib.suppress(Exception):
+                res[key].close()
+    eng = res.get("engine")
+    if eng is not None:
+        eng.state = "stopping"
+        eng.sched.fail_all("server shutting down")
+        eng.shutdown_workers()
+    if res.get("api") is not None:
+        with contextlib.suppress(Exception):
+            res["api"].close()
+    for ring in res.get("rings", []):
+        with contextlib.suppress(Exception):
+            ring.close()
+    if not parent_alive(parent_pid):
+        # NOTE: the launcher owns the shm; when it died (SIGKILL) the engine sweeps for it.
+        from xllm_eplb.launcher import sweep_run
+
+        for _ in range(10):
+            if not sweep_run(run_id):
+                break
+            time.sleep(0.2)
+
+
+def engine_main(cfg: Config, events, parent_pid: int) -> None:
+    """Process entry point (spawned by the launcher)."""
+    # NOTE: SIGTERM on launcher death -> graceful stop, then sweep the run's shm.
+    child_setup("xllm-eplb:engine", parent_pid, deathsig=signal.SIGTERM)
+    Path(cfg.serve.log_dir).mkdir(parents=True, exist_ok=True)
+    setup_logging("engine", cfg.serve.v, str(Path(cfg.serve.log_dir) / "engine.log"))
+    res: dict = {}
+    stop = {"early": False}
+    signal.signal(signal.SIGTERM, lambda *a: stop.update(early=True) or _raise_exit())
+    code = 1
+    try:
+        code = _serve(cfg, events, parent_pid, res)
+    except SystemExit as e:
+        code = 0 if stop["early"] else int(e.code or 0)
+    except WorkerFault as e:
+        log.error(event("engine worker fault", error=str(e)))
+        send_event(events, "engine", "error", str(e))
+    except Exception as e:  # noqa: BLE001
+        log.exception(event("engine failed", error=repr(e)))
+        send_event(events, "engine", "error", f"{type(e).__name__}: {e}")
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        _teardown(res, parent_pid, cfg.runtime.run_id)
+        log.info(event("engine exit", code=code, steps=getattr(res.get("engine"), "step_no", 0)))
+        logging.shutdown()
+    child_exit(code, events)
+
+
+def _raise_exit():
+    """SIGTERM before the step loop runs (start-up): leave at once, cleanly."""
+    raise SystemExit(0)

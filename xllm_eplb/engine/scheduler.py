@@ -1,0 +1,187 @@
+"""Continuous-batching scheduler: requests -> one :class:`RankBatch` per DP rank per step.
+
+One DP rank per EP rank. A request is pinned to the DP rank that prefilled it (its KV cache
+lives there). Every step carries a decode row for each running request and admits waiting
+requests (FIFO) as prefill rows onto the least-loaded rank that still has room
+(``max_batch_size`` rows, ``max_prefill_tokens`` prompt tokens per rank per step). Ranks with
+nothing to do get an empty batch: they still join every MoE all-to-all.
+
+Thread model: :meth:`submit` may be called from any thread (HTTP handlers, the workload);
+everything else runs on the engine's step-loop thread only.
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from xllm_eplb.engine.tokenizer import EOS_ID
+from xllm_eplb.model.batch import RankBatch, SeqRow
+
+
+@dataclass
+class Request:
+    """One completion request and its progress. Times are ``time.monotonic()`` seconds."""
+
+    prompt: list[int]
+    max_tokens: int
+    temperature: float = 0.0
+    seed: int = 0
+    source: str = "api"
+    stop_at_eos: bool = True
+    req_id: int = -1
+    dp_rank: int = -1
+    output: list[int] = field(default_factory=list)
+    arrival: float = field(default_factory=time.monotonic)
+    first_token_at: float = 0.0
+    finished_at: float = 0.0
+    finish_reason: str = ""
+    error: str = ""
+    done: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens in the KV cache after this request's next step (prompt + outputs)."""
+        return len(self.prompt) + len(self.output)
+
+    def finish(self, reason: str, error: str = "") -> None:
+        self.finish_reason, self.error = reason, error
+        self.finished_at = time.monotonic()
+        self.done.set()
+
+
+def is_eplb_boundary(batches: list[RankBatch], warmup: bool) -> bool:
+    """Spec 5, "When commands may be sent": some DP batch non-empty, every non-empty DP batch
+    pure decode, and not a warm-up forward. Empty DP ranks take part and do not veto."""
+    busy = [b for b in batches if not b.is_empty]
+    return bool(busy) and not warmup and all(b.is_pure_decode for b in busy)
+
+
+class Scheduler:
+    """Holds waiting and running requests of ``dp_size`` DP ranks."""
+
+    def __init__(self, dp_size: int, max_batch_size: int, max_prefill_tokens: int):
+        self.dp_size = dp_size
+        self.max_batch_size = max_batch_size
+        self.max_prefill_tokens = max_prefill_tokens
+        self.inbox: queue.Queue[Request] = queue.Queue()
+        self.waiting: deque[Request] = deque()
+        self.running: dict[int, Request] = {}
+        self._release: list[list[int]] = [[] for _ in range(dp_size)]
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()
+
+    # --- any thread ----------------------------------------------------------------------
+    def submit(self, req: Request) -> Request:
+        """Queue ``req`` (thread-safe); returns it with its ``req_id`` set."""
+        with self._lock:
+            req.req_id = next(self._ids)
+        if req.max_tokens <= 0:
+            req.finish("length")
+            return req
+        self.inbox.put(req)
+        return req
+
+    # --- step-loop thread ----------------------------------------------------------------
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def pull(self, timeout: float | None = None) -> None:
+        """Move submitted requests into the waiting queue. Blocks up to ``timeout`` seconds
+        for the first one when there is nothing to do (so an idle engine burns no CPU)."""
+        if not self.has_work and timeout is not None:
+            try:
+                self.waiting.append(self.inbox.get(timeout=timeout))
+            except queue.Empty:
+                return
+        while True:
+            try:
+                self.waiting.append(self.inbox.get_nowait())
+            except queue.Empty:
+                return
+
+    def _rows_per_rank(self) -> list[int]:
+        rows = [0] * self.dp_size
+        for r in self.running.values():
+            rows[r.dp_rank] += 1
+        return rows
+
+    def _pick_rank(self, rows: list[int], prefill: list[int], n: int) -> int:
+        """Least-loaded rank with room for one more row of ``n`` prompt tokens, or -1."""
+        best = -1
+        for k in range(self.dp_size):
+            if rows[k] >= self.max_batch_size or prefill[k] + n > self.max_prefill_tokens:
+                continue
+            if best < 0 or rows[k] < rows[best]:
+                best = k
+        return best
+
+    def schedule(self) -> list[RankBatch]:
+        """Build this step's batches: decode rows of running requests, then admissions."""
+        batches = [RankBatch(release=rel) for rel in self._release]
+        self._release = [[] for _ in range(self.dp_size)]
+        for r in self.running.values():
+            batches[r.dp_rank].rows.append(_decode_row(r))
+        rows, prefill = self._rows_per_rank(), [0] * self.dp_size
+        while self.waiting:
+            req = self.waiting[0]
+            k = self._pick_rank(rows, prefill, len(req.prompt))
+            if k < 0:
+                break  # NOTE: FIFO admission; the head waits until a rank has room
+            self.waiting.popleft()
+            req.dp_rank = k
+            rows[k] += 1
+            prefill[k] += len(req.prompt)
+            self.running[req.req_id] = req
+            batches[k].rows.append(SeqRow(req.req_id, list(req.prompt), 0, True,
+                                          req.temperature, req.seed))
+        return batches
+
+    def update(self, sampled: dict[int, int]) -> list[Request]:
+        """Append each running request's sampled token; returns the requests that finished
+        (their KV cache is released in the next step's batch of their rank)."""
+        now = time.monotonic()
+        finished = []
+        for rid, tok in sampled.items():
+            req = self.running.get(int(rid))
+            if req is None:
+                continue
+            if not req.output:
+                req.first_token_at = now
+            req.output.append(int(tok))
+            reason = _finish_reason(req)
+            if reason:
+                self._retire(req, reason)
+                finished.append(req)
+        return finished
+
+    def fail_all(self, error: str) -> None:
+        """Finish every waiting and running request with ``error`` (engine shutdown/fault)."""
+        self.pull()
+        for req in list(self.running.values()) + list(self.waiting):
+            req.finish("error", error)
+        self.running.clear()
+        self.waiting.clear()
+
+    def _retire(self, req: Request, reason: str) -> None:
+        del self.running[req.req_id]
+        self._release[req.dp_rank].append(req.req_id)
+        req.finish(reason)
+
+    def load(self) -> dict[str, int]:
+        return {"waiting": len(self.waiting) + self.inbox.qsize(), "running": len(self.running)}
+
+
+def _decode_row(r: Request) -> SeqRow:
+    return SeqRow(r.req_id, [r.output[-1]], r.num_tokens - 1, False, r.temperature, r.seed)
+
+
+def _finish_reason(r: Request) -> str:
+    if r.stop_at_eos and r.output[-1] == EOS_ID:
+        return "stop"
+    return "length" if len(r.output) >= r.max_tokens else ""

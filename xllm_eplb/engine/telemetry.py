@@ -1,0 +1,209 @@
+"""What the engine learns from each step's outputs: recent rank loads (balancedness), MoE
+critical path, EPLB progress, worker health. Feeds :class:`~xllm_eplb.obs.metrics.EngineMetrics`
+and the ``/eplb/status`` JSON. Step-loop thread writes; HTTP threads read under a lock.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+
+import numpy as np
+
+from xllm_eplb.eplb.balance import balancedness
+from xllm_eplb.obs.metrics import EngineMetrics
+
+#: steps in the recent load window behind ``balancedness_*``
+RECENT_STEPS = 64
+
+
+class RecentLoad:
+    """Sliding sum of per-step rank loads ``[layers, ranks]`` over the last ``steps`` steps."""
+
+    def __init__(self, num_layers: int, ep_size: int, steps: int = RECENT_STEPS):
+        self.window: collections.deque = collections.deque(maxlen=steps)
+        self.total = np.zeros((num_layers, ep_size), dtype=np.int64)
+
+    def add(self, rank_loads: np.ndarray) -> None:
+        if len(self.window) == self.window.maxlen:
+            self.total -= self.window[0]
+        self.window.append(rank_loads)
+        self.total += rank_loads
+
+    @property
+    def full(self) -> bool:
+        return len(self.window) == self.window.maxlen
+
+    def per_layer(self) -> np.ndarray:
+        """Balancedness (mean/max over ranks) of every layer, float64 [layers]."""
+        return balancedness(self.total)
+
+
+def rank_loads(counters: list[np.ndarray]) -> np.ndarray:
+    """Per-rank prefix-sum counters ``[L, S]`` -> tokens per rank ``[L, D]`` (last column)."""
+    return np.stack([c[:, -1] for c in counters], axis=1).astype(np.int64)
+
+
+def critical_path(outputs) -> tuple[float, float, int]:
+    """(sum over MoE layers of the slowest rank's expert CPU seconds, sum over layers and ranks
+    of expert CPU seconds, layers) from the workers' ``xc<l>`` timings."""
+    per = np.array([[o.timings.get(f"xc{i}", 0.0) for i in range(_layers(o))] for o in outputs])
+    if per.size == 0:
+        return 0.0, 0.0, 0
+    return float(per.max(axis=0).sum()), float(per.sum()), per.shape[1]
+
+
+def _layers(o) -> int:
+    return sum(1 for k in o.timings if k.startswith("xc"))
+
+
+class Telemetry:
+    """Step accounting for one engine."""
+
+    def __init__(self, metrics: EngineMetrics, num_layers: int, ep_size: int):
+        self.m, self.L, self.D = metrics, num_layers, ep_size
+        self.lock = threading.Lock()
+        self.recent = RecentLoad(num_layers, ep_size)
+        self.initial_balance: np.ndarray | None = None
+        self.steps = collections.Counter()
+        self.cp = dict(critical_s=0.0, expert_cpu_s=0.0, steps=0, decode_steps=0,
+                       decode_critical_s=0.0, decode_expert_cpu_s=0.0, forward_cpu_s=0.0,
+                       routed_tokens=0, eplb_engine_s=0.0, eplb_worker_s=0.0)
+        self.exec_seen = [0] * ep_size
+        self.prep_seen = [0] * ep_size
+        self.last_output_at = [0.0] * ep_size
+        self.hb: dict[int, dict] = {}
+        self.eplb: dict = {}
+        self.manager_at = self.loop_at = time.monotonic()
+        self.p2p_at: dict[int, float] = {}
+
+    # --- per step --------------------------------------------------------------------------
+    def on_step(self, kind: str, outputs, seconds: float, eplb_engine_s: float = 0.0) -> None:
+        """``kind``: warmup / prefill / decode / mixed / idle; ``eplb_engine_s``: step-loop CPU
+        spent in the manager's calls."""
+        m = self.m
+        m.steps.labels(kind).inc()
+        m.step_seconds.observe(seconds)
+        now = time.monotonic()
+        for o in outputs:
+            m.worker_up.labels(str(o.rank)).set(1)
+            self.last_output_at[o.rank] = now
+            self.hb[o.rank] = o.heartbeat
+            self._executor(o)
+        if kind == "warmup" or not outputs or outputs[0].counters.size == 0:
+            return
+        loads = rank_loads([o.counters for o in outputs])
+        for r, n in enumerate(loads.sum(axis=0)):
+            if n:
+                m.rank_tokens.labels(str(r)).inc(int(n))
+        crit, total, _ = critical_path(outputs)
+        m.moe_critical_path.inc(crit)
+        for o in outputs:
+            m.moe_compute.labels(str(o.rank)).inc(sum(v for k, v in o.timings.items()
+                                                      if k.startswith("xc")))
+        with self.lock:
+            self.recent.add(loads)
+            self._count_cp(kind, crit, total)
+            self.cp["forward_cpu_s"] += sum(o.timings.get("cpu_s", 0.0) for o in outputs)
+            self.cp["eplb_worker_s"] += sum(o.timings.get("eplb_s", 0.0) for o in outputs)
+            self.cp["eplb_engine_s"] += eplb_engine_s
+            self.cp["routed_tokens"] += int(loads.sum())
+            per = self.recent.per_layer()
+            if self.initial_balance is None and self.recent.full:
+                self.initial_balance = per.copy()
+        m.set_balance(per)
+
+    def _count_cp(self, kind: str, crit: float, total: float) -> None:
+        c = self.cp
+        c["critical_s"] += crit
+        c["expert_cpu_s"] += total
+        c["steps"] += 1
+        if kind == "decode":
+            c["decode_steps"] += 1
+            c["decode_critical_s"] += crit
+            c["decode_expert_cpu_s"] += total
+
+    def _executor(self, o) -> None:
+        """Observe each new activation of rank ``o.rank`` (executor counters in heartbeat)."""
+        hb, m = o.heartbeat, self.m
+        p = int(hb.get("prepares_ok", 0))
+        if p > self.prep_seen[o.rank]:
+            self.prep_seen[o.rank] = p
+            m.prepare_seconds.observe(float(hb.get("last_prepare_ms", 0.0)) / 1e3)
+        n = int(hb.get("activations", 0))
+        if n <= self.exec_seen[o.rank]:
+            return
+        self.exec_seen[o.rank] = n
+        self.p2p_at[o.rank] = time.time()
+        for phase in ("materialize", "transfer", "activation", "total"):
+            m.update_seconds.labels(phase).observe(float(hb.get(f"last_{phase}_ms", 0.0)) / 1e3)
+        m.transfer_seconds.observe(float(hb.get("last_transfer_ms", 0.0)) / 1e3)
+        m.inc_to(f"p2p{o.rank}", m.p2p_bytes.labels("sent"), float(hb.get("p2p_bytes_total", 0)))
+
+    def on_requests(self, finished) -> None:
+        m = self.m
+        for r in finished:
+            m.requests.labels(r.finish_reason or "unknown").inc()
+            m.generated.inc(len(r.output))
+            m.prompt_tokens.inc(len(r.prompt))
+            m.latency.observe(r.finished_at - r.arrival)
+            if r.first_token_at:
+                m.ttft.observe(r.first_token_at - r.arrival)
+
+    # --- EPLB ------------------------------------------------------------------------------
+    def on_eplb(self, st: dict) -> None:
+        """Manager ``stats()`` -> counters (the manager keeps cumulative totals)."""
+        m = self.m
+        self.manager_at = time.monotonic()
+        m.inc_to("rounds", m.rounds, st.get("rounds", 0))
+        for key, label in (("layers_published", "published"), ("layers_committed", "committed"),
+                           ("layers_timed_out", "timed_out")):
+            m.inc_to(key, m.layers.labels(label), st.get(key, 0))
+        m.inc_to("slots_moved", m.slots_moved, st.get("slots_moved", 0))
+        rounds_before = self.eplb.get("rounds", 0)
+        if st.get("rounds", 0) > rounds_before:
+            m.policy_seconds.observe(float(st.get("last_policy_seconds", 0.0)))
+        progress = ("samples", "rounds", "samples_stale", "samples_rejected")
+        if any(st.get(k) != self.eplb.get(k) for k in progress):
+            self.loop_at = self.manager_at   # the policy thread drained samples or ran a round
+        m.generation.set(st.get("generation", 0))
+        m.rebalancing.set(1 if st.get("layer_in_flight", -1) not in (-1, None) else 0)
+        with self.lock:
+            self.eplb = dict(st)
+
+    def refresh_health(self, worker_timeout: float) -> None:
+        """Heartbeat ages; a rank silent for longer than ``worker_timeout`` is marked down."""
+        now_m, now_w, m = time.monotonic(), time.time(), self.m
+        m.heartbeat_age.labels("manager", "engine").set(now_m - self.manager_at)
+        if self.eplb:
+            # rebalance loop: last time its progress counters moved (it drains every sample)
+            loop_at = self.eplb.get("heartbeat_at", self.loop_at)
+            m.heartbeat_age.labels("rebalance_loop", "engine").set(max(0.0, now_m - loop_at))
+        for r, hb in self.hb.items():
+            if "heartbeat_ts" in hb:
+                m.heartbeat_age.labels("executor", str(r)).set(now_w - hb["heartbeat_ts"])
+            p2p = hb.get("p2p_heartbeat_ts", self.p2p_at.get(r))
+            if p2p is not None:   # else: since this rank's last completed P2P activation
+                m.heartbeat_age.labels("p2p", str(r)).set(now_w - p2p)
+            m.heartbeat_age.labels("worker", str(r)).set(now_w - hb.get("ts", now_w))
+
+    # --- status ----------------------------------------------------------------------------
+    def balance_summary(self) -> dict:
+        with self.lock:
+            per = self.recent.per_layer()
+            init = self.initial_balance
+            have = bool(self.recent.window)
+        out = {"balancedness_mean": float(per.mean()) if have else None,
+               "balancedness_min": float(per.min()) if have else None,
+               "layers": [{"layer": i, "balancedness": float(b)} for i, b in enumerate(per)]
+               if have else [],
+               "balancedness_window_steps": len(self.recent.window)}
+        if init is not None:
+            out.update(initial_balancedness_mean=float(init.mean()),
+                       initial_balancedness_min=float(init.min()))
+        return out
+
+    def critical_path_summary(self) -> dict:
+        with self.lock:
+            return dict(self.cp)

@@ -1,0 +1,110 @@
+"""Built-in synthetic workload (``--workload synthetic``): skewed, drifting topic traffic.
+
+Requests arrive as a Poisson process (``workload_rate`` per second). Each picks a topic by a
+Zipf law over topic *ranks* (``P(rank k) ~ 1 / (k + 1) ** workload_skew``); the topic holding
+rank k is ``(k + shift) % T`` where ``shift`` grows by one every ``workload_drift_seconds``, so
+the hot topic -- and with it the hot experts (see :mod:`xllm_eplb.model.topics`) -- moves.
+Prompts are ``workload_prompt_len`` byte tokens of the topic; outputs are exactly
+``workload_output_len`` tokens (EOS ignored) so the load is steady.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import numpy as np
+
+from xllm_eplb.config import Config
+from xllm_eplb.engine.scheduler import Request
+from xllm_eplb.engine.tokenizer import BOS_ID
+from xllm_eplb.obs.logs import event
+
+log = logging.getLogger(__name__)
+
+
+def zipf_probs(num_topics: int, skew: float) -> np.ndarray:
+    """P(rank k), k = 0..T-1, float64 [T] summing to 1 (``skew=0``: uniform)."""
+    w = 1.0 / np.arange(1, num_topics + 1, dtype=np.float64) ** float(skew)
+    return w / w.sum()
+
+
+def topic_of_rank(rank: int, elapsed: float, num_topics: int, drift_seconds: float) -> int:
+    """The topic that holds popularity ``rank`` after ``elapsed`` seconds of drift."""
+    shift = int(elapsed // drift_seconds) if drift_seconds > 0 else 0
+    return (rank + shift) % num_topics
+
+
+class SyntheticWorkload:
+    """Generates requests on a daemon thread and hands them to ``submit``.
+
+    ``seed`` makes the sequence of topics, prompts and gaps reproducible.
+    """
+
+    def __init__(self, cfg: Config, submit, *, seed: int = 1234, clock=time.monotonic,
+                 backlog=None, max_backlog: int = 0):
+        from xllm_eplb.model import topics
+
+        self.cfg, self.submit, self.clock = cfg, submit, clock
+        self._topics = topics
+        self.num_topics = topics.num_topics(cfg)
+        self.probs = zipf_probs(self.num_topics, cfg.serve.workload_skew)
+        self.rng = np.random.default_rng(seed)
+        self.sent = self.skipped = 0
+        # NOTE: an engine slower than the arrival rate would queue without bound; arrivals
+        # that find ``backlog() >= max_backlog`` are skipped (counted, never queued).
+        self.backlog, self.max_backlog = backlog, max_backlog
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._t0 = clock()
+        self._last_shift = -1
+
+    def make_request(self, now: float) -> Request:
+        """One request at time ``now`` (seconds since start are taken from the clock)."""
+        s = self.cfg.serve
+        elapsed = now - self._t0
+        rank = int(self.rng.choice(self.num_topics, p=self.probs))
+        topic = topic_of_rank(rank, elapsed, self.num_topics, s.workload_drift_seconds)
+        self._log_drift(elapsed)
+        ids = self._topics.topic_token_ids(self.cfg, topic, s.workload_prompt_len - 1, self.rng)
+        seed = int(self.rng.integers(0, 1 << 31))
+        return Request(prompt=[BOS_ID] + ids, max_tokens=s.workload_output_len,
+                       temperature=0.0, seed=seed, source="workload", stop_at_eos=False)
+
+    def _log_drift(self, elapsed: float) -> None:
+        d = self.cfg.serve.workload_drift_seconds
+        shift = int(elapsed // d) if d > 0 else 0
+        if shift != self._last_shift:
+            self._last_shift = shift
+            hot = topic_of_rank(0, elapsed, self.num_topics, d)
+            log.info(event("workload topics", hot_topic=hot, shift=shift,
+                           skew=self.cfg.serve.workload_skew, topics=self.num_topics))
+
+    def start(self) -> None:
+        self._t0 = self.clock()
+        self._thread = threading.Thread(target=self._run, name="workload", daemon=True)
+        self._thread.start()
+        s = self.cfg.serve
+        log.info(event("workload start", kind="synthetic", rate=s.workload_rate,
+                       prompt_len=s.workload_prompt_len, output_len=s.workload_output_len,
+                       skew=s.workload_skew, drift_seconds=s.workload_drift_seconds))
+
+    def _run(self) -> None:
+        s = self.cfg.serve
+        while not self._stop.is_set():
+            if s.workload_max_requests and self.sent >= s.workload_max_requests:
+                return
+            if self._stop.wait(float(self.rng.exponential(1.0 / s.workload_rate))):
+                return
+            if self.backlog is not None and self.max_backlog and \
+                    self.backlog() >= self.max_backlog:
+                self.skipped += 1
+                continue
+            self.submit(self.make_request(self.clock()))
+            self.sent += 1
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=2)

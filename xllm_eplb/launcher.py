@@ -1,0 +1,451 @@
+"""``xllm-eplb serve``: create the run's shared memory, spawn the engine and one worker per EP
+rank, show start-up progress, print the ready line, supervise, and tear everything down.
+
+Process tree (spawn context)::
+
+    launcher (xllm-eplb:launcher) ── engine (xllm-eplb:engine)  HTTP, scheduler, EPLB manager
+                                  └─ worker 0..N-1 (xllm-eplb:ep<r>)  model shard, executor
+
+Stopping: SIGINT/SIGTERM -> the launcher asks the engine to stop (SIGTERM); the engine sends the
+shutdown message through the input ring, workers leave their loop; whatever has not exited after
+``--shutdown_timeout_seconds`` is killed. If any child dies, the launcher stops the rest and exits
+1 naming the process and its exit cause. NOTE: children ignore SIGINT (a terminal ^C reaches the
+whole process group; only the launcher decides) and die with the launcher (PR_SET_PDEATHSIG,
+plus a parent-pid check), and the launcher always sweeps the run's ``/dev/shm`` objects last.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import dataclasses
+import logging
+import multiprocessing as mp
+import multiprocessing.connection as mpc
+import os
+import signal
+import socket
+import sys
+import time
+from pathlib import Path
+
+from xllm_eplb.config import Config
+from xllm_eplb.errors import UserError
+from xllm_eplb.obs.logs import event, setup_logging
+
+log = logging.getLogger(__name__)
+
+PR_SET_PDEATHSIG = 1
+#: environment of every child (one intra-op thread per rank; 2 cores serve 17 processes)
+CHILD_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1",
+             "TORCH_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+WORKER_STAGES = ("spawned", "dist_init", "model", "ready")
+ENGINE_STAGES = ("spawned", "http_bound", "rings", "warmup", "ready")
+
+
+class StartupError(UserError):
+    """Serving could not start (port taken, child failed during start-up)."""
+
+
+# --- child-side helpers (engine and workers call these first) -------------------------------
+
+def child_setup(title: str, parent_pid: int, deathsig: int = signal.SIGKILL) -> None:
+    """Name the process, ignore terminal ^C, and die with the launcher.
+
+    ``deathsig`` is delivered when the launcher dies (Linux ``PR_SET_PDEATHSIG``); the parent
+    check covers a launcher that died before the call.
+    """
+    with contextlib.suppress(Exception):
+        import setproctitle
+
+        setproctitle.setproctitle(title)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    with contextlib.suppress(Exception):
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, int(deathsig), 0, 0, 0)
+    if os.getppid() != parent_pid:
+        os._exit(1)
+
+
+def child_exit(code: int, events=None) -> None:
+    """Leave a child process now: flush the event queue and stdio, then ``os._exit`` (skips
+    interpreter teardown, which with torch loaded can take seconds on a busy machine)."""
+    if events is not None:
+        with contextlib.suppress(Exception):
+            events.close()
+            events.join_thread()
+    with contextlib.suppress(Exception):
+        sys.stdout.flush()
+        sys.stderr.flush()
+    os._exit(code)
+
+
+def parent_alive(parent_pid: int) -> bool:
+    return os.getppid() == parent_pid
+
+
+def send_event(events, who: str, stage: str, detail: str = "") -> None:
+    """Report a start-up stage (``who``: ``engine`` or ``ep<r>``) to the launcher."""
+    with contextlib.suppress(Exception):
+        events.put((who, stage, detail))
+
+
+# --- launcher ---------------------------------------------------------------------------------
+
+def check_port(host: str, port: int) -> int:
+    """Bind-test ``host:port`` before anything starts; returns the port (a free one for 0)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise StartupError(f"--port={port}: cannot listen on {host}:{port} ({e.strerror}); "
+                               f"stop the other server or pick another --port") from None
+        return s.getsockname()[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def resolve_runtime(cfg: Config) -> Config:
+    """Fill what the run decides at start: HTTP port (for 0), rendezvous port, run id."""
+    from xllm_eplb.ipc.shm import resolve_run_id
+
+    port = check_port(cfg.serve.host, cfg.serve.port)
+    mport = cfg.runtime.master_port or free_port()
+    rt = dataclasses.replace(cfg.runtime, master_port=mport,
+                             run_id=resolve_run_id(cfg.runtime.run_id, port))
+    return dataclasses.replace(cfg, runtime=rt, serve=dataclasses.replace(cfg.serve, port=port))
+
+
+def describe_exit(code: int | None) -> str:
+    """``exit code 3`` / ``killed by SIGKILL`` / ``still running``."""
+    if code is None:
+        return "still running"
+    if code < 0:
+        with contextlib.suppress(ValueError):
+            return f"killed by {signal.Signals(-code).name}"
+        return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+@contextlib.contextmanager
+def _child_env():
+    """Environment the spawned interpreter starts with (spawn copies ``os.environ``)."""
+    old = {k: os.environ.get(k) for k in CHILD_ENV}
+    os.environ.update(CHILD_ENV)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+class Launcher:
+    """Owns the children and the run's shared memory; :meth:`run` returns the exit code."""
+
+    def __init__(self, cfg: Config, *, progress=None):
+        self.cfg = cfg
+        self.ctx = mp.get_context("spawn")
+        self.events = self.ctx.Queue()
+        self.procs: dict[str, mp.Process] = {}
+        self.stop_signal = 0
+        self.shm = None
+        self.progress = progress
+        self.t0 = time.monotonic()
+
+    # --- signals ---------------------------------------------------------------------------
+    def _on_signal(self, signum, frame) -> None:
+        if not self.stop_signal:
+            self.stop_signal = signum
+
+    def install_signals(self) -> None:
+        signal.signal(signal.SIGINT, self._on_signal)
+        signal.signal(signal.SIGTERM, self._on_signal)
+
+    # --- start -----------------------------------------------------------------------------
+    def _spawn(self, who: str, target, *args) -> None:
+        with _child_env():
+            p = self.ctx.Process(target=target, name=who, args=args, daemon=False)
+            p.start()
+        self.procs[who] = p
+        log.debug(event("launcher spawn", proc=who, pid=p.pid))
+
+    def start(self) -> None:
+        """Shared memory, then the engine (it binds the port first), then the workers."""
+        from xllm_eplb.engine.engine import engine_main
+        from xllm_eplb.worker.worker import worker_main
+
+        cfg, me = self.cfg, os.getpid()
+        self.shm = RunShm.create(cfg)
+        self._spawn("engine", engine_main, cfg, self.events, me)
+        self._wait_stage("engine", "http_bound")
+        for r in range(cfg.eplb.ep_size):
+            self._spawn(f"ep{r}", worker_main, cfg, r, self.events, me)
+        self._wait_stage("engine", "ready")
+
+    def _wait_stage(self, who: str, stage: str) -> None:
+        """Pump events until ``who`` reports ``stage``; a dead child or a signal aborts."""
+        while True:
+            ev = self._next_event(0.2)
+            if ev and ev[0] == who and ev[1] == stage:
+                return
+            if ev and ev[1] == "error":
+                raise StartupError(f"{ev[0]} failed during start-up: {ev[2]}")
+            dead = self.dead_child()
+            if dead:
+                raise StartupError(self.death_message(dead, during="start-up"))
+            if self.stop_signal:
+                raise KeyboardInterrupt
+
+    def _next_event(self, timeout: float):
+        try:
+            ev = self.events.get(timeout=timeout)
+        except Exception:  # noqa: BLE001 - queue.Empty
+            return None
+        self._report_stage(*ev)
+        return ev
+
+    def _report_stage(self, who: str, stage: str, detail: str) -> None:
+        if self.progress is not None:
+            self.progress.update(who, stage)
+        log.debug(event("launcher stage", proc=who, stage=stage, detail=detail,
+                        t=round(time.monotonic() - self.t0, 2)))
+
+    # --- supervise -------------------------------------------------------------------------
+    def dead_child(self) -> str | None:
+        for who, p in self.procs.items():
+            if p.exitcode is not None:
+                return who
+            if not p.is_alive():
+                p.join(2.0)
+                return who
+        return None
+
+    def death_message(self, who: str, during: str = "serving") -> str:
+        p = self.procs[who]
+        name = f"rank {who[2:]}" if who.startswith("ep") else who
+        return (f"{name} (pid {p.pid}) died during {during}: {describe_exit(p.exitcode)}; "
+                f"see {Path(self.cfg.serve.log_dir) / log_name(who)}")
+
+    def supervise(self) -> int:
+        """Block until a signal (-> 0) or a child's death (-> 1)."""
+        sentinels = {p.sentinel: who for who, p in self.procs.items()}
+        while not self.stop_signal:
+            ready = mpc.wait(list(sentinels), timeout=0.5)
+            self._drain_events()
+            if ready:
+                who = sentinels[ready[0]]
+                self.procs[who].join(2.0)  # reap it: the exit cause names the signal
+                log.error(event("launcher child died", proc=who, pid=self.procs[who].pid,
+                                cause=describe_exit(self.procs[who].exitcode)))
+                print(f"error: {self.death_message(who)}", file=sys.stderr, flush=True)
+                return 1
+        log.info(event("launcher stop", signal=signal.Signals(self.stop_signal).name))
+        return 0
+
+    def _drain_events(self) -> None:
+        while self._next_event(0) is not None:
+            pass
+
+    # --- stop ------------------------------------------------------------------------------
+    def stop(self, graceful: bool) -> list[str]:
+        """Stop every child; returns the names of those that had to be killed."""
+        timeout = self.cfg.serve.shutdown_timeout_seconds if graceful else min(
+            3.0, self.cfg.serve.shutdown_timeout_seconds)
+        eng = self.procs.get("engine")
+        if eng is not None and eng.exitcode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(eng.pid, signal.SIGTERM)   # engine: graceful stop of the whole run
+        if not graceful:
+            for who, p in self.procs.items():
+                if who != "engine" and p.exitcode is None:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(p.pid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and any(p.exitcode is None
+                                                  for p in self.procs.values()):
+            mpc.wait([p.sentinel for p in self.procs.values() if p.exitcode is None], 0.1)
+            self._drain_events()   # NOTE: a child flushing its event queue must not block
+            for p in self.procs.values():
+                p.join(0)
+        killed = [who for who, p in self.procs.items() if p.exitcode is None]
+        for who in killed:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.procs[who].pid, signal.SIGKILL)
+        for p in self.procs.values():
+            p.join(5)
+        if killed:
+            log.warning(event("launcher killed", procs=",".join(killed), after_s=timeout))
+        return killed
+
+    def cleanup(self) -> None:
+        """Close and sweep the run's shared memory; close the event queue."""
+        if self.shm is not None:
+            self.shm.close()
+        sweep_run(self.cfg.runtime.run_id)
+        with contextlib.suppress(Exception):
+            self.events.close()
+            self.events.join_thread()
+
+
+class RunShm:
+    """The run's rings, created (and finally unlinked) by the launcher: the input ring
+    (engine -> every worker) and one output ring per worker. The engine attaches as producer
+    of the input ring and reader of the output rings; workers attach the other ends."""
+
+    def __init__(self, rings: list):
+        self.rings = rings
+
+    @classmethod
+    def create(cls, cfg: Config) -> "RunShm":
+        from xllm_eplb.ipc.ring import InputRing, OutputRing
+
+        rt, n = cfg.runtime, cfg.eplb.ep_size
+        rings: list = []
+        try:
+            rings.append(InputRing.create(rt.run_id, n, rt.shm_ring_slots,
+                                          rt.shm_input_frame_bytes, producer=False))
+            for r in range(n):
+                rings.append(OutputRing.create(rt.run_id, r, rt.shm_ring_slots,
+                                               rt.shm_output_frame_bytes, reader=False))
+        except BaseException as e:
+            cls(rings).close()
+            from xllm_eplb.ipc.errors import SegmentBusyError
+
+            if isinstance(e, SegmentBusyError):
+                raise StartupError(f"--run_id={rt.run_id}: {e}") from None
+            raise
+        log.debug(event("launcher shm created", run_id=rt.run_id, rings=len(rings),
+                       slots=rt.shm_ring_slots))
+        return cls(rings)
+
+    def close(self) -> None:
+        for ring in self.rings:
+            with contextlib.suppress(Exception):
+                ring.close()
+        self.rings = []
+
+
+def sweep_run(run_id: str) -> list:
+    """Remove every unheld shared-memory object of ``run_id`` (after the children are gone)."""
+    try:
+        from xllm_eplb.ipc.objects import clean
+
+        removed = clean(run_id)
+    except Exception as e:  # noqa: BLE001 - teardown must go on
+        log.warning(event("launcher shm sweep failed", run_id=run_id, error=repr(e)))
+        return []
+    if removed:
+        log.info(event("launcher shm swept", run_id=run_id, objects=len(removed)))
+    return removed
+
+
+def log_name(who: str) -> str:
+    """Log file of a process: ``engine.log``, ``rank3.log``, ``launcher.log``."""
+    return f"rank{who[2:]}.log" if who.startswith("ep") else f"{who}.log"
+
+
+def backend_name(cfg: Config) -> str:
+    """``--backend`` with ``auto`` resolved by device (gloo on CPU, nccl on CUDA, hccl on NPU)."""
+    from xllm_eplb.worker.comm import resolve_backend
+
+    return resolve_backend(cfg.runtime.device, cfg.runtime.backend)
+
+
+def ready_line(cfg: Config) -> str:
+    """The one fixed line users and tools wait for."""
+    host = "127.0.0.1" if cfg.serve.host in ("0.0.0.0", "") else cfg.serve.host
+    return (f"xllm-eplb ready ep_size={cfg.eplb.ep_size} backend={backend_name(cfg)} "
+            f"url=http://{host}:{cfg.serve.port}")
+
+
+class Progress:
+    """Start-up progress: a ``rich`` bar per stage on a TTY, else one plain line per stage
+    reached by every rank (``xllm-eplb start stage=model ranks=16/16 t=3.2s``)."""
+
+    def __init__(self, ep_size: int, tty: bool):
+        self.ep_size, self.t0 = ep_size, time.monotonic()
+        self.counts: dict[str, int] = {s: 0 for s in WORKER_STAGES}
+        self._rich = None
+        if tty:
+            from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
+            from rich.progress import Progress as RichProgress
+
+            self._rich = RichProgress(TextColumn("{task.description:<18}"), BarColumn(),
+                                      MofNCompleteColumn(), TimeElapsedColumn(),
+                                      transient=True)
+            self._tasks = {s: self._rich.add_task(f"ranks {s}", total=ep_size)
+                           for s in WORKER_STAGES}
+            self._tasks["engine"] = self._rich.add_task("engine", total=len(ENGINE_STAGES))
+            self._rich.start()
+
+    def update(self, who: str, stage: str) -> None:
+        if who == "engine":
+            self._engine(stage)
+        elif stage in self.counts:
+            self.counts[stage] += 1
+            if self._rich is not None:
+                self._rich.update(self._tasks[stage], completed=self.counts[stage])
+            elif self.counts[stage] == self.ep_size:
+                self._line(f"stage={stage} ranks={self.ep_size}/{self.ep_size}")
+
+    def _engine(self, stage: str) -> None:
+        if stage not in ENGINE_STAGES:
+            return
+        if self._rich is not None:
+            self._rich.update(self._tasks["engine"], completed=ENGINE_STAGES.index(stage) + 1)
+        else:
+            self._line(f"engine={stage}")
+
+    def _line(self, text: str) -> None:
+        print(f"xllm-eplb start {text} t={time.monotonic() - self.t0:.1f}s", file=sys.stderr,
+              flush=True)
+
+    def close(self) -> None:
+        if self._rich is not None:
+            self._rich.stop()
+            self._rich = None
+
+
+def serve(cfg: Config, digest: str = "") -> int:
+    """Run until a signal or a failure; returns the process exit code."""
+    from xllm_eplb.worker.comm import preflight
+
+    preflight(cfg)  # device / backend / model checks before anything starts
+    cfg = resolve_runtime(cfg)
+    Path(cfg.serve.log_dir).mkdir(parents=True, exist_ok=True)
+    setup_logging("launcher", cfg.serve.v, str(Path(cfg.serve.log_dir) / "launcher.log"))
+    with contextlib.suppress(Exception):
+        import setproctitle
+
+        setproctitle.setproctitle("xllm-eplb:launcher")
+    log.info(event("launcher config", run_id=cfg.runtime.run_id, port=cfg.serve.port,
+                   master_port=cfg.runtime.master_port) + (" " + digest if digest else ""))
+    progress = Progress(cfg.eplb.ep_size, sys.stderr.isatty())
+    launcher = Launcher(cfg, progress=progress)
+    launcher.install_signals()
+    code = 1
+    try:
+        try:
+            launcher.start()
+        finally:
+            progress.close()
+        print(ready_line(cfg), flush=True)
+        code = launcher.supervise()
+        launcher.stop(graceful=(code == 0))
+    except KeyboardInterrupt:
+        code = 0 if launcher.stop_signal else 130
+        launcher.stop(graceful=True)
+    except BaseException:
+        launcher.stop(graceful=False)
+        raise
+    finally:
+        launcher.cleanup()
+    return code

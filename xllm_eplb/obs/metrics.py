@@ -1,0 +1,159 @@
+"""Every Prometheus metric of xllm-eplb, in one ``CollectorRegistry`` owned by the engine.
+
+Workers export nothing themselves: their counters, timings and heartbeats travel in each
+``ForwardOutput`` and the engine records them here. Names start with ``xllm_eplb_``, use base
+units (seconds, bytes, ratio) and counters end in ``_total``. Per-layer series exist only with
+``--enable_per_layer_metrics`` (cardinality: layers x ...).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+
+PREFIX = "xllm_eplb_"
+_FAST = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+_SLOW = (0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_LATENCY = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
+#: heartbeat components of the control plane and of each worker (spec 13 `EPLB heartbeat`)
+HEARTBEAT_COMPONENTS = ("rebalance_loop", "manager", "executor", "p2p")
+
+
+class EngineMetrics:
+    """The engine's metric families. ``ep_size`` ranks, ``num_layers`` MoE layers."""
+
+    def __init__(self, ep_size: int, num_layers: int, *, per_layer: bool = False,
+                 version: str = "", backend: str = "", policy: str = ""):
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.ep_size, self.num_layers, self.per_layer = ep_size, num_layers, per_layer
+        self._last: dict[str, float] = {}
+        self._define_info(version, backend, policy)
+        self._define_balance()
+        self._define_rebalance()
+        self._define_transfer()
+        self._define_serving()
+        self._define_health()
+
+    # --- definitions ---------------------------------------------------------------------
+    def _g(self, name, doc, labels=()):
+        return Gauge(PREFIX + name, doc, labels, registry=self.registry)
+
+    def _c(self, name, doc, labels=()):
+        return Counter(PREFIX + name, doc, labels, registry=self.registry)
+
+    def _h(self, name, doc, buckets, labels=()):
+        return Histogram(PREFIX + name, doc, labels, buckets=buckets, registry=self.registry)
+
+    def _define_info(self, version, backend, policy):
+        self.build_info = self._g("build_info", "build metadata (value 1)",
+                                  ("version", "backend", "policy"))
+        self.build_info.labels(version, backend, policy).set(1)
+        self.ep_size_g = self._g("ep_size", "EP ranks (= worker processes)")
+        self.ep_size_g.set(self.ep_size)
+        self.enabled = self._g("eplb_enabled", "1 when dynamic EPLB is on")
+
+    def _define_balance(self):
+        self.balancedness = self._g(
+            "balancedness_ratio", "per MoE layer mean/max rank load over the recent load "
+            "window, then min or mean over layers", ("stat",))
+        self.peak_over_ideal = self._g("peak_over_ideal_ratio", "max over layers of slowest "
+                                       "rank load / mean rank load (recent window)")
+        self.rank_tokens = self._c("rank_tokens", "routed token-expert pairs computed by the "
+                                   "rank's physical slots (MoE layers summed)", ("rank",))
+        self.layer_balancedness = (self._g("layer_balancedness_ratio", "mean/max rank load "
+                                           "of one MoE layer (recent window)", ("layer",))
+                                   if self.per_layer else None)
+        self.moe_critical_path = self._c(
+            "moe_critical_path_seconds", "sum over MoE layers of the slowest rank's expert "
+            "compute CPU time")
+        self.moe_compute = self._c("moe_compute_seconds", "expert compute CPU time per rank",
+                                   ("rank",))
+
+    def _define_rebalance(self):
+        self.rounds = self._c("rebalance_rounds", "policy rounds completed")
+        self.layers = self._c("rebalance_layers", "layers by outcome: published (passed the "
+                              "gate), committed (activated on all ranks), timed_out (rolled "
+                              "back)", ("result",))
+        self.policy_seconds = self._h("policy_duration_seconds", "one policy round (all "
+                                      "layers), background thread", _SLOW)
+        self.rebalancing = self._g("rebalancing", "1 while a layer is being prepared or "
+                                   "activated")
+        self.generation = self._g("placement_generation", "activations committed so far")
+        self.slots_moved = self._c("slots_moved", "physical slots whose expert changed")
+
+    def _define_transfer(self):
+        self.update_seconds = self._h(
+            "update_expert_weight_seconds", "worker-side weight switch per layer and rank",
+            _FAST, ("phase",))
+        self.transfer_seconds = self._h("transfer_duration_seconds", "P2P transfer of one "
+                                        "layer on one rank, start to wait done", _FAST)
+        self.prepare_seconds = self._h("prepare_duration_seconds", "worker background "
+                                       "prepare of one layer", _FAST)
+        self.p2p_bytes = self._c("p2p_bytes", "expert-weight bytes moved by P2P",
+                                 ("direction",))
+
+    def _define_serving(self):
+        self.steps = self._c("steps", "forward steps by kind", ("kind",))
+        self.step_seconds = self._h("step_duration_seconds", "engine step: write input to "
+                                    "last output", _FAST)
+        self.requests = self._c("requests", "finished requests", ("result",))
+        self.generated = self._c("generated_tokens", "output tokens")
+        self.prompt_tokens = self._c("prompt_tokens", "prefilled prompt tokens")
+        self.latency = self._h("request_latency_seconds", "arrival to last token", _LATENCY)
+        self.ttft = self._h("time_to_first_token_seconds", "arrival to first token", _LATENCY)
+        self.queue = self._g("requests_in_queue", "requests by state", ("state",))
+
+    def _define_health(self):
+        self.worker_up = self._g("worker_up", "1 while the rank answers forward steps",
+                                 ("rank",))
+        self.heartbeat_age = self._g(
+            "heartbeat_age_seconds", "seconds since the component last reported progress "
+            "(rank=engine for engine-side components)", ("component", "rank"))
+        self.ring_full = self._c("ring_full", "writes that found the ring full and had to "
+                                 "wait (back-pressure)", ("ring",))
+        self.ring_occupancy = self._g("ring_occupancy_ratio", "frames in use / ring slots",
+                                      ("ring",))
+        for r in range(self.ep_size):
+            self.worker_up.labels(str(r)).set(0)
+
+    # --- updates -------------------------------------------------------------------------
+    def inc_to(self, key: str, counter, total: float) -> None:
+        """Advance ``counter`` to the cumulative value ``total`` (sources keep totals)."""
+        delta = float(total) - self._last.get(key, 0.0)
+        if delta > 0:
+            counter.inc(delta)
+            self._last[key] = float(total)
+
+    def set_balance(self, per_layer) -> None:
+        """``per_layer``: balancedness [layers] of the recent window (from ``eplb/balance``)."""
+        if len(per_layer) == 0:
+            return
+        self.balancedness.labels("min").set(float(min(per_layer)))
+        self.balancedness.labels("mean").set(float(sum(per_layer) / len(per_layer)))
+        self.peak_over_ideal.set(float(max(1.0 / max(b, 1e-12) for b in per_layer)))
+        if self.layer_balancedness is not None:
+            for layer, b in enumerate(per_layer):
+                self.layer_balancedness.labels(str(layer)).set(float(b))
+
+    def render(self) -> bytes:
+        """Prometheus text exposition of the registry."""
+        return generate_latest(self.registry)
+
+
+def metric_names(registry: CollectorRegistry) -> set[str]:
+    """Every sample name the registry can expose (``_total``, ``_bucket``... included) and
+    every family name: what a dashboard expression may reference."""
+    names: set[str] = set()
+    for fam in registry.collect():
+        names.add(fam.name)
+        if fam.type == "counter":
+            names.update({fam.name + "_total", fam.name + "_created"})
+        if fam.type == "histogram":
+            names.update(fam.name + s for s in ("_bucket", "_sum", "_count", "_created"))
+        names.update(s.name for s in fam.samples)
+    return names

@@ -1,0 +1,224 @@
+"""Worker main loop: one process per EP rank (= one DP rank).
+
+Start-up: attach the input ring (reader ``rank``) and this rank's output ring, join
+torch.distributed (EP group + EPLB group), build the model shard and the EPLB executor, report
+each stage to the launcher. Loop, one iteration per engine step::
+
+    msg = input_ring.get()                       # ForwardInput (every rank reads every step)
+    executor.before_forward(msg.eplb_info)       # start P2P of update_layer_id, queue prepare
+    result = model.forward_step(msg.batches[rank], warmup=..., pure_decode=...)
+    executor.after_forward()                     # wait P2P, activate in place
+    output_ring.put(ForwardOutput(...))          # counters, tokens, sampled, timings
+
+NOTE: every rank must run every step (empty batch included) in the same order: the MoE
+all-to-all and the EPLB P2P plan are collectives. A rank that fails reports the error in its
+output and exits non-zero; the launcher then stops the run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+from xllm_eplb.config import Config
+from xllm_eplb.eplb.info import NO_LAYER, NO_TOKEN
+from xllm_eplb.launcher import child_exit, child_setup, parent_alive, send_event
+from xllm_eplb.obs.logs import event, setup_logging
+
+log = logging.getLogger(__name__)
+
+POLL_SECONDS = 1.0
+ATTACH_TIMEOUT = 60.0
+
+
+def _setup_logs(cfg: Config, rank: int) -> None:
+    """Per-rank file ``rank<r>.log``; warnings and errors also reach the console."""
+    path = Path(cfg.serve.log_dir) / f"rank{rank}.log"
+    setup_logging(f"ep{rank}", cfg.serve.v, str(path), stream=None)
+    root = logging.getLogger()
+    console = logging.StreamHandler(sys.stderr)
+    console.setLevel(logging.WARNING)
+    console.setFormatter(root.handlers[0].formatter)
+    root.addHandler(console)
+
+
+class ExpertCpuTimer:
+    """Per-MoE-layer CPU time (``time.thread_time``) spent in local expert compute.
+
+    Wraps each ``FusedMoE.compute`` of the shard; thread CPU time is independent of how the
+    machine's cores are shared between ranks. ``take()`` returns and resets ``[L]`` seconds.
+    """
+
+    def __init__(self, model):
+        self.seconds = [0.0] * len(model.moe_layers)
+        for i, layer in enumerate(model.moe_layers):
+            layer.compute = self._wrap(i, layer.compute)
+
+    def _wrap(self, i: int, fn):
+        def timed(*args, **kwargs):
+            t0 = time.thread_time()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds[i] += time.thread_time() - t0
+        return timed
+
+    def take(self) -> list[float]:
+        out, self.seconds = self.seconds, [0.0] * len(self.seconds)
+        return out
+
+
+class Worker:
+    """One EP rank's resources: rings, process groups, model shard, executor."""
+
+    def __init__(self, cfg: Config, rank: int, events, parent_pid: int):
+        self.cfg, self.rank, self.events, self.parent_pid = cfg, rank, events, parent_pid
+        self.inp = self.out = self.model = self.executor = None
+        self.timer: ExpertCpuTimer | None = None
+        self.device = None
+
+    def start(self) -> None:
+        import torch
+
+        from xllm_eplb.ipc.ring import InputRing, OutputRing
+
+        torch.set_num_threads(1)
+        rid, who = self.cfg.runtime.run_id, f"ep{self.rank}"
+        self.inp = InputRing.attach(rid, reader_index=self.rank, timeout=ATTACH_TIMEOUT)
+        self.out = OutputRing.attach(rid, self.rank, timeout=ATTACH_TIMEOUT)
+        ep_group, eplb_group = self._init_dist()
+        send_event(self.events, who, "dist_init")
+        self._build(ep_group, eplb_group)
+        send_event(self.events, who, "model")
+
+    def _init_dist(self):
+        from xllm_eplb.worker import comm
+
+        # NOTE: rendezvous waits for all ranks; 17 processes start slowly on 2 cores.
+        g = comm.init_groups(self.cfg, self.rank, self.cfg.eplb.ep_size,
+                             timeout_s=max(120.0, self.cfg.runtime.worker_timeout_seconds))
+        self.device = g.device
+        return g.ep_group, g.eplb_group
+
+    def _build(self, ep_group, eplb_group) -> None:
+        from xllm_eplb.model.transformer import MoETransformer
+        from xllm_eplb.worker.executor import make_executor
+
+        self.model = MoETransformer(self.cfg, self.rank, ep_group, device=self.device)
+        self.timer = ExpertCpuTimer(self.model)
+        self.executor = make_executor(self.model, eplb_group, self.cfg)
+
+    # --- loop ------------------------------------------------------------------------------
+    def next_input(self):
+        """Block for the next ForwardInput; None when the launcher is gone."""
+        from xllm_eplb.ipc.errors import RingTimeoutError
+
+        while True:
+            try:
+                return self.inp.get(timeout=POLL_SECONDS)
+            except RingTimeoutError:
+                if not parent_alive(self.parent_pid):
+                    log.error(event("worker parent gone", rank=self.rank))
+                    return None
+
+    def run(self) -> int:
+        send_event(self.events, f"ep{self.rank}", "ready")
+        log.info(event("worker ready", rank=self.rank, pid=os.getpid()))
+        while True:
+            msg = self.next_input()
+            if msg is None:
+                return 1
+            if msg.shutdown:
+                log.info(event("worker shutdown", rank=self.rank, step=msg.step))
+                return 0
+            out = self.step(msg)
+            self.out.put(out, timeout=self.cfg.runtime.worker_timeout_seconds)
+            if out.error:
+                return 1
+
+    def step(self, msg):
+        """One forward; exceptions become ``ForwardOutput.error`` (the run then stops)."""
+        from xllm_eplb.ipc.messages import ForwardOutput
+
+        try:
+            return self._forward(msg)
+        except Exception as e:  # noqa: BLE001 - reported to the engine, then exit
+            log.exception(event("worker step failed", rank=self.rank, step=msg.step))
+            return ForwardOutput(step=msg.step, rank=self.rank,
+                                 error=f"rank {self.rank}: {type(e).__name__}: {e}")
+
+    def _forward(self, msg):
+        from xllm_eplb.ipc.messages import ForwardOutput
+
+        batch, info = msg.batches[self.rank], msg.eplb_info
+        busy = [b for b in msg.batches if not b.is_empty]
+        pure = bool(busy) and all(b.is_pure_decode for b in busy)
+        c0, t0 = time.thread_time(), time.perf_counter()
+        self.executor.before_forward(info)
+        c1 = time.thread_time()
+        res = self.model.forward_step(batch, warmup=msg.warmup, pure_decode=pure)
+        c2 = time.thread_time()
+        self.executor.after_forward()
+        ready = self.executor.consume_ready_token()
+        c3 = time.thread_time()
+        act = info.activation_token if info.update_layer_id != NO_LAYER else NO_TOKEN
+        timings = {k: float(v) for k, v in res.timings.items()}
+        # eplb_s: main-thread CPU of the executor hooks (the EPLB cost of this step)
+        timings.update(step_s=time.perf_counter() - t0, cpu_s=c3 - c0,
+                       eplb_s=(c1 - c0) + (c3 - c2))
+        for i, s in enumerate(self.timer.take()):
+            timings[f"xc{i}"] = s
+        return ForwardOutput(step=msg.step, rank=self.rank, counters=res.counters,
+                             prepared_token=ready,
+                             activation_token=act, sampled=res.sampled, timings=timings,
+                             heartbeat=self._heartbeat(), error=None)
+
+    def _heartbeat(self) -> dict:
+        st = self.executor.stats()
+        hb = {k: v for k, v in st.items() if isinstance(v, (int, float))}
+        hb["ts"] = time.time()
+        return hb
+
+    def close(self) -> None:
+        """Executor thread, process groups, rings: each closed once, errors ignored."""
+        t = [time.perf_counter()]
+        if self.executor is not None:
+            with contextlib.suppress(Exception):
+                self.executor.close()
+        t.append(time.perf_counter())
+        with contextlib.suppress(Exception):
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        t.append(time.perf_counter())
+        for ring in (self.inp, self.out):
+            if ring is not None:
+                with contextlib.suppress(Exception):
+                    ring.close()
+        t.append(time.perf_counter())
+        log.info(event("worker closed", rank=self.rank, executor_s=round(t[1] - t[0], 3),
+                       dist_s=round(t[2] - t[1], 3), rings_s=round(t[3] - t[2], 3)))
+
+
+def worker_main(cfg: Config, rank: int, events, parent_pid: int) -> None:
+    """Process entry point (spawned by the launcher)."""
+    child_setup(f"xllm-eplb:ep{rank}", parent_pid)
+    _setup_logs(cfg, rank)
+    send_event(events, f"ep{rank}", "spawned")
+    w = Worker(cfg, rank, events, parent_pid)
+    code = 1
+    try:
+        w.start()
+        code = w.run()
+    except Exception as e:  # noqa: BLE001 - logged, reported, exit non-zero
+        log.exception(event("worker failed", rank=rank))
+        send_event(events, f"ep{rank}", "error", f"{type(e).__name__}: {e}")
+    finally:
+        w.close()
+        logging.shutdown()
+    child_exit(code, events)
