@@ -124,7 +124,9 @@ def _rank_main(rank, world):
     assert not torch.equal(moes[0].w13, w13_before)
     assert torch.equal(forward(), base)                         # new placement, same outputs
     # activate layer 1 (no prepare with it)
+    t_act = time.time()
     assert torch.equal(forward(EplbInfo(update_layer_id=1, activation_token=8)), base)
+    assert ex.stats()["p2p_heartbeat_ts"] >= t_act             # the P2P path reported its work
     assert moes[1].global_phy2log.tolist() == new1.tolist()
     assert torch.equal(forward(), base)
 
@@ -145,6 +147,7 @@ def _rank_main(rank, world):
     null.before_forward(EplbInfo())
     null.after_forward()
     assert null.consume_ready_token() == -1 and null.stats()["activations"] == 0
+    assert null.stats()["p2p_heartbeat_ts"] == 0                # no P2P path: no heartbeat
     logging.getLogger("xllm_eplb.worker").removeHandler(cap)
     return st, cap.lines
 
@@ -156,6 +159,7 @@ def test_executor_overlap_deferral_and_failures():
         assert st["prepares_ok"] == 2 and st["prepares_failed"] == 2
         assert st["activations"] == 2 and st["last_update_layer"] == 1
         assert st["slots_changed_total"] > 0 and st["p2p_bytes_total"] > 0
+        assert st["p2p_heartbeat_ts"] > 0 and st["heartbeat_ts"] > 0
         assert any(s.startswith("EPLB staging reservation warmed bytes=") for s in lines)
         assert sum(s.startswith("update_expert_weight layer=") for s in lines) == 2
         assert sum(s.startswith("prepare_expert_weight layer=") for s in lines) == 2

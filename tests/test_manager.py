@@ -1,74 +1,15 @@
 """EplbManager state machine, deterministic with a fake clock (xLLM eplb_manager_test scenarios,
-overwrite guard, allow=False, both timeout kinds, late tokens, bad outputs)."""
+overwrite guard, allow=False, late tokens, bad outputs). Timeouts and heartbeats:
+``test_manager_timeouts.py``."""
 
 import logging
 
 import numpy as np
 import pytest
+from manager_util import NO, SWAP, Clock, RecordingPolicy, counters, make, out
 
 from xllm_eplb.config import EplbConfig
 from xllm_eplb.eplb.manager import EplbManager
-
-NO = -1
-
-
-class Clock:
-    def __init__(self):
-        self.t = 100.0
-
-    def __call__(self):
-        return self.t
-
-    def advance(self, dt):
-        self.t += dt
-
-
-class RecordingPolicy:
-    """Returns a scripted candidate per round and records every call (xLLM's test policy)."""
-
-    name = "recording"
-
-    def __init__(self, candidates):
-        self.candidates = list(candidates)    # per round: (cand [L, D*S], update [L])
-        self.seed = None
-        self.calls = []                        # (logical, physical) per round
-        self.commits, self.aborts = [], []
-
-    def initialize(self, phy2log):
-        self.seed = np.array(phy2log)
-
-    def rebalance(self, logical, physical=None):
-        self.calls.append((np.array(logical), np.array(physical)))
-        cand, upd = self.candidates[min(len(self.calls), len(self.candidates)) - 1]
-        return np.array(cand, dtype=np.int64), np.array(upd, dtype=bool)
-
-    def commit_layer(self, layer):
-        self.commits.append(layer)
-
-    def abort_layer(self, layer):
-        self.aborts.append(layer)
-
-
-def make(policy, layers=1, ep=2, experts=2, redundant=0, interval=0.0, timeout=1.0, **kw):
-    cfg = EplbConfig(ep_size=ep, redundant_experts_num=redundant, eplb_update_interval=interval,
-                     eplb_prepare_timeout_seconds=timeout)
-    clock = Clock()
-    mgr = EplbManager(cfg, layers, ep, experts, policy=policy, clock=clock, runner="sync",
-                      use_estimator=False, **kw)
-    return mgr, clock
-
-
-def counters(*per_rank):
-    """Per-rank per-slot counts ([L][S] lists) -> prefix-sum counters."""
-    return [np.cumsum(np.array(r, dtype=np.int64), axis=1) for r in per_rank]
-
-
-def out(mgr, loads=None, prepared=None, act=NO):
-    loads = loads if loads is not None else [[[0] * mgr.slots] * mgr.num_layers] * mgr.ep_size
-    mgr.on_outputs(counters(*loads), prepared or [NO] * mgr.ep_size, act)
-
-
-SWAP = ([[1, 0]], [True])
 
 
 def test_seeds_policy_with_active_distribution():
@@ -138,68 +79,6 @@ def test_window_halves_after_each_round():
     assert pol.calls[1][1].tolist() == [[[5], [2]]]        # next round: halved window
 
 
-def test_prepare_timeout_skips_stalled_layer_and_ignores_old_token(caplog):
-    pol = RecordingPolicy([SWAP])
-    mgr, clock = make(pol)
-    out(mgr, [[[10]], [[0]]])
-    mgr.tick()
-    assert mgr.eplb_info(True).prepare_token == 1
-    out(mgr, prepared=[1, NO])                             # only rank 0 is ready
-    clock.advance(1.01)
-    with caplog.at_level(logging.WARNING):
-        mgr.tick()
-    assert pol.aborts == [0] and mgr.stats()["layers_timed_out"] == 1
-    assert "EPLB layer 0 prepare progress timed out after 1s" in caplog.text
-    mgr.tick()                                             # next round republishes layer 0
-    info = mgr.eplb_info(True)
-    assert info.prepare_layer_id == 0 and info.prepare_token == 2
-    caplog.clear()
-    with caplog.at_level(logging.WARNING):
-        out(mgr, prepared=[1, 1])                          # late tokens of the aborted attempt
-    assert "stale prepare token" in caplog.text
-    assert mgr.eplb_info(True).update_layer_id == NO
-    out(mgr, prepared=[2, 2])
-    info = mgr.eplb_info(True)
-    assert (info.update_layer_id, info.activation_token) == (0, 2)
-    out(mgr, act=2)
-    assert mgr.active_placement.tolist() == [[1, 0]]
-
-
-def test_prepare_timeout_starts_after_worker_output_is_observable():
-    pol = RecordingPolicy([SWAP])
-    mgr, clock = make(pol, timeout=1.0)
-    out(mgr, [[[10]], [[0]]])
-    mgr.tick()
-    mgr.eplb_info(True)
-    clock.advance(1.2)                                     # no output yet: 2x budget applies
-    mgr.tick()
-    assert not pol.aborts
-    out(mgr)                                               # first output: 1x budget starts now
-    clock.advance(0.9)
-    mgr.tick()
-    assert not pol.aborts
-    out(mgr, prepared=[1, 1])
-    assert mgr.eplb_info(True).update_layer_id == 0
-
-
-def test_prepare_dispatch_without_worker_output_eventually_aborts(caplog):
-    pol = RecordingPolicy([SWAP, ([[0, 1]], [False])])
-    mgr, clock = make(pol, timeout=1.0)
-    out(mgr, [[[10]], [[0]]])
-    mgr.tick()
-    mgr.eplb_info(True)
-    clock.advance(2.0)
-    mgr.tick()
-    assert not pol.aborts                                  # exactly 2x: not yet (strict >)
-    clock.advance(0.01)
-    with caplog.at_level(logging.WARNING):
-        mgr.tick()
-    assert pol.aborts == [0]
-    assert "EPLB layer 0 output timed out after 2s" in caplog.text
-    assert not mgr.stats()["round_in_progress"]
-    assert mgr.active_placement.tolist() == [[0, 1]]
-
-
 def test_publishes_next_prepare_with_pending_activation():
     cand = [[1, 0], [1, 0]]
     pol = RecordingPolicy([(cand, [True, True])])
@@ -219,28 +98,6 @@ def test_publishes_next_prepare_with_pending_activation():
     assert mgr.active_placement.tolist() == cand and pol.commits == [0, 1]
     st = mgr.stats()
     assert st["layers_committed"] == 2 and st["slots_moved"] == 4 and st["weight_copies"] == 4
-
-
-def test_defers_pending_activation_until_weight_update_is_allowed():
-    pol = RecordingPolicy([SWAP])
-    mgr, clock = make(pol)
-    out(mgr, [[[10]], [[0]]])
-    mgr.tick()
-    mgr.eplb_info(True)
-    out(mgr, prepared=[1, 1])
-    before = mgr.stats()
-    for _ in range(5):
-        info = mgr.eplb_info(False)
-        assert info.empty and info.prepare_token == NO and info.activation_token == NO
-        clock.advance(10.0)                                # longer than any timeout
-        out(mgr)
-        mgr.tick()
-    assert mgr.stats()["waiting_on"] == before["waiting_on"] == "activation_send:layer=0"
-    assert not pol.aborts
-    info = mgr.eplb_info(True)
-    assert (info.update_layer_id, info.activation_token) == (0, 1)
-    out(mgr, act=1)
-    assert mgr.active_placement.tolist() == [[1, 0]]
 
 
 def test_allow_false_changes_no_state():
@@ -345,6 +202,10 @@ def test_thread_runner_smoke():
         info = mgr.eplb_info(True)
         mgr.on_outputs(counters([[1]], [[1]]), [NO, NO], info.activation_token)
         assert mgr.active_placement.tolist() == [[1, 0]]
+        st = mgr.stats()
+        assert st["policy_cpu_seconds"] > 0.0              # the thread ran a round
+        assert time.monotonic() - 30 < st["heartbeat_at"] <= time.monotonic()
+        assert st["manager_heartbeat_at"] <= time.monotonic()
     assert mgr._thread is None
 
 
@@ -367,30 +228,6 @@ def test_real_balanced_policy_round():
     mgr.on_outputs(counters([[0, 0, 0]], [[0, 0, 0]]), [NO, NO], info.activation_token)
     new = mgr.active_placement.reshape(2, 3)
     assert {0, 1} & set(new[1].tolist())                   # a hot expert reached rank 1
-
-
-def test_heartbeats_and_decreasing_counters(caplog):
-    pol = RecordingPolicy([SWAP])
-    cfg = EplbConfig(ep_size=2, redundant_experts_num=0, eplb_update_interval=0.0,
-                     eplb_prepare_timeout_seconds=100.0, eplb_heartbeat_seconds=1.0)
-    clock = Clock()
-    with caplog.at_level(logging.INFO):
-        mgr = EplbManager(cfg, 1, 2, 2, policy=pol, clock=clock, runner="sync",
-                          use_estimator=False)
-        out(mgr, [[[10]], [[0]]])
-        mgr.on_outputs([np.array([[5]]), np.array([[2.0]])], [NO, NO], NO)     # float counters
-        mgr.tick()
-        mgr.eplb_info(True)                                # layer 0 preparing, never acked
-        clock.advance(1.5)
-        mgr.tick()
-    assert "EPLB manager start policy=recording layers=1 devices=2 device_experts=1" \
-        in caplog.text
-    assert "EPLB rebalance policy=recording layers_updated=1/1" in caplog.text
-    assert "EPLB heartbeat rebalance_thread policy=recording batches_since_last=1" \
-        in caplog.text
-    assert "EPLB heartbeat manager_thread layers_completed=0 layers_timed_out=0 " \
-        "waiting_on=" in caplog.text and "prepare:layer=0:token=1" in caplog.text
-    assert "dtype float64" in caplog.text and mgr.stats()["samples_rejected"] == 1
 
 
 def test_policy_gets_the_estimate_and_the_gate_the_raw_window():

@@ -111,8 +111,10 @@ def test_heartbeat_ages_and_eplb_counters():
     t = Telemetry(m, 1, 2)
     t.on_eplb({"rounds": 2, "layers_published": 3, "layers_committed": 2,
                "layers_timed_out": 1, "generation": 2, "layer_in_flight": 0, "samples": 5,
-               "last_policy_seconds": 0.01})
-    hb = {"ts": time.time() - 3.0, "heartbeat_ts": time.time() - 2.0, "activations": 1}
+               "last_policy_seconds": 0.01, "heartbeat_at": time.monotonic(),
+               "manager_heartbeat_at": time.monotonic() - 4.0})
+    hb = {"ts": time.time() - 3.0, "heartbeat_ts": time.time() - 2.0, "activations": 1,
+          "p2p_heartbeat_ts": time.time() - 5.0}
     t.on_step("decode", [_out(0, [[1, 1]], [0.1], hb), _out(1, [[1, 1]], [0.1], hb)], 0.01)
     t.refresh_health(60.0)
     fams = _families(m)
@@ -121,7 +123,37 @@ def test_heartbeat_ages_and_eplb_counters():
     assert age[("executor", "0")] == pytest.approx(2.0, abs=0.5)
     assert age[("worker", "1")] == pytest.approx(3.0, abs=0.5)
     assert age[("rebalance_loop", "engine")] < 1.0 and ("p2p", "0") in age
+    # the ages come from the components' own timestamps
+    assert age[("manager", "engine")] == pytest.approx(4.0, abs=0.5)
+    assert age[("p2p", "1")] == pytest.approx(5.0, abs=0.5)
     layers = {s.labels["result"]: s.value for s in fams["xllm_eplb_rebalance_layers"].samples
               if s.name.endswith("_total")}
     assert layers == {"published": 3, "committed": 2, "timed_out": 1}
     assert fams["xllm_eplb_rebalancing"].samples[0].value == 1
+
+
+def test_no_heartbeat_gauge_without_a_timestamp():
+    """EPLB off: no manager stats and the null executor's zero timestamps -> no age gauges for
+    those components (never ``now - 0``)."""
+    import time
+
+    m = EngineMetrics(1, 1)
+    t = Telemetry(m, 1, 1)
+    hb = {"ts": time.time(), "heartbeat_ts": 0, "p2p_heartbeat_ts": 0, "activations": 0}
+    t.on_step("decode", [_out(0, [[1, 1]], [0.1], hb)], 0.01)
+    t.refresh_health(60.0)
+    fams = _families(m)
+    comps = {s.labels["component"] for s in fams["xllm_eplb_heartbeat_age_seconds"].samples}
+    assert comps == {"worker"}
+
+
+def test_worker_flattens_expert_cpu_into_the_keys_telemetry_reads():
+    """Model ``expert_cpu_s`` [L_moe] -> worker ``xc<l>`` timings -> engine critical path."""
+    from xllm_eplb.worker.worker import forward_timings
+
+    t0 = forward_timings({"total_s": 0.5, "moe_s": 0.25, "expert_cpu_s": [0.125, 0.25]})
+    t1 = forward_timings({"total_s": 0.5, "moe_s": 0.25, "expert_cpu_s": [0.5, 0.0]})
+    assert t0 == {"total_s": 0.5, "moe_s": 0.25, "xc0": 0.125, "xc1": 0.25}
+    outs = [ForwardOutput(step=1, rank=r, counters=np.zeros((2, 1), np.int64), timings=t)
+            for r, t in enumerate((t0, t1))]
+    assert critical_path(outs) == (0.75, 0.875, 2)

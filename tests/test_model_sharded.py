@@ -98,6 +98,10 @@ def test_sharded_equals_reference_all_modes_counters_masks():
             assert (got == want_hist).all(), (name, t)
             n_counted = sum(int(per_rank[r]["results"][t].counted.sum()) for r in range(D))
             assert got.sum(axis=1).tolist() == [n_counted * 3] * cfg.num_moe_layers, (name, t)
+            # expert compute thread CPU per MoE layer and rank: the rows were computed somewhere
+            cpu = np.array([per_rank[r]["results"][t].timings["expert_cpu_s"] for r in range(D)])
+            assert cpu.shape == (D, cfg.num_moe_layers) and (cpu >= 0).all(), (name, t)
+            assert (cpu.sum(axis=0) > 0).all(), (name, t)
             for r in range(D):
                 res, rr = per_rank[r]["results"][t], ref[t][r]
                 n_rows = len(steps[t][r].rows)

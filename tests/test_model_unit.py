@@ -58,6 +58,9 @@ def test_fused_moe_storage_contract():
     assert (fm.global_phy2log == new).all() and fm.check_tags() == []
     fm.tag[3, 0] = 99                                          # canary catches a bad slot
     assert fm.check_tags() == [3]
+    # compute adds its thread CPU seconds; take_compute_cpu reads them once
+    fm.compute(torch.ones(6, 32, dtype=fm.w13.dtype), torch.tensor([0, 1, 2, 3, 4, 0]))
+    assert fm.compute_cpu_s > 0 and fm.take_compute_cpu() > 0 and fm.compute_cpu_s == 0.0
 
 
 @pytest.mark.parametrize("kw,err,match", [
@@ -83,6 +86,7 @@ def test_weight_file_roundtrip_and_mismatch(tmp_path):
     b = MoETransformer.reference(replace(cfg, model=replace(cfg.model, weights=str(good)))
                                  ).forward_step(batch, return_logits=True)
     assert torch.equal(a.logits, b.logits)
+    assert len(a.timings["expert_cpu_s"]) == cfg.num_moe_layers      # reference: LogicalMoE
     sd["layers.1.experts.w2"] = sd["layers.1.experts.w2"][:, :, :8]
     bad = tmp_path / "bad.pt"
     torch.save(sd, bad)

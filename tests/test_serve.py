@@ -197,6 +197,14 @@ def test_serve_rebalances_keeps_tokens_identical_and_stops_cleanly(start_server)
     committed = [x.value for x in fams["xllm_eplb_rebalance_layers"].samples
                  if x.labels.get("result") == "committed" and x.name.endswith("_total")]
     assert committed and committed[0] >= 1
+    # heartbeat ages from the components' own timestamps (never "now - 0")
+    age = {(x.labels["component"], x.labels["rank"]): x.value
+           for x in fams["xllm_eplb_heartbeat_age_seconds"].samples}
+    want = {("rebalance_loop", "engine"), ("manager", "engine")}
+    want |= {(c, str(r)) for c in ("executor", "p2p", "worker") for r in range(4)}
+    assert want <= set(age) and all(0.0 <= v < 1e6 for v in age.values()), age
+    assert st["policy_cpu_seconds"] > 0 and st["heartbeat_at"] > 0
+    assert st["critical_path"]["manager_thread_cpu_s"] == st["policy_cpu_seconds"]
     # bad input: 4xx JSON, server keeps serving
     assert _post(s.url, b"{oops")[0] == 400
     assert _post(s.url, {"prompt": "x", "max_tokens": -3})[0] == 400

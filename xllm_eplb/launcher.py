@@ -1,5 +1,6 @@
 """``xllm-eplb serve``: create the run's shared memory, spawn the engine and one worker per EP
-rank, show start-up progress, print the ready line, supervise, and tear everything down.
+rank, show start-up progress and print the ready line (both in ``obs/progress.py``), supervise,
+and tear everything down.
 
 Process tree (spawn context)::
 
@@ -32,6 +33,7 @@ from pathlib import Path
 from xllm_eplb.config import Config
 from xllm_eplb.errors import UserError
 from xllm_eplb.obs.logs import event, setup_logging
+from xllm_eplb.obs.progress import Progress, ready_line
 
 log = logging.getLogger(__name__)
 
@@ -39,8 +41,6 @@ PR_SET_PDEATHSIG = 1
 #: environment of every child (one intra-op thread per rank; 2 cores serve 17 processes)
 CHILD_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1",
              "TORCH_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-WORKER_STAGES = ("spawned", "dist_init", "model", "ready")
-ENGINE_STAGES = ("spawned", "http_bound", "rings", "warmup", "ready")
 
 
 class StartupError(UserError):
@@ -357,61 +357,6 @@ def backend_name(cfg: Config) -> str:
     from xllm_eplb.worker.comm import resolve_backend
 
     return resolve_backend(cfg.runtime.device, cfg.runtime.backend)
-
-
-def ready_line(cfg: Config) -> str:
-    """The one fixed line users and tools wait for."""
-    host = "127.0.0.1" if cfg.serve.host in ("0.0.0.0", "") else cfg.serve.host
-    return (f"xllm-eplb ready ep_size={cfg.eplb.ep_size} backend={backend_name(cfg)} "
-            f"url=http://{host}:{cfg.serve.port}")
-
-
-class Progress:
-    """Start-up progress: a ``rich`` bar per stage on a TTY, else one plain line per stage
-    reached by every rank (``xllm-eplb start stage=model ranks=16/16 t=3.2s``)."""
-
-    def __init__(self, ep_size: int, tty: bool):
-        self.ep_size, self.t0 = ep_size, time.monotonic()
-        self.counts: dict[str, int] = {s: 0 for s in WORKER_STAGES}
-        self._rich = None
-        if tty:
-            from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
-            from rich.progress import Progress as RichProgress
-
-            self._rich = RichProgress(TextColumn("{task.description:<18}"), BarColumn(),
-                                      MofNCompleteColumn(), TimeElapsedColumn(),
-                                      transient=True)
-            self._tasks = {s: self._rich.add_task(f"ranks {s}", total=ep_size)
-                           for s in WORKER_STAGES}
-            self._tasks["engine"] = self._rich.add_task("engine", total=len(ENGINE_STAGES))
-            self._rich.start()
-
-    def update(self, who: str, stage: str) -> None:
-        if who == "engine":
-            self._engine(stage)
-        elif stage in self.counts:
-            self.counts[stage] += 1
-            if self._rich is not None:
-                self._rich.update(self._tasks[stage], completed=self.counts[stage])
-            elif self.counts[stage] == self.ep_size:
-                self._line(f"stage={stage} ranks={self.ep_size}/{self.ep_size}")
-
-    def _engine(self, stage: str) -> None:
-        if stage not in ENGINE_STAGES:
-            return
-        if self._rich is not None:
-            self._rich.update(self._tasks["engine"], completed=ENGINE_STAGES.index(stage) + 1)
-        else:
-            self._line(f"engine={stage}")
-
-    def _line(self, text: str) -> None:
-        print(f"xllm-eplb start {text} t={time.monotonic() - self.t0:.1f}s", file=sys.stderr,
-              flush=True)
-
-    def close(self) -> None:
-        if self._rich is not None:
-            self._rich.stop()
-            self._rich = None
 
 
 def serve(cfg: Config, digest: str = "") -> int:

@@ -47,7 +47,8 @@ def rank_loads(counters: list[np.ndarray]) -> np.ndarray:
 
 def critical_path(outputs) -> tuple[float, float, int]:
     """(sum over MoE layers of the slowest rank's expert CPU seconds, sum over layers and ranks
-    of expert CPU seconds, layers) from the workers' ``xc<l>`` timings."""
+    of expert CPU seconds, layers) from the workers' ``xc<l>`` timings (the model's
+    ``StepResult.timings["expert_cpu_s"]``, flattened by ``worker.forward_timings``)."""
     per = np.array([[o.timings.get(f"xc{i}", 0.0) for i in range(_layers(o))] for o in outputs])
     if per.size == 0:
         return 0.0, 0.0, 0
@@ -75,8 +76,6 @@ class Telemetry:
         self.last_output_at = [0.0] * ep_size
         self.hb: dict[int, dict] = {}
         self.eplb: dict = {}
-        self.manager_at = self.loop_at = time.monotonic()
-        self.p2p_at: dict[int, float] = {}
 
     # --- per step --------------------------------------------------------------------------
     def on_step(self, kind: str, outputs, seconds: float, eplb_engine_s: float = 0.0) -> None:
@@ -135,7 +134,6 @@ class Telemetry:
         if n <= self.exec_seen[o.rank]:
             return
         self.exec_seen[o.rank] = n
-        self.p2p_at[o.rank] = time.time()
         for phase in ("materialize", "transfer", "activation", "total"):
             m.update_seconds.labels(phase).observe(float(hb.get(f"last_{phase}_ms", 0.0)) / 1e3)
         m.transfer_seconds.observe(float(hb.get("last_transfer_ms", 0.0)) / 1e3)
@@ -155,7 +153,6 @@ class Telemetry:
     def on_eplb(self, st: dict) -> None:
         """Manager ``stats()`` -> counters (the manager keeps cumulative totals)."""
         m = self.m
-        self.manager_at = time.monotonic()
         m.inc_to("rounds", m.rounds, st.get("rounds", 0))
         for key, label in (("layers_published", "published"), ("layers_committed", "committed"),
                            ("layers_timed_out", "timed_out")):
@@ -164,28 +161,27 @@ class Telemetry:
         rounds_before = self.eplb.get("rounds", 0)
         if st.get("rounds", 0) > rounds_before:
             m.policy_seconds.observe(float(st.get("last_policy_seconds", 0.0)))
-        progress = ("samples", "rounds", "samples_stale", "samples_rejected")
-        if any(st.get(k) != self.eplb.get(k) for k in progress):
-            self.loop_at = self.manager_at   # the policy thread drained samples or ran a round
         m.generation.set(st.get("generation", 0))
         m.rebalancing.set(1 if st.get("layer_in_flight", -1) not in (-1, None) else 0)
         with self.lock:
             self.eplb = dict(st)
 
     def refresh_health(self, worker_timeout: float) -> None:
-        """Heartbeat ages; a rank silent for longer than ``worker_timeout`` is marked down."""
+        """Heartbeat ages from the components' own timestamps: the manager's ``heartbeat_at``
+        (rebalance loop's last pass) and ``manager_heartbeat_at`` (its last step-loop call), in
+        the manager's clock (``time.monotonic``); each rank's executor ``heartbeat_ts`` (prepare
+        thread) and ``p2p_heartbeat_ts`` (P2P path), in wall-clock seconds, and its output
+        ``ts``. A component without a timestamp (EPLB off: no manager, null executor) gets no
+        gauge."""
         now_m, now_w, m = time.monotonic(), time.time(), self.m
-        m.heartbeat_age.labels("manager", "engine").set(now_m - self.manager_at)
-        if self.eplb:
-            # rebalance loop: last time its progress counters moved (it drains every sample)
-            loop_at = self.eplb.get("heartbeat_at", self.loop_at)
-            m.heartbeat_age.labels("rebalance_loop", "engine").set(max(0.0, now_m - loop_at))
+        st = self.eplb
+        for comp, key in (("rebalance_loop", "heartbeat_at"), ("manager", "manager_heartbeat_at")):
+            if st.get(key) is not None:
+                m.heartbeat_age.labels(comp, "engine").set(max(0.0, now_m - float(st[key])))
         for r, hb in self.hb.items():
-            if "heartbeat_ts" in hb:
-                m.heartbeat_age.labels("executor", str(r)).set(now_w - hb["heartbeat_ts"])
-            p2p = hb.get("p2p_heartbeat_ts", self.p2p_at.get(r))
-            if p2p is not None:   # else: since this rank's last completed P2P activation
-                m.heartbeat_age.labels("p2p", str(r)).set(now_w - p2p)
+            for comp, key in (("executor", "heartbeat_ts"), ("p2p", "p2p_heartbeat_ts")):
+                if float(hb.get(key, 0.0)) > 0.0:          # the null executor reports 0
+                    m.heartbeat_age.labels(comp, str(r)).set(max(0.0, now_w - float(hb[key])))
             m.heartbeat_age.labels("worker", str(r)).set(now_w - hb.get("ts", now_w))
 
     # --- status ----------------------------------------------------------------------------

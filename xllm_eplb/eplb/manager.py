@@ -11,7 +11,8 @@ Load window: :class:`~xllm_eplb.eplb.aggregator.EplbAggregator` (samples tagged 
 placement generation; commit zeroes, each round halves). Policy input: the logical estimate of
 :class:`~xllm_eplb.eplb.estimator.LoadEstimator` (or the raw window) plus the raw physical window
 (the gate always uses measured load). Per-layer tokens/barrier/timeouts:
-:class:`~xllm_eplb.eplb.manager_state.LayerPipeline`.
+:class:`~xllm_eplb.eplb.manager_state.LayerPipeline`; counters and heartbeats:
+:mod:`~xllm_eplb.eplb.manager_stats`.
 
 Timer: armed by the first valid sample of a generation, ``eplb_update_interval`` seconds; every
 commit (a new generation) disarms it, so it restarts at the next sample. A round starts only when
@@ -36,6 +37,7 @@ from xllm_eplb.eplb.aggregator import CounterShapeError, EplbAggregator, scatter
 from xllm_eplb.eplb.estimator import LoadEstimator
 from xllm_eplb.eplb.info import NO_TOKEN, EplbInfo
 from xllm_eplb.eplb.manager_state import LayerPipeline
+from xllm_eplb.eplb.manager_stats import Heartbeats, new_counters
 from xllm_eplb.eplb.placement import diff, initial_phy2log, slots_per_rank
 from xllm_eplb.obs.logs import event
 
@@ -103,11 +105,8 @@ class EplbManager:
         self._queue: collections.deque = collections.deque()
         self._deadline: float | None = None
         self._deadline_gen = -1
-        self._stats = dict(rounds=0, layers_published=0, layers_committed=0, layers_timed_out=0,
-                           last_policy_seconds=0.0, slots_moved=0, weight_copies=0, samples=0,
-                           samples_rejected=0, samples_stale=0, stale_tokens=0,
-                           samples_backlog_dropped=0)
-        self._hb = dict(at=clock(), batches=0, layers=0, mgr_at=clock())
+        self._stats = new_counters()
+        self.hb = Heartbeats(clock(), self.heartbeat_s, self.policy_name)
         self._closed = False
         self._thread: threading.Thread | None = None
         log.info(event("EPLB manager start", policy=self.policy_name, layers=num_layers,
@@ -148,6 +147,7 @@ class EplbManager:
         """
         now = self.clock()
         with self._lock:
+            self.hb.manager_at = now
             self._observe_prepared(prepared_tokens, now)
             self._enqueue(counters)
             self._observe_activation(int(activation_token))
@@ -171,9 +171,12 @@ class EplbManager:
             return self.agg.logical.copy()
 
     def stats(self) -> dict:
-        """Counters for metrics and /eplb/status."""
+        """Counters for metrics and /eplb/status, plus heartbeats (manager clock seconds):
+        ``heartbeat_at`` (rebalance loop's last pass), ``manager_heartbeat_at`` (last
+        ``on_outputs``/``tick``) and ``policy_cpu_seconds`` (rebalance passes' thread CPU)."""
         with self._lock:
             out = dict(self._stats)
+            out.update(self.hb.stats())
             out.update(generation=self.agg.generation, window_samples=self.agg.sample_count,
                        layer_in_flight=self.pipe.layer_in_flight(),
                        waiting_on=self.pipe.waiting_on(), round_in_progress=self.pipe.in_progress,
@@ -282,7 +285,7 @@ class EplbManager:
             self._stats["samples_stale"] += 1
             return
         self._stats["samples"] += 1
-        self._hb["batches"] += 1
+        self.hb.batches += 1
         if self.estimator is not None:
             self.estimator.observe(logical)
 
@@ -314,12 +317,7 @@ class EplbManager:
                               f"{ab.limit:g}s; skipping this layer for the current round.",
                               layer=ab.layer, token=ab.token, kind=ab.kind.replace(" ", "_"),
                               elapsed_s=round(ab.elapsed, 3)))
-        if self.pipe.in_progress and now - self._hb["mgr_at"] >= self.heartbeat_s:
-            self._hb["mgr_at"] = now
-            log.info(event("EPLB heartbeat manager_thread",
-                           layers_completed=self.pipe.layers_completed,
-                           layers_timed_out=self.pipe.layers_timed_out,
-                           waiting_on=self.pipe.waiting_on()))
+        self.hb.manager_pass(now, self.pipe)
 
     # --- timer + policy ----------------------------------------------------------------------
 
@@ -345,6 +343,7 @@ class EplbManager:
 
     def _rebalance_pass(self) -> None:
         """Drain samples, check the timer, run one policy round if due, heartbeat."""
+        c0 = time.thread_time()
         if self.runner == "thread":
             self._drain_unlocked()
         with self._lock:
@@ -359,7 +358,9 @@ class EplbManager:
             dt = time.perf_counter() - t0
             with self._lock:
                 self._finish_round(np.asarray(cand), np.asarray(update, dtype=bool), dt)
-        self._heartbeat(self.clock())
+        with self._lock:
+            self.hb.loop_pass(self.clock(), time.thread_time() - c0,
+                              self._stats["last_policy_seconds"])
 
     def _finish_round(self, cand: np.ndarray, update: np.ndarray, seconds: float) -> None:
         k = int(update.sum())
@@ -368,21 +369,10 @@ class EplbManager:
         self._stats["rounds"] += 1
         self._stats["layers_published"] += k
         self._stats["last_policy_seconds"] = seconds
-        self._hb["layers"] += k
+        self.hb.layers += k
         log.info(event("EPLB rebalance", policy=self.policy_name,
                        layers_updated=f"{k}/{self.num_layers}",
                        duration_ms=round(seconds * 1e3, 3)))
-
-    def _heartbeat(self, now: float) -> None:
-        if now - self._hb["at"] < self.heartbeat_s:
-            return
-        with self._lock:
-            hb = self._hb
-            log.info(event("EPLB heartbeat rebalance_thread", policy=self.policy_name,
-                           batches_since_last=hb["batches"],
-                           layers_updated_since_last=hb["layers"],
-                           last_rebalance_ms=round(self._stats["last_policy_seconds"] * 1e3, 3)))
-            hb.update(at=now, batches=0, layers=0)
 
     # --- background runner -------------------------------------------------------------------
 

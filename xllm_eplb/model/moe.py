@@ -15,9 +15,15 @@ Replica choice (``log2phy``): as xLLM, source rank r sends all tokens of logical
 replica with index ``r % count(e)`` among e's slots in global rank-major order
 (``placement.build_log2phy``). Each source rank is deterministic; different source ranks spread
 over the replicas, so with D ranks and c replicas each replica serves about D/c source ranks.
+
+Expert compute time: every ``compute`` call adds its thread CPU seconds (``time.thread_time``,
+independent of how the machine's cores are shared between ranks) to ``compute_cpu_s``;
+``take_compute_cpu()`` reads and resets it (the transformer does once per layer and step).
 """
 
 from __future__ import annotations
+
+import time
 
 import numpy as np
 import torch
@@ -56,6 +62,7 @@ class FusedMoE:
         self.local_expert_ids = torch.empty(S, dtype=torch.int64, device=self.device)
         self.log2phy = torch.empty(self.num_logical, dtype=torch.int64, device=self.device)
         self.global_phy2log = np.empty(self.ep_size * S, dtype=np.int64)
+        self.compute_cpu_s = 0.0
         self.load_placement(phy2log)
 
     # ---- placement -------------------------------------------------------------------------
@@ -107,7 +114,20 @@ class FusedMoE:
     def compute(self, x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         """Expert outputs (unweighted): row n of ``x`` [N, H] through local slot ``slots[n]``
         [N] int64 in [0, S) -> [N, H]. Many rows: grouped by slot (one GEMM pair per active
-        slot); few rows: per-row gathered weights and batched GEMVs."""
+        slot); few rows: per-row gathered weights and batched GEMVs. Adds its thread CPU
+        seconds to ``compute_cpu_s``."""
+        c0 = time.thread_time()
+        try:
+            return self._compute(x, slots)
+        finally:
+            self.compute_cpu_s += time.thread_time() - c0
+
+    def take_compute_cpu(self) -> float:
+        """Thread CPU seconds of ``compute`` since the last call (then reset to 0)."""
+        s, self.compute_cpu_s = self.compute_cpu_s, 0.0
+        return s
+
+    def _compute(self, x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         out = torch.empty_like(x)
         if x.shape[0] == 0:
             return out

@@ -41,7 +41,9 @@ class StepResult:
     """sampled: req_id -> next token; counters: int64 [L_moe, S] prefix sums (reference:
     [L_moe, E]); logits: [rows, V] float64 at each row's last position (when asked for);
     warmup: the forward was a warm-up (the engine ignores its counters); mode: dispatch path;
-    timings: seconds (total_s, moe_s, comm_wait_s, counter_s); routed (when asked for): per MoE
+    timings: seconds (total_s, moe_s, comm_wait_s, counter_s: float wall clock; expert_cpu_s:
+    list [L_moe] of this rank's local expert compute thread CPU time per MoE layer, from
+    ``FusedMoE.compute``, reference: ``LogicalMoE.forward``); routed (when asked for): per MoE
     layer the logical top-k ids int64 [T, k] of every row incl. padding, and counted bool [T]."""
 
     sampled: dict[int, int]
@@ -194,7 +196,7 @@ class MoETransformer:
         p, H = self.p, self.cfg.model.hidden_size
         h = p["embed"][toks] + positions_encoding(pos, H, p["embed"].dtype).to(self.device)
         stats = dsp.CommStats()
-        moe_s, counter_s, counters, routed = 0.0, 0.0, [], []
+        moe_s, counter_s, counters, routed, expert_cpu = 0.0, 0.0, [], [], []
         for i in range(self.num_layers):
             pre = f"layers.{i}."
             xn = rms_norm(h, p[pre + "attn_norm"])
@@ -209,11 +211,13 @@ class MoETransformer:
                 h = h + swiglu(xn, p[pre + "mlp.w13"], p[pre + "mlp.w2"])
                 continue
             tm = time.perf_counter()
-            y, cnt, dt_cnt, ids = self._moe(i - self.first_dense, xn, keys, counted, mode, stats)
+            y, cnt, dt_cnt, ids, cpu = self._moe(i - self.first_dense, xn, keys, counted, mode,
+                                                 stats)
             if return_routing:
                 routed.append(ids.cpu().numpy())
             moe_s += time.perf_counter() - tm
             counter_s += dt_cnt
+            expert_cpu.append(cpu)
             counters.append(cnt)
             h = h + y
         hn = rms_norm(h, p["final_norm"])
@@ -227,7 +231,8 @@ class MoETransformer:
         ctr = torch.stack(counters).cumsum(dim=1).cpu().numpy().astype(np.int64)
         counter_s += time.perf_counter() - tc
         timings = {"total_s": time.perf_counter() - t0, "moe_s": moe_s,
-                   "comm_wait_s": stats.wait_s, "counter_s": counter_s}
+                   "comm_wait_s": stats.wait_s, "counter_s": counter_s,
+                   "expert_cpu_s": expert_cpu}
         return StepResult(sampled, ctr, logits if return_logits else None, warmup, mode, timings,
                           routed if return_routing else None,
                           counted.cpu().numpy() if return_routing else None)
@@ -235,7 +240,7 @@ class MoETransformer:
     def _moe(self, ml: int, xn, keys, counted, mode, stats):
         """One MoE layer: route, dispatch/compute/combine, weight, add the shared expert.
         -> (output [T, H], slot loads int64 [S] (reference: [E]), seconds spent on counting,
-        logical top-k ids [T, k])."""
+        logical top-k ids [T, k], thread CPU seconds of the local expert compute)."""
         pre = f"layers.{self._dec(ml)}."
         ids, w = self.routers[ml](xn, keys)
         shared = None
@@ -243,17 +248,21 @@ class MoETransformer:
             def shared():
                 return swiglu(xn, self.p[pre + "shared.w13"], self.p[pre + "shared.w2"])
         if self.reference_mode:
+            c0 = time.thread_time()
             y = self.logical_layers[ml].forward(xn, ids)
+            cpu = time.thread_time() - c0
             tc = time.perf_counter()
             cnt = torch.bincount(ids[counted].reshape(-1), minlength=self.cfg.model.num_experts)
             dt = time.perf_counter() - tc
             extra = shared() if shared else None
         else:
             fm = self.moe_layers[ml]
+            fm.compute_cpu_s = 0.0                 # count only this layer's dispatch
             y, cnt, extra = dsp.moe_dispatch(fm, xn, fm.route(ids), counted, self.ep_group, mode,
                                              stats, overlap=shared)
             dt = stats.extra.pop("count_s", 0.0)
+            cpu = fm.take_compute_cpu()
         out = (w.unsqueeze(-1) * y).sum(dim=1)
         if extra is not None:
             out = out + extra
-        return out, cnt, dt, ids
+        return out, cnt, dt, ids, cpu

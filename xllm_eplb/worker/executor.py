@@ -12,6 +12,11 @@ step as an activation is deferred until that activation finishes, so it plans ag
 placement the activation leaves behind. The ready token holds the latest successful prepare
 and is read-and-cleared; a failed prepare is logged and never reported (the manager's timeout
 aborts the layer).
+
+Heartbeats in ``stats()`` (wall-clock seconds of ``clock``): ``heartbeat_ts`` = the prepare
+thread's last wake-up (a task or its ``eplb_heartbeat_seconds`` timeout); ``p2p_heartbeat_ts`` =
+the P2P path's last ``after_forward``: an activation's transfer + switch finished, or checked with
+nothing pending (the main thread passes there every step).
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ log = logging.getLogger(__name__)
 STAT_KEYS = ("prepares_ok", "prepares_failed", "activations", "last_prepare_ms",
              "last_materialize_ms", "last_transfer_ms", "last_activation_ms", "last_total_ms",
              "p2p_bytes_total", "p2p_ops_total", "slots_changed_total", "last_slots_changed",
-             "last_update_layer", "heartbeat_ts")
+             "last_update_layer", "heartbeat_ts", "p2p_heartbeat_ts")
 
 
 @dataclass
@@ -56,7 +61,8 @@ class EplbExecutor:
         self._pending_update = NO_LAYER
         self._deferred: _Task | None = None
         self._stats = {k: 0 for k in STAT_KEYS}
-        self._stats.update(last_update_layer=NO_LAYER, heartbeat_ts=clock())
+        self._stats.update(last_update_layer=NO_LAYER, heartbeat_ts=clock(),
+                           p2p_heartbeat_ts=clock())
         self._since = {"ok": 0, "failed": 0}
         self._buckets_seen = dict(getattr(hooks, "bucket_totals", {}))
         self._closed = False
@@ -89,11 +95,14 @@ class EplbExecutor:
 
     def after_forward(self) -> None:
         if self._pending_update == NO_LAYER:
+            with self._lock:                        # checked: no transfer in flight
+                self._stats["p2p_heartbeat_ts"] = self._clock()
             return
         layer, self._pending_update = self._pending_update, NO_LAYER
         st = self.hooks.update_expert_weight(layer)
         with self._lock:
             s = self._stats
+            s["p2p_heartbeat_ts"] = self._clock()
             s["activations"] += 1
             s["last_update_layer"] = layer
             if isinstance(st, dict):

@@ -46,30 +46,13 @@ def _setup_logs(cfg: Config, rank: int) -> None:
     root.addHandler(console)
 
 
-class ExpertCpuTimer:
-    """Per-MoE-layer CPU time (``time.thread_time``) spent in local expert compute.
-
-    Wraps each ``FusedMoE.compute`` of the shard; thread CPU time is independent of how the
-    machine's cores are shared between ranks. ``take()`` returns and resets ``[L]`` seconds.
-    """
-
-    def __init__(self, model):
-        self.seconds = [0.0] * len(model.moe_layers)
-        for i, layer in enumerate(model.moe_layers):
-            layer.compute = self._wrap(i, layer.compute)
-
-    def _wrap(self, i: int, fn):
-        def timed(*args, **kwargs):
-            t0 = time.thread_time()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self.seconds[i] += time.thread_time() - t0
-        return timed
-
-    def take(self) -> list[float]:
-        out, self.seconds = self.seconds, [0.0] * len(self.seconds)
-        return out
+def forward_timings(model_timings: dict) -> dict[str, float]:
+    """``StepResult.timings`` -> flat ``ForwardOutput.timings``: the per-MoE-layer list
+    ``expert_cpu_s`` [L_moe] becomes ``xc<l>`` keys (what the engine's telemetry reads)."""
+    out = {k: float(v) for k, v in model_timings.items() if k != "expert_cpu_s"}
+    for i, s in enumerate(model_timings.get("expert_cpu_s", ())):
+        out[f"xc{i}"] = float(s)
+    return out
 
 
 class Worker:
@@ -78,7 +61,6 @@ class Worker:
     def __init__(self, cfg: Config, rank: int, events, parent_pid: int):
         self.cfg, self.rank, self.events, self.parent_pid = cfg, rank, events, parent_pid
         self.inp = self.out = self.model = self.executor = None
-        self.timer: ExpertCpuTimer | None = None
         self.device = None
 
     def start(self) -> None:
@@ -109,7 +91,6 @@ class Worker:
         from xllm_eplb.worker.executor import make_executor
 
         self.model = MoETransformer(self.cfg, self.rank, ep_group, device=self.device)
-        self.timer = ExpertCpuTimer(self.model)
         self.executor = make_executor(self.model, eplb_group, self.cfg)
 
     # --- loop ------------------------------------------------------------------------------
@@ -166,12 +147,10 @@ class Worker:
         ready = self.executor.consume_ready_token()
         c3 = time.thread_time()
         act = info.activation_token if info.update_layer_id != NO_LAYER else NO_TOKEN
-        timings = {k: float(v) for k, v in res.timings.items()}
+        timings = forward_timings(res.timings)
         # eplb_s: main-thread CPU of the executor hooks (the EPLB cost of this step)
         timings.update(step_s=time.perf_counter() - t0, cpu_s=c3 - c0,
                        eplb_s=(c1 - c0) + (c3 - c2))
-        for i, s in enumerate(self.timer.take()):
-            timings[f"xc{i}"] = s
         return ForwardOutput(step=msg.step, rank=self.rank, counters=res.counters,
                              prepared_token=ready,
                              activation_token=act, sampled=res.sampled, timings=timings,

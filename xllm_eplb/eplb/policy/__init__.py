@@ -21,10 +21,26 @@ def normalize_kind(kind: str | None) -> str:
 
 def make_policy(kind: str, ep_size: int, num_logical: int, redundant: int,
                 min_improvement: float = 0.05, **opts) -> IEplbPolicy:
-    """Build the policy for ``kind`` (see module doc). Options: incremental takes
-    ``budget_slots`` (cross-rank copies per round over all layers, 0 = auto), ``budget_bytes`` +
-    ``slot_bytes``, ``move_cost``, ``target_slack``; node_aware takes ``num_nodes`` and
-    ``num_groups``. Options a policy does not use are ignored."""
+    """Build the policy for ``kind`` (see module doc). Options a policy does not use are ignored.
+
+    incremental (``IncrementalPolicy``):
+
+    - ``budget_slots``: moved slots per round over all layers (0 = auto, cost-based);
+    - ``budget_bytes`` + ``slot_bytes``: the same budget in bytes (wins when both are set);
+    - ``trigger_slack``: a deployed layer is re-planned only when its peak exceeds
+      ``(1 + trigger) x`` its lower bound (in [0, 1), default 0.02);
+    - ``settle_slack``: ...and then fixed only down to ``(1 + settle) x`` the bound
+      (``<= trigger_slack``, default 0.009);
+    - ``noise_z``: sampling-noise floor of both slacks, ``noise_z / sqrt(ideal rank load)``
+      (0 = no floor, default 2.5);
+    - ``rewrite_moves``: single-slot replica rewrites besides swaps (None = automatic, only on
+      deployed layers where one replica exceeds the target);
+    - also ``move_cost``, ``target_slack``, ``must_slack``, ``count_slack``, ``max_iters``
+      (see ``IncrementalPolicy``).
+
+    node_aware (``NodeAwarePolicy``): ``num_nodes`` (ranks split evenly into nodes, default 1)
+    and ``num_groups`` (expert groups placed node-locally, 0 = one group per expert).
+    """
     k = normalize_kind(kind)
     if k == "balanced":
         from xllm_eplb.eplb.policy.balanced import BalancedPolicy as cls

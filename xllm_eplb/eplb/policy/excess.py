@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from xllm_eplb.eplb.policy.localsearch import presence, slot_values
+from xllm_eplb.eplb.policy.localsearch import apply_swaps, presence, slot_values
 
 #: denominator added to the moved-slot count of a move, so moves that undo earlier moves
 #: (0 or fewer new slots) rank high but stay finite
@@ -218,16 +218,7 @@ def _apply_swaps(st, lay, dm, dp, i, j, dmov, moved, moves):
     table, v, r, has = st["table"], st["v"], st["r"], st["has"]
     s = table.shape[2]
     moved[lay] += dmov
-    ea, eb = table[lay, dm, i], table[lay, dp, j]
-    va, vb = v[lay, dm, i], v[lay, dp, j]
-    table[lay, dm, i], table[lay, dp, j] = eb, ea
-    v[lay, dm, i], v[lay, dp, j] = vb, va
-    r[lay, dm] += vb - va
-    r[lay, dp] += va - vb
-    has[lay, dm, ea] = False
-    has[lay, dp, eb] = False
-    has[lay, dm, eb] = True
-    has[lay, dp, ea] = True
+    apply_swaps(table, v, r, has, lay, dm, dp, i, j)
     moves.append((0, lay, dm * s + i, dp * s + j, r[lay].max(axis=1), moved[lay]))
 
 

@@ -32,6 +32,22 @@ def presence(table: np.ndarray, num_logical: int) -> np.ndarray:
     return has
 
 
+def apply_swaps(table, v, r, has, lay, dm, dp, i, j) -> None:
+    """Swap slot ``i`` of rank ``dm`` with slot ``j`` of rank ``dp`` in layers ``lay`` (int arrays
+    [k], one entry per layer, layers distinct), in place on ``table`` [n, D, S], the slot values
+    ``v`` [n, D, S], the rank loads ``r`` [n, D] and the presence ``has`` [n, D, E]."""
+    ea, eb = table[lay, dm, i], table[lay, dp, j]
+    va, vb = v[lay, dm, i], v[lay, dp, j]
+    table[lay, dm, i], table[lay, dp, j] = eb, ea
+    v[lay, dm, i], v[lay, dp, j] = vb, va
+    r[lay, dm] += vb - va
+    r[lay, dp] += va - vb
+    has[lay, dm, ea] = False
+    has[lay, dp, eb] = False
+    has[lay, dm, eb] = True
+    has[lay, dp, ea] = True
+
+
 def swap_search(table, w, counts, target, slot_cost, max_iters: int, partners: int = 0,
                 base: np.ndarray | None = None, groups: np.ndarray | None = None,
                 must: np.ndarray | None = None):
@@ -97,16 +113,7 @@ def swap_search(table, w, counts, target, slot_cost, max_iters: int, partners: i
             kk, i, j = np.unravel_index(best[x], (k_part, s, s))
             lay, dm, dp = act[x], m[x], part[x, kk]
             moved[lay] += dmov[x, kk, i, j]
-            ea, eb = table[lay, dm, i], table[lay, dp, j]
-            va, vb = v[lay, dm, i], v[lay, dp, j]
-            table[lay, dm, i], table[lay, dp, j] = eb, ea
-            v[lay, dm, i], v[lay, dp, j] = vb, va
-            r[lay, dm] += vb - va
-            r[lay, dp] += va - vb
-            has[lay, dm, ea] = False
-            has[lay, dp, eb] = False
-            has[lay, dm, eb] = True
-            has[lay, dp, ea] = True
+            apply_swaps(table, v, r, has, lay, dm, dp, i, j)
             pk = r[lay].max(axis=1)
             for t in range(lay.size):
                 moves[lay[t]].append((0, int(dm[t] * s + i[t]), int(dp[t] * s + j[t]),
