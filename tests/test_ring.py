@@ -293,3 +293,24 @@ def test_default_ring_checks_every_frame_header(run_id, where, caplog):
         eng.put(ForwardInput(2), timeout=1)
         assert w.get(timeout=1).step == 2
         assert any("header crc mismatch" in r.getMessage() for r in caplog.records)
+
+
+def test_short_timeouts_and_frame_header_crc(run_id):
+    """A get timeout below / above one poll slice is honoured; frames still arrive after a
+    timed-out get; the stored header crc is crc32 of the 24 header bytes (wire format)."""
+    import zlib
+
+    with InputRing.create(run_id, 3, slots=2, frame_bytes=1024) as eng, \
+            InputRing.attach(run_id, 2) as w:
+        w.ring.poll_interval = 0.02
+        for timeout in (0, 0.01, 0.07):             # inside the first slice / several slices
+            t0 = time.monotonic()
+            with pytest.raises(RingTimeoutError, match="timed out waiting for a frame"):
+                w.get(timeout=timeout)
+            assert time.monotonic() - t0 >= timeout * 0.9
+        seq = eng.ring.put_bytes(b"x" * 100, timeout=1)
+        assert w.ring.get_bytes(timeout=1) == b"x" * 100
+        off = eng.ring._frames + (seq % eng.ring.slots) * eng.ring.frame_bytes
+        raw = eng.ring.seg.read(off, 28)
+        assert raw[:4] == b"FRM1"
+        assert zlib.crc32(raw[:24]) == int.from_bytes(raw[24:28], "little")

@@ -24,6 +24,13 @@ All waits are sliced (``poll_interval`` s); between slices the peer's pid + star
 registered in the header is checked, so a dead peer raises :class:`PeerDeadError` within one
 slice instead of blocking forever; a timeout raises :class:`RingTimeoutError` naming the ring.
 
+Hot path (what one message costs; see ``docs/bench_ipc.md``): ``get`` is one
+``sem_timedwait`` bounded by the first slice (it returns at once when a frame is ready), one
+28-byte header copy checked by a single crc32 (crc32 of header + stored crc = a fixed residue),
+one body copy, one read_seq store and one post; ``put`` is one trywait per reader, one header
+pack + crc32, one body copy, one write_seq store and one post per reader. The clock, the
+deadline arithmetic and the peer's ``/proc`` liveness check run only once a wait is needed.
+
 A frame that fails its magic / length / sequence / checksum check, or whose body the ``decode``
 callable rejects with :class:`MessageError`, is logged (``shm ring bad frame ring=...``) and
 skipped; the reader keeps going.
@@ -66,12 +73,14 @@ _RHDR = struct.Struct("<4sIIIIIQQQ")   # 48 bytes, padded to 64
 _READER = struct.Struct("<QQQQ")       # 32 bytes per reader
 _FHDR = struct.Struct("<4sIQII")       # 24 bytes, then their crc32 (u32), padded to 32
 _HCRC = 24
+_FHDR_CRC = struct.Struct("<24sI")     # packed header bytes + their crc32
+_FHDR_FULL = struct.Struct("<4sIQIII")  # header fields + crc32 (28 bytes)
+_CRC_RESIDUE = 0x2144DF1C              # zlib.crc32(data + crc32(data) as u32 LE), any data
 RING_HEADER = 64
 FRAME_HEADER = 32
 _U64 = struct.Struct("<Q")
-_U32 = struct.Struct("<I")
-_UNSET = object()
 _WSEQ = 24                             # offsets inside the ring header
+_WSEQ_ABS = HEADER_SIZE + _WSEQ         # ... and inside the mapping
 FLAG_CHECKSUM = 1                      # ring header flags: frames carry a body checksum
 _PROD = 32
 POLL_INTERVAL = 0.2
@@ -114,6 +123,9 @@ class Ring:
         self._frames = _frames_off(num_readers)
         self._frames_abs = HEADER_SIZE + self._frames   # offsets into seg.mm (header included)
         self._rseq_abs = 0
+        self._mm = seg.mm
+        self._cap = frame_bytes - FRAME_HEADER
+        self._rdata = self._rspace = None    # this reader's semaphores (claim_reader)
         self.checksum = bool(flags & FLAG_CHECKSUM)
         self.reader_index: int | None = None
         self.is_producer = False
@@ -228,6 +240,7 @@ class Ring:
         self._seq = _U64.unpack(self.seg.read(off, 8))[0]
         self.reader_index = index
         self._rseq_abs = HEADER_SIZE + off
+        self._rdata, self._rspace = self._data[index], self._space[index]
         return self
 
     def _claim(self, off: int, role: str) -> None:
@@ -276,94 +289,119 @@ class Ring:
     @property
     def capacity(self) -> int:
         """Largest body (bytes) one frame can carry."""
-        return self.frame_bytes - FRAME_HEADER
+        return self._cap
 
     def put_bytes(self, body: bytes, timeout: float | None = None) -> int:
-        """Publish ``body`` to every reader; returns its sequence number."""
+        """Publish ``body`` to every reader; returns its sequence number.
+
+        Fast path (every reader has a free slot): one trywait per reader, one header pack,
+        one body copy, one post per reader; no clock reads, no liveness checks."""
         if not self.is_producer:
             raise RuntimeError(f"ring {self.name}: put by a process that is not its producer")
         n = len(body)
-        if n > self.capacity:
+        if n > self._cap:
             raise FrameTooLargeError(
                 f"ring {self.name}: message of {n} bytes exceeds the slot capacity of "
-                f"{self.capacity} bytes (frame_bytes {self.frame_bytes} - {FRAME_HEADER}); "
+                f"{self._cap} bytes (frame_bytes {self.frame_bytes} - {FRAME_HEADER}); "
                 "raise shm_input_frame_bytes / shm_output_frame_bytes")
-        deadline = _UNSET                    # computed at the first wait (fast path: never)
         taken = 0
         try:
             for sem in self._space:
-                if sem.value > 0:            # fast path (this process is the only taker)
-                    sem.acquire(0)
-                else:
-                    if deadline is _UNSET:
-                        deadline = None if timeout is None else time.monotonic() + timeout
-                    self._wait(sem, deadline, f"reader {taken} to free a slot",
-                               functools.partial(self._reader_gone, taken))
+                try:
+                    sem.acquire(0)           # fast path: this process is the only taker
+                except posix_ipc.BusyError:
+                    self._wait_space(sem, taken, timeout)
                 taken += 1
         except BaseException:
             for sem in self._space[:taken]:
                 sem.release()
             raise
         seq = self._seq
-        mm, off = self.seg.mm, self._frames_abs + (seq % self.slots) * self.frame_bytes
-        algo = algo_for(n) if self.checksum else NONE
-        _FHDR.pack_into(mm, off, FRAME_MAGIC, n, seq, checksum(body, algo) if algo else 0, algo)
-        _U32.pack_into(mm, off + _HCRC, zlib.crc32(mm[off:off + _HCRC]))
+        mm, off = self._mm, self._frames_abs + (seq % self.slots) * self.frame_bytes
+        if self.checksum:
+            algo = algo_for(n)
+            hdr = _FHDR.pack(FRAME_MAGIC, n, seq, checksum(body, algo), algo)
+        else:
+            hdr = _FHDR.pack(FRAME_MAGIC, n, seq, 0, NONE)
+        _FHDR_CRC.pack_into(mm, off, hdr, zlib.crc32(hdr))
         mm[off + FRAME_HEADER:off + FRAME_HEADER + n] = body
         self._seq = seq + 1
-        _U64.pack_into(mm, HEADER_SIZE + _WSEQ, self._seq)
+        _U64.pack_into(mm, _WSEQ_ABS, seq + 1)
         for d in self._data:
             d.release()
         return seq
 
+    def _wait_space(self, sem, i: int, timeout: float | None) -> None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        self._wait(sem, deadline, f"reader {i} to free a slot",
+                   functools.partial(self._reader_gone, i))
+
     def get_bytes(self, timeout: float | None = None,
                   decode: Callable[[bytes], object] | None = None):
-        """Next valid frame body (or ``decode(body)``); bad frames are logged and skipped."""
-        r = self.reader_index
-        if r is None:
-            raise RuntimeError(f"ring {self.name}: get by a process that is not a reader")
-        deadline = _UNSET
-        data, space = self._data[r], self._space[r]
-        while True:
-            if data.value > 0:               # fast path (this reader is the only taker)
-                data.acquire(0)
-            else:
-                if deadline is _UNSET:
-                    deadline = None if timeout is None else time.monotonic() + timeout
-                self._wait(data, deadline, "a frame", self._producer_gone)
-            seq = self._seq
-            body, why = self._read_frame(seq)
-            self._seq = seq + 1
-            _U64.pack_into(self.seg.mm, self._rseq_abs, self._seq)
-            space.release()
-            if why is None:
-                if decode is None:
-                    return body
-                try:
-                    return decode(body)
-                except MessageError as e:
-                    why = str(e)
-            log.error("shm ring bad frame ring=%s reader=%d seq=%d reason=%s",
-                      self.name, r, seq, why)
+        """Next valid frame body (or ``decode(body)``); bad frames are logged and skipped.
 
-    def _read_frame(self, seq: int) -> tuple[bytes | None, str | None]:
-        mm, off = self.seg.mm, self._frames_abs + (seq % self.slots) * self.frame_bytes
-        if zlib.crc32(mm[off:off + _HCRC]) != _U32.unpack_from(mm, off + _HCRC)[0]:
-            return None, "frame header crc mismatch"
-        magic, n, fseq, csum, algo = _FHDR.unpack_from(mm, off)
+        Fast path: one ``sem_timedwait`` of at most one ``poll_interval`` slice (it returns at
+        once when a frame is ready, and it is also the first slice of a wait), one header
+        copy + crc, one body copy, one post. The clock and the producer's liveness are read
+        only when that first slice times out."""
+        data = self._rdata
+        if data is None:
+            raise RuntimeError(f"ring {self.name}: get by a process that is not a reader")
+        poll = self.poll_interval
+        while True:
+            first = poll if timeout is None or timeout >= poll else max(timeout, 0.0)
+            try:
+                data.acquire(first)
+            except posix_ipc.BusyError:
+                self._wait_more(data, timeout, first)
+            except posix_ipc.SignalError:    # interrupted: nothing waited for sure
+                self._wait_more(data, timeout, 0.0)
+            seq = self._seq
+            got = self._read_frame(seq)
+            self._seq = seq + 1
+            _U64.pack_into(self._mm, self._rseq_abs, seq + 1)
+            self._rspace.release()
+            if type(got) is bytes:
+                if decode is None:
+                    return got
+                try:
+                    return decode(got)
+                except MessageError as e:
+                    got = str(e)
+            log.error("shm ring bad frame ring=%s reader=%d seq=%d reason=%s",
+                      self.name, self.reader_index, seq, got)
+
+    def _wait_more(self, data, timeout: float | None, waited: float) -> None:
+        """The first slice (``waited`` s) of a get found no frame: check the producer, then
+        keep waiting in slices until ``timeout`` (counted from the start of the get)."""
+        if waited > 0:
+            dead = self._producer_gone()
+            if dead:
+                raise PeerDeadError(f"ring {self.name}: {dead} while waiting for a frame")
+        deadline = None if timeout is None else time.monotonic() + timeout - waited
+        self._wait(data, deadline, "a frame", self._producer_gone)
+
+    def _read_frame(self, seq: int) -> bytes | str:
+        """The body of frame ``seq``, or why it is rejected (a str)."""
+        mm, off = self._mm, self._frames_abs + (seq % self.slots) * self.frame_bytes
+        raw = mm[off:off + _HCRC + 4]
+        # crc32 over (24 header bytes + their little-endian crc32) is a fixed residue
+        if zlib.crc32(raw) != _CRC_RESIDUE:
+            return "frame header crc mismatch"
+        magic, n, fseq, csum, algo, _ = _FHDR_FULL.unpack(raw)
         if magic != FRAME_MAGIC:
-            return None, f"frame magic {magic!r} != {FRAME_MAGIC!r}"
+            return f"frame magic {magic!r} != {FRAME_MAGIC!r}"
         if fseq != seq:
-            return None, f"frame seq {fseq} != expected {seq}"
-        if n > self.capacity:
-            return None, f"frame length {n} > capacity {self.capacity}"
+            return f"frame seq {fseq} != expected {seq}"
+        if n > self._cap:
+            return f"frame length {n} > capacity {self._cap}"
         body = mm[off + FRAME_HEADER:off + FRAME_HEADER + n]
         if self.checksum:
             if algo != algo_for(n):
-                return None, f"checksum kind {algo} != {algo_for(n)} for {n} bytes"
+                return f"checksum kind {algo} != {algo_for(n)} for {n} bytes"
             if checksum(body, algo) != csum:
-                return None, f"checksum mismatch on {n} bytes (kind {algo})"
-        return body, None
+                return f"checksum mismatch on {n} bytes (kind {algo})"
+        return body
 
     def pending(self) -> int:
         """Frames written but not yet read by this reader (from the header; diagnostic)."""
