@@ -24,7 +24,7 @@ All waits are sliced (``poll_interval`` s); between slices the peer's pid + star
 registered in the header is checked, so a dead peer raises :class:`PeerDeadError` within one
 slice instead of blocking forever; a timeout raises :class:`RingTimeoutError` naming the ring.
 
-Hot path (what one message costs; see ``docs/bench_ipc.md``): ``get`` is one
+Hot path (what one message costs; see ``docs/benchmarks.md``): ``get`` is one
 ``sem_timedwait`` bounded by the first slice (it returns at once when a frame is ready), one
 28-byte header copy checked by a single crc32 (crc32 of header + stored crc = a fixed residue),
 one body copy, one read_seq store and one post; ``put`` is one trywait per reader, one header
