@@ -30,5 +30,6 @@ serve: install  ## run the 16-rank example on the tiny CPU model with the built-
 lint: install  ## ruff check
 	$(BIN)/ruff check xllm_eplb tests scripts
 
-clean: install  ## remove this project's unheld /dev/shm objects
-	$(BIN)/xllm-eplb shm clean
+clean:  ## remove this project's unheld /dev/shm objects (no install needed)
+	@if [ -x $(BIN)/xllm-eplb ]; then $(BIN)/xllm-eplb shm clean; \
+	else echo "no $(BIN)/xllm-eplb: nothing installed, nothing to clean"; fi

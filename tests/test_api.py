@@ -108,8 +108,13 @@ def test_malformed_json_unknown_routes_and_methods(server):
     assert _call(api.port, "POST", "/v1/completions", raw=b"[1, 2]")[0] == 400
     st, err = _call(api.port, "GET", "/nope")
     assert st == 404 and "nope" in err["error"]["message"]
-    assert _call(api.port, "POST", "/metrics", {})[0] == 404
+    assert _call(api.port, "POST", "/metrics", {})[0] == 405
     assert _call(api.port, "GET", "/v1/completions")[0] == 405
+    # regression: other methods got http.server's HTML 501 page, not a JSON 405/404
+    st, err = _call(api.port, "DELETE", "/health")
+    assert st == 405 and err["error"]["message"] == "use GET for /health"
+    assert _call(api.port, "PUT", "/v1/completions", {})[0] == 405
+    assert _call(api.port, "PATCH", "/nope", {})[0] == 404
     # still serving
     assert _call(api.port, "GET", "/health") == (200, {"status": "serving"})
     st, text = _call(api.port, "GET", "/metrics")

@@ -275,3 +275,12 @@ def test_unknown_policy_warns_once_and_falls_back(caplog):
     assert c1.eplb.eplb_policy_kind == c2.eplb.eplb_policy_kind == "greedy"
     hits = [r for r in caplog.records if "Fancy_Policy_XYZ" in r.getMessage()]
     assert len(hits) == 1 and "fallback=greedy" in hits[0].getMessage()
+
+
+def test_misspelled_section_suggests_the_section(tmp_path):
+    """Regression: 'epl:' suggested the non-existent flag '--eplb'."""
+    p = tmp_path / "c.yaml"
+    p.write_text("epl:\n  ep_size: 4\n")
+    with pytest.raises(ConfigError, match=r"c.yaml:1: unknown key 'epl' \(did you mean "
+                                          r"section 'eplb'\?\)"):
+        load("--config", str(p))

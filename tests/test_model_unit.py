@@ -92,6 +92,11 @@ def test_weight_file_roundtrip_and_mismatch(tmp_path):
     torch.save(sd, bad)
     with pytest.raises(InputFileError, match=r"layers.1.experts.w2.*shape \[16, 32, 8\]"):
         MoETransformer(replace(cfg, model=replace(cfg.model, weights=str(bad))), 0)
+    junk = tmp_path / "junk.pt"
+    junk.write_bytes(b"not a state dict")
+    with pytest.raises(InputFileError, match="junk.pt' as a torch state dict") as ei:
+        MoETransformer(replace(cfg, model=replace(cfg.model, weights=str(junk))), 0)
+    assert "\n" not in str(ei.value)                 # regression: torch's message is multi-line
     with pytest.raises(InputFileError, match=r"placement: shape \[2, 3\]"):
         MoETransformer(cfg, 0, phy2log=np.zeros((2, 3), dtype=np.int64))
 

@@ -107,3 +107,24 @@ def test_plan_on_real_dump(tmp_path):
     assert "skipped 3 leading all-zero (dense) layers" in r.stdout
     res = json.loads(out.read_text())
     assert len(res["phy2log"]) == 58 and len(res["phy2log"][0]) == 32 * 9
+
+
+@pytest.mark.parametrize("extra,msg", [
+    (["--report", "nodir/r.md"], "--report=nodir/r.md: folder nodir does not exist"),
+    (["--plot", "p.xyz"], "unsupported image format"),
+    (["--plot", "."], "is a directory"),
+    (["--policy", "incremental", "--budget-slots", "-1"], "--budget-slots=-1: must be >= 0"),
+])
+def test_unwritable_outputs_fail_before_any_file(tmp_path, monkeypatch, extra, msg):
+    """Regression: a bad --report/--plot path used to raise a traceback after the placement
+    JSON was already written."""
+    from click.testing import CliRunner
+
+    from xllm_eplb.commands.plan import plan
+
+    lf = loads_file(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    r = CliRunner().invoke(plan, ["--load", str(lf), "--ep-size", "4", "-o", "out.json", *extra])
+    assert r.exit_code == 2, r.output
+    assert msg in r.output and "Traceback" not in r.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["loads.json"]

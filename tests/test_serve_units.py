@@ -89,3 +89,26 @@ def test_serve_digest_lists_non_defaults():
 
     cfg = config_from_dict({"ep_size": 4, "eplb_update_interval": 5.0})
     assert digest(cfg) == "ep_size=4 eplb_update_interval=5"
+
+
+def test_unusable_log_dir_is_a_startup_error_before_any_process(tmp_path):
+    """Regression: an uncreatable --log_dir was a FileNotFoundError traceback (exit 1)."""
+    from xllm_eplb.launcher import serve
+
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    cfg = config_from_dict({"ep_size": 2, "log_dir": str(blocker / "logs"), "port": 0})
+    with pytest.raises(StartupError, match="--log_dir=.*cannot create or write"):
+        serve(cfg)
+
+
+def test_bench_bad_url_or_json_path_is_exit_2():
+    """Regression: a bad --url exited 1 and a bad --json path was a traceback after the run."""
+    from click.testing import CliRunner
+
+    from xllm_eplb.commands.bench import bench
+
+    r = CliRunner().invoke(bench, ["--url", "notaurl", "--requests", "1"])
+    assert r.exit_code == 2 and "--url=notaurl: unknown url type" in r.output
+    r = CliRunner().invoke(bench, ["--url", "http://127.0.0.1:1", "--json", "/proc/no/x.json"])
+    assert r.exit_code == 2 and "--json=/proc/no/x.json: folder /proc/no does not exist" in r.output

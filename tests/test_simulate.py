@@ -91,7 +91,10 @@ def _bad_trace(tmp_path, loads):
     ("experts", "trace has 16 experts per layer but --num_experts=32"),
     ("none", "exactly one of --trace FILE or --generate SPEC"),
     ("steps", "--steps=999: the trace has only 5 steps"),
-    ("divisible", "--num_experts=16: must be divisible by --ep_size=3"),
+    ("divisible", "trace has 16 experts per layer: --num_experts=16: must be divisible by "
+                  "--ep_size=3"),
+    ("out_dir", "cannot create the output folder"),
+    ("save_trace", "--save-trace=/proc/xllm-eplb-no/t.npz: cannot write"),
 ])
 def test_bad_input_exits_2_with_a_clear_error(tmp_path, case, msg):
     good = np.ones((5, 2, 16), dtype=np.int64)
@@ -101,12 +104,17 @@ def test_bad_input_exits_2_with_a_clear_error(tmp_path, case, msg):
             "experts": ["--trace", _bad_trace(tmp_path, good), "--num_experts=32"],
             "none": [],
             "steps": ["--trace", _bad_trace(tmp_path, good), "--steps", "999"],
-            "divisible": ["--trace", _bad_trace(tmp_path, good), "--ep-size", "3"]}[case]
+            "divisible": ["--trace", _bad_trace(tmp_path, good), "--ep-size", "3"],
+            "out_dir": ["--trace", _bad_trace(tmp_path, good)],
+            "save_trace": ["--trace", _bad_trace(tmp_path, good),
+                           "--save-trace", "/proc/xllm-eplb-no/t.npz"]}[case]
     if "--ep-size" not in args:
         args += ["--ep-size", "4"]
-    r = CliRunner().invoke(cli, ["simulate", *args, "--out", str(tmp_path / "o")])
+    out = "/proc/xllm-eplb-no/o" if case == "out_dir" else str(tmp_path / "o")
+    r = CliRunner().invoke(cli, ["simulate", *args, "--out", out])
     assert r.exit_code == 2, r.output
     assert msg in r.output
+    assert not (tmp_path / "o").exists()             # nothing written on bad input
 
 
 def test_replay_keeps_manager_and_workers_in_step_and_counts_timeouts():

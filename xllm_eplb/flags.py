@@ -103,7 +103,10 @@ def coerce(spec: FieldSpec, raw: Any) -> Any:
 def _suggest(name: str, extra: tuple[str, ...] = _META) -> str:
     cands = list(FIELDS) + list(extra)
     close = difflib.get_close_matches(name, cands, n=1, cutoff=0.6)
-    return f" (did you mean --{close[0]}?)" if close else ""
+    if not close:
+        return ""
+    return f" (did you mean section '{close[0]}'?)" if close[0] in SECTIONS else \
+        f" (did you mean --{close[0]}?)"
 
 
 # --- config files -----------------------------------------------------------------------------

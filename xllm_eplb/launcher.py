@@ -365,8 +365,12 @@ def serve(cfg: Config, digest: str = "") -> int:
 
     preflight(cfg)  # device / backend / model checks before anything starts
     cfg = resolve_runtime(cfg)
-    Path(cfg.serve.log_dir).mkdir(parents=True, exist_ok=True)
-    setup_logging("launcher", cfg.serve.v, str(Path(cfg.serve.log_dir) / "launcher.log"))
+    try:
+        Path(cfg.serve.log_dir).mkdir(parents=True, exist_ok=True)
+        setup_logging("launcher", cfg.serve.v, str(Path(cfg.serve.log_dir) / "launcher.log"))
+    except OSError as e:
+        raise StartupError(f"--log_dir={cfg.serve.log_dir}: cannot create or write the log "
+                           f"folder ({e})") from None
     with contextlib.suppress(Exception):
         import setproctitle
 

@@ -17,9 +17,13 @@ import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import click
 import numpy as np
+
+from xllm_eplb.cli import handle_user_errors
+from xllm_eplb.errors import UserError
 
 
 def post_json(url: str, body: dict, timeout: float = 600.0) -> tuple[int, dict]:
@@ -105,13 +109,16 @@ def summary_line(r: dict) -> str:
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
               help="also write the numbers to this JSON file")
+@handle_user_errors
 def bench(url, n, concurrency, prompt_len, max_tokens, topics, skew, seed, json_path) -> None:
     """Drive a running server and report throughput and P50/P99 latency."""
+    if json_path and not (Path(json_path).parent.is_dir()):
+        raise UserError(f"--json={json_path}: folder {Path(json_path).parent} does not exist")
     prompts = make_prompts(n, prompt_len, topics, skew, seed)
     try:
         res = run_bench(url, prompts, max_tokens, concurrency, seed)
     except Exception as e:  # noqa: BLE001 - one line, exit 2
-        raise click.ClickException(f"--url={url}: {e}") from None
+        raise UserError(f"--url={url}: {e}") from None
     res.pop("outputs")
     click.echo(summary_line(res))
     if res["errors"]:

@@ -42,6 +42,29 @@ def write_atomic(path: str | Path, text: str) -> None:
             os.unlink(tmp)
 
 
+def check_outputs(output: str, report: str | None, plot: str | None) -> None:
+    """Fail before any work if an output path cannot be written: its folder is missing or it is
+    a directory, or the plot's suffix is not an image format matplotlib can write."""
+    for flag, path in (("--output", output), ("--report", report), ("--plot", plot)):
+        if not path:
+            continue
+        p = Path(path)
+        parent = p.parent if str(p.parent) else Path(".")
+        if p.is_dir():
+            raise UserError(f"{flag}={path}: is a directory (expected a file path)")
+        if not parent.is_dir():
+            raise UserError(f"{flag}={path}: folder {parent} does not exist")
+        if not os.access(parent, os.W_OK):
+            raise UserError(f"{flag}={path}: folder {parent} is not writable")
+    if plot and Path(plot).suffix:
+        from matplotlib.backend_bases import FigureCanvasBase
+
+        kinds = FigureCanvasBase.get_supported_filetypes()
+        if Path(plot).suffix[1:].lower() not in kinds:
+            raise UserError(f"--plot={plot}: unsupported image format "
+                            f"(use one of {', '.join(sorted(kinds))})")
+
+
 def read_previous(path: str, layers: range, total_layers: int, ep_size: int, slots: int,
                   num_logical: int) -> np.ndarray:
     """A previous placement: a plan output (``{"phy2log": ...}``) or a bare list of lists with
@@ -99,6 +122,11 @@ def run_plan(load: str, ep_size: int, redundant: int, policy: str, previous: str
     loads = lf.loads[layers.start:layers.stop]
     if ep_size < 2:
         raise UserError(f"--ep-size={ep_size}: must be > 1")
+    if budget_slots < 0:
+        raise UserError(f"--budget-slots={budget_slots}: must be >= 0 (0 = auto)")
+    if num_nodes < 1 or num_groups < 0:
+        raise UserError(f"--num-nodes={num_nodes} --num-groups={num_groups}: need "
+                        f"num_nodes >= 1 and num_groups >= 0")
     if redundant < 0:
         raise UserError(f"--redundant-experts-num={redundant}: must be >= 0")
     if num_e % ep_size:
@@ -182,6 +210,7 @@ def render_report(result: dict, before: np.ndarray, after: np.ndarray, load: str
 def plan(load, ep_size, redundant, policy, previous, moe_layers, output, report, plot,
          num_nodes, num_groups, budget_slots):
     """Compute a placement from an expert-load file."""
+    check_outputs(output, report, plot)
     result, before, after, info = run_plan(load, ep_size, redundant, policy, previous,
                                            moe_layers, num_nodes, num_groups, budget_slots)
     if result["dense_layers_skipped"]:
@@ -189,14 +218,22 @@ def plan(load, ep_size, redundant, policy, previous, moe_layers, output, report,
                    f"of {load}")
     if info["skipped"]:
         click.echo(f"policy could not plan layers {info['skipped']}: previous placement kept")
-    write_atomic(output, json.dumps(result) + "\n")
-    if report:
-        write_atomic(report, render_report(result, before, after, load, info["layers"]))
-    if plot:
-        from xllm_eplb.obs.plots import plot_rank_loads
+    written: list[str] = []
+    try:       # plot and report first, the placement last; all or nothing
+        if plot:
+            from xllm_eplb.obs.plots import plot_rank_loads
 
-        plot_rank_loads(before, after, plot, title=f"{result['policy']} ep{ep_size}"
-                        f"+{redundant}", layer_ids=list(info["layers"]))
+            plot_rank_loads(before, after, plot, title=f"{result['policy']} ep{ep_size}"
+                            f"+{redundant}", layer_ids=list(info["layers"]))
+            written.append(plot)
+        if report:
+            write_atomic(report, render_report(result, before, after, load, info["layers"]))
+            written.append(report)
+        write_atomic(output, json.dumps(result) + "\n")
+    except (OSError, ValueError) as e:
+        for path in written:
+            Path(path).unlink(missing_ok=True)
+        raise UserError(f"cannot write the plan outputs: {e}") from None
     ga = after.mean(axis=1).sum() / after.max(axis=1).sum()
     msg = (f"policy={result['policy']} layers={len(info['layers'])} "
            f"peak_over_ideal={1 / ga:.4f} balancedness={ga:.4f} "

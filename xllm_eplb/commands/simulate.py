@@ -54,7 +54,12 @@ def _resolve_config(argv: list[str], tr, policy: str | None) -> Config:
     """
     from xllm_eplb.flags import load_config
 
-    cfg, _ = load_config([*argv, f"--num_experts={tr.experts}"])
+    try:
+        cfg, _ = load_config([*argv, f"--num_experts={tr.experts}"])
+    except ConfigError as e:
+        if "num_experts" not in str(e):
+            raise
+        raise ConfigError(f"trace has {tr.experts} experts per layer: {e}") from None
     try:
         user, sources = load_config(argv, require_ep_size=False)
     except ConfigError:      # e.g. the default num_experts does not fit; the trace's value did
@@ -136,12 +141,18 @@ def simulate(trace_path, spec, policy, steps, step_seconds, transfer_steps_per_l
         raise ConfigError(f"--window-steps={window_steps}: must be >= 1")
     tr = _load(trace_path, spec, steps)
     cfg = _resolve_config(list(click.get_current_context().args), tr, policy)
+    if save_trace:
+        try:
+            write_trace(tr, save_trace)
+        except OSError as e:
+            raise ConfigError(f"--save-trace={save_trace}: cannot write ({e})") from None
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"--out={out_dir}: cannot create the output folder ({e})") from None
     (out / "simulate.log").unlink(missing_ok=True)        # one run per log, never appended
     setup_logging("simulate", cfg.serve.v, log_file=str(out / "simulate.log"), stream=None)
-    if save_trace:
-        write_trace(tr, save_trace)
     opts = ReplayOptions(step_seconds, transfer_steps_per_layer, window_steps)
     res = replay(tr, cfg, opts)
     res.extra = {"trace": trace_path or spec, "ep_size": cfg.eplb.ep_size,

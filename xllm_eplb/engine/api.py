@@ -160,6 +160,19 @@ class _Handler(BaseHTTPRequestHandler):
     def do_POST(self):  # noqa: N802
         self._guard(self._post)
 
+    def _other_method(self):
+        """PUT, DELETE, PATCH, OPTIONS: 405 on a known route, 404 elsewhere (always JSON)."""
+        self.close_connection = True          # the body, if any, is never read
+        path = self.path.split("?", 1)[0]
+        if path in _ROUTES:
+            raise ApiError(405, f"use {_ROUTES[path]} for {path}")
+        raise ApiError(404, f"no route {self.command} {path}")
+
+    def do_PUT(self):  # noqa: N802
+        self._guard(self._other_method)
+
+    do_DELETE = do_PATCH = do_OPTIONS = do_PUT  # noqa: N815
+
     def _get(self):
         b, path = self.backend, self.path.split("?", 1)[0]
         if path == "/metrics":
@@ -191,6 +204,9 @@ class _Handler(BaseHTTPRequestHandler):
     def _post(self):
         path = self.path.split("?", 1)[0]
         if path != "/v1/completions":
+            self.close_connection = True      # the body, if any, is never read
+            if path in _ROUTES:
+                raise ApiError(405, f"use {_ROUTES[path]} for {path}")
             raise ApiError(404, f"no route POST {path}")
         req = parse_completion(self._read_json(), self.backend.limits)
         ok, info = self.backend.health()
@@ -203,6 +219,10 @@ class _Handler(BaseHTTPRequestHandler):
         if req.finish_reason == "error":
             raise ApiError(503, f"request {req.req_id} failed: {req.error}")
         self._json(200, completion_response(req))
+
+
+_ROUTES = {"/metrics": "GET", "/health": "GET", "/eplb/status": "GET",
+           "/v1/completions": "POST"}
 
 
 class _Server(ThreadingHTTPServer):

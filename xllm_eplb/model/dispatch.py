@@ -177,21 +177,22 @@ def moe_dispatch(moe: FusedMoE, x: torch.Tensor, phys: torch.Tensor, counted: to
 
 
 def _fused(moe, xs, meta, send, recv, group, stats, overlap):
-    """Overlapped path: local rows never travel. The local experts run while the split sizes
-    are exchanged, the ``overlap`` work (shared expert) runs while the remote rows are in
-    flight. -> (expert outputs in send order [n, H], overlap() result, slot loads [S])."""
+    """Overlapped path: local rows never travel. The remote rows are packed while the split
+    sizes are exchanged; the local experts and the ``overlap`` work (shared expert) run while
+    the remote rows are in flight. -> (expert outputs in send order [n, H], overlap() result, slot loads [S])."""
     me, H = moe.ep_rank, xs.shape[1]
     w0 = _a2a(recv, send, None, None, group, async_op=True)
-    lo, n_local = int(send[:me].sum()), int(send[me])
+    s_r = send.tolist()
+    lo, n_local = sum(s_r[:me]), s_r[me]
     x_loc, m_loc = xs[lo:lo + n_local], meta[lo:lo + n_local]
-    y_loc = moe.compute(x_loc, m_loc[:, 0])                 # overlaps the count exchange
-    _timed(stats, w0.wait)
-    s_r, r_r = send.tolist(), recv.tolist()
-    s_r[me] = r_r[me] = 0
-    x_rem = torch.cat([xs[:lo], xs[lo + n_local:]])
+    x_rem = torch.cat([xs[:lo], xs[lo + n_local:]])          # prepared while counts travel
     m_rem = torch.cat([meta[:lo], meta[lo + n_local:]])
+    _timed(stats, w0.wait)
+    r_r = recv.tolist()
+    s_r[me] = r_r[me] = 0
     inflight = _post_rows(x_rem, m_rem, r_r, s_r, group)
-    extra = overlap() if overlap is not None else None     # overlaps the dispatch
+    y_loc = moe.compute(x_loc, m_loc[:, 0])                 # local experts overlap the dispatch
+    extra = overlap() if overlap is not None else None     # so does the shared expert
     xr, mr = inflight.wait(stats)
     yr = moe.compute(xr, mr[:, 0])
     counts = _count(moe, stats, m_loc, mr)

@@ -119,7 +119,11 @@ def _load_file(path: str, shapes_key: tuple) -> dict[str, torch.Tensor]:
     except FileNotFoundError:
         raise InputFileError(f"weights: file {path!r} does not exist") from None
     except Exception as exc:  # noqa: BLE001 - any unreadable file is the user's input
-        raise InputFileError(f"weights: cannot read {path!r} as a torch state dict: {exc}") from None
+        why = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:160]  # one line
+        if why.startswith("Weights only load failed"):   # torch's long multi-line message
+            why = "not a pickle of tensors only: torch.load(weights_only=True) refused it"
+        raise InputFileError(f"weights: cannot read {path!r} as a torch state dict "
+                             f"saved with torch.save ({why})") from None
     if not isinstance(sd, dict):
         raise InputFileError(f"weights: {path!r} holds a {type(sd).__name__}, expected a state dict")
     shapes = dict(shapes_key)

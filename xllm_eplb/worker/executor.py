@@ -231,7 +231,10 @@ def make_executor(model, eplb_group, cfg, *, canary: bool | None = None):
     """The worker's executor: :class:`EplbExecutor` over :class:`ModelEplbHooks` when
     ``cfg.eplb.enable_eplb``, else a :class:`NullExecutor` (reserves nothing)."""
     if not cfg.eplb.enable_eplb:
+        log.info(event("EPLB executor", mode="off", thread=False, staging=False))
         return NullExecutor()
     from xllm_eplb.worker.migration import ModelEplbHooks
 
-    return EplbExecutor(ModelEplbHooks(model, eplb_group, cfg, canary=canary), cfg)
+    ex = EplbExecutor(ModelEplbHooks(model, eplb_group, cfg, canary=canary), cfg)
+    log.info(event("EPLB executor", mode="on", thread=True, staging=True))
+    return ex
