@@ -240,7 +240,7 @@ class Launcher:
         while not self.stop_signal:
             ready = mpc.wait(list(sentinels), timeout=0.5)
             self._drain_events()
-            if ready:
+            if ready and not self._stopping_together():
                 who = sentinels[ready[0]]
                 self.procs[who].join(2.0)  # reap it: the exit cause names the signal
                 log.error(event("launcher child died", proc=who, pid=self.procs[who].pid,
@@ -249,6 +249,18 @@ class Launcher:
                 return 1
         log.info(event("launcher stop", signal=signal.Signals(self.stop_signal).name))
         return 0
+
+    def _stopping_together(self, grace: float = 0.3) -> bool:
+        """True when a stop signal reaches the launcher within ``grace`` s of a child's death.
+
+        NOTE: a SIGTERM sent to the whole process group (``timeout``, systemd, a container
+        runtime) reaches the children and the launcher at once; that is a requested stop, not a
+        failure.
+        """
+        end = time.monotonic() + grace
+        while not self.stop_signal and time.monotonic() < end:
+            time.sleep(0.02)
+        return bool(self.stop_signal)
 
     def _drain_events(self) -> None:
         while self._next_event(0) is not None:
