@@ -239,6 +239,20 @@ def test_killed_worker_stops_the_run_naming_the_rank(start_server):
 
 
 @pytest.mark.timeout(90)
+def test_sigterm_to_the_whole_process_group_is_a_clean_stop(start_server):
+    # timeout(1), systemd and container runtimes signal every process of the group at once
+    s = start_server("--workload=none", "--enable_eplb=false")
+    s.wait_ready()
+    t0 = time.monotonic()
+    os.killpg(s.proc.pid, signal.SIGTERM)
+    rc = s.proc.wait(15)
+    assert rc == 0 and time.monotonic() - t0 < 10, s.err.read_text()[-2000:]
+    assert "died during serving" not in s.err.read_text()
+    time.sleep(0.3)
+    assert s.alive() == [] and _shm_objects(s.run_id) == []
+
+
+@pytest.mark.timeout(90)
 def test_killed_launcher_takes_its_children_and_shm_with_it(start_server):
     s = start_server("--workload=none", "--enable_eplb=false")
     s.wait_ready()
