@@ -18,7 +18,6 @@ plus a parent-pid check), and the launcher always sweeps the run's ``/dev/shm`` 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import dataclasses
 import logging
 import multiprocessing as mp
@@ -37,7 +36,6 @@ from xllm_eplb.obs.progress import Progress, ready_line
 
 log = logging.getLogger(__name__)
 
-PR_SET_PDEATHSIG = 1
 #: environment of every child (one intra-op thread per rank; 2 cores serve 17 processes)
 CHILD_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1",
              "TORCH_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
@@ -45,49 +43,6 @@ CHILD_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREA
 
 class StartupError(UserError):
     """Serving could not start (port taken, child failed during start-up)."""
-
-
-# --- child-side helpers (engine and workers call these first) -------------------------------
-
-def child_setup(title: str, parent_pid: int, deathsig: int = signal.SIGKILL) -> None:
-    """Name the process, ignore terminal ^C, and die with the launcher.
-
-    ``deathsig`` is delivered when the launcher dies (Linux ``PR_SET_PDEATHSIG``); the parent
-    check covers a launcher that died before the call.
-    """
-    with contextlib.suppress(Exception):
-        import setproctitle
-
-        setproctitle.setproctitle(title)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    with contextlib.suppress(Exception):
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(PR_SET_PDEATHSIG, int(deathsig), 0, 0, 0)
-    if os.getppid() != parent_pid:
-        os._exit(1)
-
-
-def child_exit(code: int, events=None) -> None:
-    """Leave a child process now: flush the event queue and stdio, then ``os._exit`` (skips
-    interpreter teardown, which with torch loaded can take seconds on a busy machine)."""
-    if events is not None:
-        with contextlib.suppress(Exception):
-            events.close()
-            events.join_thread()
-    with contextlib.suppress(Exception):
-        sys.stdout.flush()
-        sys.stderr.flush()
-    os._exit(code)
-
-
-def parent_alive(parent_pid: int) -> bool:
-    return os.getppid() == parent_pid
-
-
-def send_event(events, who: str, stage: str, detail: str = "") -> None:
-    """Report a start-up stage (``who``: ``engine`` or ``ep<r>``) to the launcher."""
-    with contextlib.suppress(Exception):
-        events.put((who, stage, detail))
 
 
 # --- launcher ---------------------------------------------------------------------------------

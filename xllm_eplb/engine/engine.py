@@ -23,12 +23,13 @@ import time
 from pathlib import Path
 
 from xllm_eplb import __version__
+from xllm_eplb.child import child_exit, child_setup, parent_alive, send_event
 from xllm_eplb.config import Config
 from xllm_eplb.engine.scheduler import Request, Scheduler, is_eplb_boundary
 from xllm_eplb.engine.telemetry import Telemetry
 from xllm_eplb.engine.tokenizer import BOS_ID
 from xllm_eplb.eplb.info import NO_TOKEN, EplbInfo
-from xllm_eplb.launcher import backend_name, child_exit, child_setup, parent_alive, send_event
+from xllm_eplb.launcher import backend_name
 from xllm_eplb.model.batch import RankBatch, SeqRow
 from xllm_eplb.obs.logs import event, setup_logging
 from xllm_eplb.obs.metrics import EngineMetrics

@@ -4,7 +4,7 @@ ranks=16/16 t=3.2s``) and per engine stage (``xllm-eplb start engine=warmup t=2.
 one ready line on stdout (:func:`ready_line`).
 
 The launcher feeds :class:`Progress` the ``(who, stage)`` events its children send
-(``launcher.send_event``).
+(``child.send_event``).
 """
 
 from __future__ import annotations

@@ -24,9 +24,9 @@ import sys
 import time
 from pathlib import Path
 
+from xllm_eplb.child import child_exit, child_setup, parent_alive, send_event
 from xllm_eplb.config import Config
 from xllm_eplb.eplb.info import NO_LAYER, NO_TOKEN
-from xllm_eplb.launcher import child_exit, child_setup, parent_alive, send_event
 from xllm_eplb.obs.logs import event, setup_logging
 
 log = logging.getLogger(__name__)
