@@ -135,15 +135,20 @@ def _key_lines(text: str) -> dict[tuple[str, ...], int]:
     return lines
 
 
+def _read_text(path: Path, what: str) -> str:
+    """UTF-8 text of ``path``; ConfigError naming ``what`` and the path when it cannot be read."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"{what} {path}: not found") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{what} {path}: cannot read: {e}") from None
+
+
 def read_config_file(path: str | Path) -> dict[str, Any]:
     """Read a YAML/JSON config file -> flat ``{name: typed value}``; ConfigError on any problem."""
     p = Path(path)
-    try:
-        text = p.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise ConfigError(f"config file {p}: not found") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"config file {p}: cannot read: {e}") from None
+    text = _read_text(p, "config file")
     if p.suffix.lower() == ".json":
         try:
             data = json.loads(text) if text.strip() else {}
@@ -219,12 +224,7 @@ def _read_flagfile(path: Path, stack: tuple[Path, ...]) -> list[tuple[str, str]]
     if real in stack:
         chain = " -> ".join(str(s) for s in (*stack, real))
         raise ConfigError(f"flagfile {path}: include cycle: {chain}")
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise ConfigError(f"flagfile {path}: not found") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"flagfile {path}: cannot read: {e}") from None
+    text = _read_text(path, "flagfile")
     toks: list[tuple[str, str]] = []
     for i, line in enumerate(text.splitlines(), 1):
         try:
