@@ -13,7 +13,8 @@ from pathlib import Path
 import numpy as np
 
 
-def _pyplot():
+def pyplot():
+    """matplotlib.pyplot on the Agg backend (no display needed)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -40,7 +41,7 @@ def plot_rank_loads(before: np.ndarray, after: np.ndarray, path: str | Path,
                     title: str = "", layer_ids=None) -> None:
     """Two panels: per-layer peak/ideal before and after, and the per-rank load (summed over
     layers, in units of the ideal) before and after. before, after: float [layers, ranks]."""
-    plt = _pyplot()
+    plt = pyplot()
     b = np.asarray(before, dtype=np.float64)
     a = np.asarray(after, dtype=np.float64)
     ideal = np.maximum(b.mean(axis=1, keepdims=True), 1e-12)

@@ -13,19 +13,21 @@ from pathlib import Path
 
 import numpy as np
 
+from xllm_eplb.eplb.balance import balancedness
+from xllm_eplb.obs.plots import pyplot, save_atomic
 from xllm_eplb.sim.replay import ReplayResult, step_series
 from xllm_eplb.sim.trace import Trace
 
 
-def _plt():
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    return plt
+def _finish(fig, path: Path) -> Path:
+    fig.tight_layout()
+    save_atomic(fig, path)
+    pyplot().close(fig)
+    return path
 
 
 def plot_balancedness(res: ReplayResult, path: Path) -> Path:
-    plt = _plt()
+    plt = pyplot()
     se, ss = step_series(res.rank_eplb), step_series(res.rank_static)
     steps = np.arange(se["balancedness"].size)
     fig, ax = plt.subplots(figsize=(10, 4))
@@ -37,7 +39,7 @@ def plot_balancedness(res: ReplayResult, path: Path) -> Path:
         xs, ys = [], []
         for s in range(0, rank.shape[0] - w + 1, w):
             tot = rank[s:s + w].sum(axis=0).astype(np.float64)
-            ys.append(float((tot.mean(axis=1) / np.maximum(tot.max(axis=1), 1)).mean()))
+            ys.append(float(balancedness(tot).mean()))
             xs.append(s + w / 2)
         ax.plot(xs, ys, "o-", color=color, ms=3, label=f"{name} ({w}-step windows)")
     for i, r in enumerate(res.round_steps):
@@ -46,14 +48,11 @@ def plot_balancedness(res: ReplayResult, path: Path) -> Path:
     ax.set_ylabel("balancedness (mean / max rank load)")
     ax.set_ylim(0, 1.02)
     ax.legend(loc="lower right", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _finish(fig, path)
 
 
 def plot_heatmap(trace: Trace, path: Path) -> Path:
-    plt = _plt()
+    plt = pyplot()
     tot = trace.loads.sum(axis=0).astype(np.float64)
     fig, ax = plt.subplots(figsize=(10, 4))
     im = ax.imshow(np.log10(tot + 1), aspect="auto", cmap="viridis", interpolation="nearest")
@@ -61,14 +60,11 @@ def plot_heatmap(trace: Trace, path: Path) -> Path:
     ax.set_ylabel("MoE layer")
     fig.colorbar(im, ax=ax, label="log10(tokens + 1)")
     ax.set_title("expert load over the whole trace")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _finish(fig, path)
 
 
 def plot_rank_load(res: ReplayResult, path: Path) -> Path:
-    plt = _plt()
+    plt = pyplot()
     w = min(res.window_steps, res.rank_eplb.shape[0])
     static = res.rank_static[-w:].sum(axis=0).astype(np.float64)   # [layers, D]
     eplb = res.rank_eplb[-w:].sum(axis=0).astype(np.float64)
@@ -82,10 +78,7 @@ def plot_rank_load(res: ReplayResult, path: Path) -> Path:
     ax.set_ylabel(f"tokens over the last {w} steps")
     ax.set_title(f"per-rank load, layer {layer} (most imbalanced under the static placement)")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _finish(fig, path)
 
 
 def write_plots(res: ReplayResult, trace: Trace, out: Path) -> list[Path]:
