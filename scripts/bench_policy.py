@@ -104,6 +104,45 @@ def lp_bound(load_row, d, s, time_limit=20.0):
     return float(h.getInfo().objective_function_value)
 
 
+def _layer_floor_options(rank_loads: np.ndarray, grid: int) -> tuple[np.ndarray, np.ndarray]:
+    """(cost, value) options of one layer for :func:`drift_floor`: for each grid interval
+    [T_j, T_j+1] the floor at T_j+1 (fewest changed slots) charged with the peak T_j."""
+    r = np.sort(rank_loads)                                   # ascending
+    ts = np.linspace(r.mean(), r[-1], grid)
+    over = r[None, :] > ts[:, None]                           # [G, D]
+    excess = np.where(over, r[None, :] - ts[:, None], 0.0).sum(axis=1)
+    n_under = r.size - over.sum(axis=1)
+    k = np.arange(1, r.size + 1)
+    room = k[None, :] * ts[:, None] - np.cumsum(r)[None, :]  # room of the k lightest ranks
+    room = np.where(k[None, :] <= n_under[:, None], room, -np.inf)
+    absorbers = np.where(excess > 0, np.argmax(room >= excess[:, None] - 1e-9, axis=1) + 1, 0)
+    floor = over.sum(axis=1) + absorbers
+    cost = np.append(floor[1:], 0)                            # floor at the upper grid point
+    return cost, ts                                           # ... with the lower point's peak
+
+
+def drift_floor(table: np.ndarray, loads: np.ndarray, d: int, goal: float = 0.99,
+                grid: int = 400) -> float:
+    """Lower bound on the fraction of all slots that any move set keeping every expert's replica
+    count must change so that ``table`` reaches global balancedness ``goal`` on ``loads``.
+
+    Per layer and target peak T: each rank above T changes a slot; their excess over T has to
+    move to ranks at or below T, each of which changes a slot and takes at most T - R_u, so at
+    least the fewest such ranks whose room covers the excess change one too. The per-layer
+    targets are chosen jointly (sum of peaks <= sum of ideals / goal); the Lagrangian dual of
+    that choice, on a grid that charges each interval its upper floor and lower peak, is a valid
+    lower bound."""
+    rl = rank_loads_from_phy2log(table, loads, d).astype(np.float64)
+    rl /= rl.mean()                                           # mean ideal over layers = 1
+    opts = [_layer_floor_options(x, grid) for x in rl]
+    budget = rl.mean(axis=1).sum() / goal                     # sum of peaks allowed
+    best = 0.0
+    for lam in np.logspace(-1, 5, 600):
+        dual = sum(float(np.min(c + lam * v)) for c, v in opts) - lam * budget
+        best = max(best, dual)
+    return best / table.size
+
+
 def plan(kind, d, r, loads, prev, repeats, **opts):
     """(table [L, D*S], best CPU seconds of ``rebalance`` incl. the gate, min_improvement 0)."""
     e = loads.shape[1]
@@ -160,20 +199,22 @@ def row(kind, d, a, b, fresh, drift, t_fresh, t_drift, rb, lp):
         "fresh_ms": t_fresh * 1000, "drift_ms": t_drift * 1000,
         "drift_keep_balancedness": 1 / keep, "drift_balancedness": 1 / after,
         "drift_moved_pct": 100.0 * diff(fresh, drift, d).moved_slots / fresh.size,
+        "drift_floor_pct_for_0.99": 100.0 * drift_floor(fresh, b, d, 0.99),
         "_fresh": fresh,
     }
 
 
 def to_markdown(rows) -> str:
     out = ["| EP | policy | peak/ideal | balancedness | peak/replica bound | fresh ms | "
-           "drift ms | drift: keep bal. | drift: bal. reached | drift: slots moved |",
-           "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+           "drift ms | drift: keep bal. | drift: bal. reached | drift: slots moved | "
+           "drift: floor for 0.99 |",
+           "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for x in rows:
         out.append(f"| {x['ep']}+{x['ep']} | {x['policy']} | {x['peak_over_ideal']:.4f} | "
                    f"{x['balancedness']:.4f} | {x['peak_over_replica_bound']:.4f} | "
                    f"{x['fresh_ms']:.1f} | {x['drift_ms']:.1f} | "
                    f"{x['drift_keep_balancedness']:.4f} | {x['drift_balancedness']:.4f} | "
-                   f"{x['drift_moved_pct']:.1f}% |")
+                   f"{x['drift_moved_pct']:.1f}% | {x['drift_floor_pct_for_0.99']:.2f}% |")
     return "\n".join(out)
 
 
