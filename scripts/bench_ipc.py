@@ -18,7 +18,9 @@ blocked on the rings.
     python scripts/bench_ipc.py [--quick] [--json PATH] [--no-gloo]
 
 JSON keys: ``shm_p50_us``, ``pipe_p50_us``, ``gloo_p50_us`` (16 workers, 4 KiB),
-``shm_over_pipe``, ``shm_over_gloo``, ``idle_cpu`` (% of one core), ``rows`` (the full table).
+``shm_over_pipe``, ``shm_over_gloo``, ``shm_cpu_us_per_rt`` / ``pipe_cpu_us_per_rt`` (schedstat
+CPU of engine thread + workers), ``shm_engine_sleeps_per_rt`` / ``pipe_engine_sleeps_per_rt``
+(voluntary context switches of the engine thread), ``idle_cpu`` (% of one core), ``rows``.
 """
 
 from __future__ import annotations
@@ -139,7 +141,8 @@ def _kill(procs) -> None:
 def bench_local(n: int, payloads: list[int], iters: int, chunk: int = 25, idle_s: float = 0.0):
     """shm (default), shm_checked (body checksums) and pipe, interleaved in chunks of ``chunk`` round trips
     so the three see the same machine load. Returns ({transport: {payload: (p50_us, p99_us,
-    cpu_us_per_round_trip)}}, idle); CPU = engine thread + workers, from schedstat."""
+    cpu_us_per_round_trip, engine_sleeps_per_round_trip)}}, idle); CPU = engine thread +
+    workers, from schedstat; sleeps = the engine thread's voluntary context switches."""
     sides = {}
     idle = None
     try:
@@ -154,16 +157,19 @@ def bench_local(n: int, payloads: list[int], iters: int, chunk: int = 25, idle_s
                 for _ in range(max(5, chunk)):
                     side.round_trip(body)
             cpu = {k: 0 for k in sides}
+            sleeps = {k: 0 for k in sides}
             for _ in range(max(1, iters // chunk)):
                 for k, side in sides.items():
-                    c0 = _side_cpu_ns(side)
+                    c0, v0 = _side_cpu_ns(side), _own_sleeps()
                     for _ in range(chunk):
                         t0 = time.perf_counter()
                         side.round_trip(body)
                         lat[k].append(time.perf_counter() - t0)
                     cpu[k] += _side_cpu_ns(side) - c0
+                    sleeps[k] += _own_sleeps() - v0
             for k in sides:
-                res[k][size] = _pct(lat[k]) + (cpu[k] / 1e3 / len(lat[k]),)
+                res[k][size] = _pct(lat[k]) + (cpu[k] / 1e3 / len(lat[k]),
+                                               sleeps[k] / len(lat[k]))
         if idle_s:
             shm = sides["shm"]
             idle = _idle_cpu([psutil.Process(p.pid) for p in shm.procs], shm.outs[0], idle_s)
@@ -178,6 +184,15 @@ def _side_cpu_ns(side) -> int:
     with open("/proc/thread-self/schedstat") as f:
         me = int(f.read().split()[0])
     return me + sum(_cpu_ns(p.pid) for p in side.procs)
+
+
+def _own_sleeps() -> int:
+    """Voluntary context switches of this (engine) thread so far (each = one sleep)."""
+    with open("/proc/thread-self/status") as f:
+        for line in f:
+            if line.startswith("voluntary_ctxt_switches"):
+                return int(line.split()[1])
+    return 0
 
 
 def _cpu_ns(pid: int) -> int:
@@ -305,6 +320,8 @@ def main(argv=None) -> int:
                 rows.append({"workers": n, "payload_bytes": size, "transport": name,
                              "p50_us": round(r[size][0], 1), "p99_us": round(r[size][1], 1),
                              "cpu_us_per_rt": cpu,
+                             "engine_sleeps_per_rt": (round(r[size][3], 2) if len(r[size]) > 3
+                                                      else None),
                              "iters": gloo_iters if name == "gloo" else iters})
     print(f"{'workers':>7} {'payload':>8} {'transport':>10} {'p50_us':>10} {'p99_us':>10} "
           f"{'cpu_us/rt':>10}")
@@ -315,12 +332,15 @@ def main(argv=None) -> int:
     sel = [r for r in rows if r["workers"] == 16 and r["payload_bytes"] == 4096]
     key = {r["transport"]: r["p50_us"] for r in sel}
     cpu = {r["transport"]: r["cpu_us_per_rt"] for r in sel}
+    sleeps = {r["transport"]: r["engine_sleeps_per_rt"] for r in sel}
     summary = {"shm_p50_us": key["shm"], "shm_checked_p50_us": key["shm_checked"],
                "pipe_p50_us": key["pipe"], "gloo_p50_us": key.get("gloo"),
                "shm_over_pipe": round(key["shm"] / key["pipe"], 3),
                "shm_over_gloo": round(key["shm"] / key["gloo"], 4) if "gloo" in key else None,
                "shm_cpu_us_per_rt": cpu["shm"], "pipe_cpu_us_per_rt": cpu["pipe"],
                "shm_over_pipe_cpu": round(cpu["shm"] / cpu["pipe"], 3),
+               "shm_engine_sleeps_per_rt": sleeps["shm"],
+               "pipe_engine_sleeps_per_rt": sleeps["pipe"],
                "idle_cpu": idle, "cpu_count": os.cpu_count(),
                "loadavg_1m": round(os.getloadavg()[0], 2), "quick": a.quick, "rows": rows}
     print(json.dumps({k: v for k, v in summary.items() if k != "rows"}))
