@@ -1,19 +1,7 @@
 """Broadcast ring over a :class:`~xllm_eplb.ipc.shm.Segment` (the mechanism under
 :mod:`xllm_eplb.ipc.ring`): one producer, N readers, every reader reads every frame, in order.
 
-Payload layout (little endian, inside the segment payload)::
-
-    [0, 64)          ring header: b"RNG1", ring version u32, slots u32, frame_bytes u32,
-                     num_readers u32, flags u32 (1 = checksums on), write_seq u64,
-                     producer pid u64, producer start time u64
-    [64, 64+32*N)    per reader: read_seq u64, pid u64, start u64, pad u64
-    frames_off ...   ``slots`` frames of ``frame_bytes``: 32-byte frame header
-                     (b"FRM1", body_len u32, seq u64, body checksum u32, checksum kind u32,
-                     crc32 of the previous 24 header bytes u32, pad) + msgpack body.
-                     The header is always checked; the body checksum only on rings created
-                     with ``checksum=True`` (kind 1 = crc32 below 16 KiB, 2 = u64 word sum,
-                     :mod:`xllm_eplb.ipc.checksum`; 0 = none). Without it a corrupted body is
-                     still rejected when it stops being a valid message of this run/schema.
+Payload layout (header, per-reader records, frames): :mod:`xllm_eplb.ipc.ring_layout`.
 
 Synchronisation (no busy spinning): per reader ``i`` two named POSIX semaphores,
 ``<ring>_d<i>`` (frames ready for ``i``, starts 0) and ``<ring>_s<i>`` (free slots for ``i``,
@@ -51,7 +39,6 @@ from typing import Callable
 
 import posix_ipc
 
-from xllm_eplb.errors import LayoutError
 from xllm_eplb.ipc.checksum import NONE, algo_for, checksum
 from xllm_eplb.ipc.errors import (
     FrameTooLargeError,
@@ -62,46 +49,34 @@ from xllm_eplb.ipc.errors import (
     SegmentMissingError,
 )
 from xllm_eplb.ipc.liveness import CLOSED, peer_gone, self_identity
+from xllm_eplb.ipc.ring_layout import (
+    CRC_RESIDUE,
+    FHDR,
+    FHDR_CRC,
+    FHDR_FULL,
+    FLAG_CHECKSUM,
+    FRAME_HEADER,
+    FRAME_MAGIC,
+    HCRC,
+    PROD,
+    READER,
+    RHDR,
+    RING_HEADER,
+    RING_MAGIC,
+    RING_VERSION,
+    U64,
+    WSEQ,
+    WSEQ_ABS,
+    check_ring_header,
+    frames_off,
+    ring_payload_size,
+    sem_names,
+)
 from xllm_eplb.ipc.shm import HEADER_SIZE, Segment, generation_lock
 
 log = logging.getLogger(__name__)
 
-RING_MAGIC = b"RNG1"
-RING_VERSION = 1
-FRAME_MAGIC = b"FRM1"
-_RHDR = struct.Struct("<4sIIIIIQQQ")   # 48 bytes, padded to 64
-_READER = struct.Struct("<QQQQ")       # 32 bytes per reader
-_FHDR = struct.Struct("<4sIQII")       # 24 bytes, then their crc32 (u32), padded to 32
-_HCRC = 24
-_FHDR_CRC = struct.Struct("<24sI")     # packed header bytes + their crc32
-_FHDR_FULL = struct.Struct("<4sIQIII")  # header fields + crc32 (28 bytes)
-_CRC_RESIDUE = 0x2144DF1C              # zlib.crc32(data + crc32(data) as u32 LE), any data
-RING_HEADER = 64
-FRAME_HEADER = 32
-_U64 = struct.Struct("<Q")
-_WSEQ = 24                             # offsets inside the ring header
-_WSEQ_ABS = HEADER_SIZE + _WSEQ         # ... and inside the mapping
-FLAG_CHECKSUM = 1                      # ring header flags: frames carry a body checksum
-_PROD = 32
 POLL_INTERVAL = 0.2
-
-
-def _align64(n: int) -> int:
-    return (n + 63) // 64 * 64
-
-
-def ring_payload_size(num_readers: int, slots: int, frame_bytes: int) -> int:
-    """Segment payload bytes for a ring of these dimensions."""
-    return _frames_off(num_readers) + slots * frame_bytes
-
-
-def _frames_off(num_readers: int) -> int:
-    return _align64(RING_HEADER + _READER.size * num_readers)
-
-
-def sem_names(name: str, num_readers: int) -> list[str]:
-    """Semaphore names of ring ``name``: ``[d0, s0, d1, s1, ...]``."""
-    return [f"{name}_{k}{i}" for i in range(num_readers) for k in ("d", "s")]
 
 
 class Ring:
@@ -120,7 +95,7 @@ class Ring:
         self._space = sems[1::2]
         self.owner = owner
         self.poll_interval = POLL_INTERVAL
-        self._frames = _frames_off(num_readers)
+        self._frames = frames_off(num_readers)
         self._frames_abs = HEADER_SIZE + self._frames   # offsets into seg.mm (header included)
         self._rseq_abs = 0
         self._mm = seg.mm
@@ -148,7 +123,7 @@ class Ring:
         with generation_lock():
             seg = Segment.open_locked(name, size, mode="create")
             try:
-                seg.write(0, _RHDR.pack(RING_MAGIC, RING_VERSION, slots, frame_bytes,
+                seg.write(0, RHDR.pack(RING_MAGIC, RING_VERSION, slots, frame_bytes,
                                         num_readers, flags, 0, 0, 0))
                 sems = []
                 for i, sname in enumerate(sem_names(name, num_readers)):
@@ -188,7 +163,7 @@ class Ring:
             seg = Segment.open_locked(name, None, mode="attach")
             sems = []
             try:
-                dims = cls._check_ring_header(seg, num_readers, slots, frame_bytes)
+                dims = check_ring_header(seg, num_readers, slots, frame_bytes)
                 for sname in sem_names(name, dims[2]):
                     try:
                         sems.append(posix_ipc.Semaphore(sname))
@@ -202,42 +177,23 @@ class Ring:
                 raise
         return cls(seg, *dims[:3], sems, owner=False, flags=dims[3])
 
-    @staticmethod
-    def _check_ring_header(seg, num_readers, slots, frame_bytes) -> tuple[int, int, int, int]:
-        if seg.payload_size < RING_HEADER:
-            raise LayoutError(f"ring {seg.name}: payload {seg.payload_size} < ring header")
-        magic, ver, s, fb, n, flags, _, _, _ = _RHDR.unpack(seg.read(0, _RHDR.size))
-        problems = []
-        if magic != RING_MAGIC or ver != RING_VERSION:
-            problems.append(f"ring magic/version {magic!r}/{ver} != {RING_MAGIC!r}/{RING_VERSION}")
-        for what, want, got in (("num_readers", num_readers, n), ("slots", slots, s),
-                                ("frame_bytes", frame_bytes, fb)):
-            if want is not None and want != got:
-                problems.append(f"{what} {got} != expected {want}")
-        if not problems and ring_payload_size(n, s, fb) != seg.payload_size:
-            problems.append(f"payload {seg.payload_size} != size implied by header")
-        if problems:
-            raise LayoutError(f"ring {seg.name}: {'; '.join(problems)}. Stop old xllm-eplb "
-                              "processes, check the shm_* settings match, run `xllm-eplb shm clean`")
-        return s, fb, n, flags
-
     # ------------------------------------------------------------ roles
     def claim_producer(self) -> "Ring":
         """Register this process as the producer (refused while another live one holds it)."""
         with generation_lock():
-            self._claim(_PROD, "producer")
+            self._claim(PROD, "producer")
         self.is_producer = True
-        self._seq = _U64.unpack(self.seg.read(_WSEQ, 8))[0]
+        self._seq = U64.unpack(self.seg.read(WSEQ, 8))[0]
         return self
 
     def claim_reader(self, index: int) -> "Ring":
         """Register this process as reader ``index``; it resumes at that reader's position."""
         if not 0 <= index < self.num_readers:
             raise ValueError(f"ring {self.name}: reader index {index} not in [0, {self.num_readers})")
-        off = RING_HEADER + _READER.size * index
+        off = RING_HEADER + READER.size * index
         with generation_lock():
             self._claim(off + 8, f"reader {index}")
-        self._seq = _U64.unpack(self.seg.read(off, 8))[0]
+        self._seq = U64.unpack(self.seg.read(off, 8))[0]
         self.reader_index = index
         self._rseq_abs = HEADER_SIZE + off
         self._rdata, self._rspace = self._data[index], self._space[index]
@@ -278,11 +234,11 @@ class Ring:
                 raise PeerDeadError(f"ring {self.name}: {dead} while waiting for {what}")
 
     def _reader_gone(self, i: int) -> str | None:
-        _, pid, start, _ = _READER.unpack(self.seg.read(RING_HEADER + _READER.size * i, 32))
+        _, pid, start, _ = READER.unpack(self.seg.read(RING_HEADER + READER.size * i, 32))
         return f"reader {i} (pid {pid}) is gone" if peer_gone(pid, start) else None
 
     def _producer_gone(self) -> str | None:
-        pid, start = struct.unpack("<QQ", self.seg.read(_PROD, 16))
+        pid, start = struct.unpack("<QQ", self.seg.read(PROD, 16))
         return f"producer (pid {pid}) is gone" if peer_gone(pid, start) else None
 
     # ------------------------------------------------------------ put / get
@@ -320,13 +276,13 @@ class Ring:
         mm, off = self._mm, self._frames_abs + (seq % self.slots) * self.frame_bytes
         if self.checksum:
             algo = algo_for(n)
-            hdr = _FHDR.pack(FRAME_MAGIC, n, seq, checksum(body, algo), algo)
+            hdr = FHDR.pack(FRAME_MAGIC, n, seq, checksum(body, algo), algo)
         else:
-            hdr = _FHDR.pack(FRAME_MAGIC, n, seq, 0, NONE)
-        _FHDR_CRC.pack_into(mm, off, hdr, zlib.crc32(hdr))
+            hdr = FHDR.pack(FRAME_MAGIC, n, seq, 0, NONE)
+        FHDR_CRC.pack_into(mm, off, hdr, zlib.crc32(hdr))
         mm[off + FRAME_HEADER:off + FRAME_HEADER + n] = body
         self._seq = seq + 1
-        _U64.pack_into(mm, _WSEQ_ABS, seq + 1)
+        U64.pack_into(mm, WSEQ_ABS, seq + 1)
         for d in self._data:
             d.release()
         return seq
@@ -359,7 +315,7 @@ class Ring:
             seq = self._seq
             got = self._read_frame(seq)
             self._seq = seq + 1
-            _U64.pack_into(self._mm, self._rseq_abs, seq + 1)
+            U64.pack_into(self._mm, self._rseq_abs, seq + 1)
             self._rspace.release()
             if type(got) is bytes:
                 if decode is None:
@@ -384,11 +340,11 @@ class Ring:
     def _read_frame(self, seq: int) -> bytes | str:
         """The body of frame ``seq``, or why it is rejected (a str)."""
         mm, off = self._mm, self._frames_abs + (seq % self.slots) * self.frame_bytes
-        raw = mm[off:off + _HCRC + 4]
+        raw = mm[off:off + HCRC + 4]
         # crc32 over (24 header bytes + their little-endian crc32) is a fixed residue
-        if zlib.crc32(raw) != _CRC_RESIDUE:
+        if zlib.crc32(raw) != CRC_RESIDUE:
             return "frame header crc mismatch"
-        magic, n, fseq, csum, algo, _ = _FHDR_FULL.unpack(raw)
+        magic, n, fseq, csum, algo, _ = FHDR_FULL.unpack(raw)
         if magic != FRAME_MAGIC:
             return f"frame magic {magic!r} != {FRAME_MAGIC!r}"
         if fseq != seq:
@@ -405,7 +361,7 @@ class Ring:
 
     def pending(self) -> int:
         """Frames written but not yet read by this reader (from the header; diagnostic)."""
-        wseq = struct.unpack("<Q", self.seg.read(_WSEQ, 8))[0]
+        wseq = struct.unpack("<Q", self.seg.read(WSEQ, 8))[0]
         return wseq - self._seq
 
     # ------------------------------------------------------------ close
@@ -416,9 +372,9 @@ class Ring:
         self.closed = True
         with contextlib.suppress(Exception):
             if self.is_producer:
-                self.seg.write(_PROD + 8, struct.pack("<Q", CLOSED))
+                self.seg.write(PROD + 8, struct.pack("<Q", CLOSED))
             if self.reader_index is not None:
-                off = RING_HEADER + _READER.size * self.reader_index
+                off = RING_HEADER + READER.size * self.reader_index
                 self.seg.write(off + 16, struct.pack("<Q", CLOSED))
         with generation_lock():
             if self.owner:
