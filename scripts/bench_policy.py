@@ -143,6 +143,20 @@ def drift_floor(table: np.ndarray, loads: np.ndarray, d: int, goal: float = 0.99
     return best / table.size
 
 
+def ranks_over(table: np.ndarray, loads: np.ndarray, d: int, goal: float) -> float:
+    """Mean number of ranks per layer whose load exceeds ideal / goal (the peak ``goal`` allows)."""
+    rl = rank_loads_from_phy2log(table, loads, d)
+    return float((rl > rl.mean(axis=1, keepdims=True) / goal).sum(axis=1).mean())
+
+
+def relative_drift(a: np.ndarray, b: np.ndarray) -> tuple[float, float]:
+    """(std, median |.|) of each expert's relative change of its share of the layer's load."""
+    sa = a / a.sum(axis=1, keepdims=True)
+    sb = b / b.sum(axis=1, keepdims=True)
+    rel = (sb - sa)[sa > 0] / sa[sa > 0]
+    return float(rel.std()), float(np.median(np.abs(rel)))
+
+
 def plan(kind, d, r, loads, prev, repeats, **opts):
     """(table [L, D*S], best CPU seconds of ``rebalance`` incl. the gate, min_improvement 0)."""
     e = loads.shape[1]
@@ -200,6 +214,7 @@ def row(kind, d, a, b, fresh, drift, t_fresh, t_drift, rb, lp):
         "drift_keep_balancedness": 1 / keep, "drift_balancedness": 1 / after,
         "drift_moved_pct": 100.0 * diff(fresh, drift, d).moved_slots / fresh.size,
         "drift_floor_pct_for_0.99": 100.0 * drift_floor(fresh, b, d, 0.99),
+        "drift_ranks_over_0.99_peak": ranks_over(fresh, b, d, 0.99),
         "_fresh": fresh,
     }
 
@@ -207,14 +222,15 @@ def row(kind, d, a, b, fresh, drift, t_fresh, t_drift, rb, lp):
 def to_markdown(rows) -> str:
     out = ["| EP | policy | peak/ideal | balancedness | peak/replica bound | fresh ms | "
            "drift ms | drift: keep bal. | drift: bal. reached | drift: slots moved | "
-           "drift: floor for 0.99 |",
-           "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+           "drift: ranks above 0.99 peak | drift: floor for 0.99 |",
+           "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for x in rows:
         out.append(f"| {x['ep']}+{x['ep']} | {x['policy']} | {x['peak_over_ideal']:.4f} | "
                    f"{x['balancedness']:.4f} | {x['peak_over_replica_bound']:.4f} | "
                    f"{x['fresh_ms']:.1f} | {x['drift_ms']:.1f} | "
                    f"{x['drift_keep_balancedness']:.4f} | {x['drift_balancedness']:.4f} | "
-                   f"{x['drift_moved_pct']:.1f}% | {x['drift_floor_pct_for_0.99']:.2f}% |")
+                   f"{x['drift_moved_pct']:.1f}% | {x['drift_ranks_over_0.99_peak']:.1f} of {x['ep']} | "
+                   f"{x['drift_floor_pct_for_0.99']:.2f}% |")
     return "\n".join(out)
 
 
@@ -235,6 +251,9 @@ def main(argv=None) -> int:
     eps = [int(x) for x in args.eps.split(",")] if args.eps else \
         ([32, 64] if args.quick else [16, 32, 64, 128])
     repeats = 1 if args.quick else 3
+    std, med = relative_drift(a, b)
+    print(f"drift decode_in1000out1000 -> decode_in500out1500: each expert's share of its layer "
+          f"changes by {100 * std:.1f}% (std), median |change| {100 * med:.1f}%", file=sys.stderr)
     rows = []
     for d in eps:
         t0 = time.perf_counter()
