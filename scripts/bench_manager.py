@@ -37,7 +37,7 @@ def bench(runner: str, size: str, steps: int, forward_ms: float) -> dict:
     layers, ep, experts, red = SIZES[size]
     cfg = EplbConfig(ep_size=ep, redundant_experts_num=red, eplb_update_interval=1e9,
                      eplb_policy_kind="balanced")
-    mgr = EplbManager(cfg, layers, ep, experts, runner=runner)
+    mgr = EplbManager(cfg, layers, experts, runner=runner)
     slots = experts // ep + red
     rng = np.random.default_rng(0)
     counters = [np.cumsum(rng.integers(0, 20, size=(layers, slots)), axis=1)

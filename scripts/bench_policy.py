@@ -6,7 +6,7 @@ For EP16+16, EP32+32, EP64+64, EP128+128 (one redundant slot per rank) and every
 - fresh plan on decode_in1000out1000 from the initial layout: global peak/ideal
   (sum of per-layer peaks / sum of ideals), balancedness (its inverse), peak over lower bounds
   (ideal; replica bound; LP relaxation via highspy on one layer), policy runtime per full
-  58-layer rebalance (``rebalance()`` incl. the gate, best of N, process CPU time so that a
+  58-layer round (``gate.propose``: ``plan`` + the gate, best of N, process CPU time so that a
   loaded shared machine does not distort it);
 - drift to decode_in500out1500 starting from the policy's own fresh plan: slots moved (% of all
   slots) and balancedness reached, plus "no rebalance" (keep the fresh plan).
@@ -30,6 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from xllm_eplb.eplb.balance import rank_loads_from_phy2log  # noqa: E402
+from xllm_eplb.eplb.gate import propose  # noqa: E402
 from xllm_eplb.eplb.loads import read_loads  # noqa: E402
 from xllm_eplb.eplb.placement import diff, initial_phy2log  # noqa: E402
 from xllm_eplb.eplb.policy import make_policy  # noqa: E402
@@ -158,14 +159,13 @@ def relative_drift(a: np.ndarray, b: np.ndarray) -> tuple[float, float]:
 
 
 def plan(kind, d, r, loads, prev, repeats, **opts):
-    """(table [L, D*S], best CPU seconds of ``rebalance`` incl. the gate, min_improvement 0)."""
+    """(table [L, D*S], best CPU seconds of one round: ``plan`` + the gate, min_improvement 0)."""
     e = loads.shape[1]
     best, table = np.inf, prev
     for _ in range(repeats):
-        pol = make_policy(kind, d, e, r, 0.0, **opts)
-        pol.initialize(prev)
+        pol = make_policy(kind, d, e, r, **opts)
         t0 = time.process_time()          # CPU time: robust on a shared, loaded machine
-        table, _upd = pol.rebalance(loads, None)
+        table = propose(pol, loads, prev, None, 0.0).table
         best = min(best, time.process_time() - t0)
     return table, best
 

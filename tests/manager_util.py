@@ -1,8 +1,10 @@
-"""Shared helpers of the EplbManager tests: a fake clock, a scripted policy, output builders."""
+"""Shared helpers of the EplbManager tests: a fake clock, a scripted planner, output builders,
+commit/abort readers of the manager's log lines."""
 
 import numpy as np
 
 from xllm_eplb.config import EplbConfig
+from xllm_eplb.eplb.gate import Round
 from xllm_eplb.eplb.manager import EplbManager
 
 NO = -1
@@ -19,39 +21,41 @@ class Clock:
         self.t += dt
 
 
-class RecordingPolicy:
-    """Returns a scripted candidate per round and records every call (xLLM's test policy)."""
+class RecordingPlanner:
+    """The manager's round function, scripted: returns a given (cand, update) per round and
+    records every call (xLLM's test policy). It bypasses the gate, which has its own tests."""
 
     name = "recording"
 
-    def __init__(self, candidates):
-        self.candidates = list(candidates)    # per round: (cand [L, D*S], update [L])
-        self.seed = None
-        self.calls = []                        # (logical, physical) per round
-        self.commits, self.aborts = [], []
+    def __init__(self, rounds):
+        self.rounds = list(rounds)             # per round: (cand [L, D*S], update [L])
+        self.calls = []                        # (logical, physical, deployed) per round
 
-    def initialize(self, phy2log):
-        self.seed = np.array(phy2log)
-
-    def rebalance(self, logical, physical=None):
-        self.calls.append((np.array(logical), np.array(physical)))
-        cand, upd = self.candidates[min(len(self.calls), len(self.candidates)) - 1]
-        return np.array(cand, dtype=np.int64), np.array(upd, dtype=bool)
-
-    def commit_layer(self, layer):
-        self.commits.append(layer)
-
-    def abort_layer(self, layer):
-        self.aborts.append(layer)
+    def __call__(self, logical, physical, deployed):
+        self.calls.append((np.array(logical), np.array(physical), np.array(deployed)))
+        cand, upd = self.rounds[min(len(self.calls), len(self.rounds)) - 1]
+        return Round(np.array(cand, dtype=np.int64), np.array(upd, dtype=bool))
 
 
-def make(policy, layers=1, ep=2, experts=2, redundant=0, interval=0.0, timeout=1.0, **kw):
+def make(planner, layers=1, ep=2, experts=2, redundant=0, interval=0.0, timeout=1.0, **kw):
     cfg = EplbConfig(ep_size=ep, redundant_experts_num=redundant, eplb_update_interval=interval,
                      eplb_prepare_timeout_seconds=timeout)
     clock = Clock()
-    mgr = EplbManager(cfg, layers, ep, experts, policy=policy, clock=clock, runner="sync",
-                      use_estimator=False, **kw)
+    mgr = EplbManager(cfg, layers, experts, planner=planner, clock=clock, runner="sync", **kw)
     return mgr, clock
+
+
+def activated_layers(caplog):
+    """Layers committed, in order, from the manager's ``EPLB layer activated`` log lines."""
+    return [int(r.getMessage().split("layer=")[1].split()[0]) for r in caplog.records
+            if r.getMessage().startswith("EPLB layer activated")]
+
+
+def timed_out_layers(caplog):
+    """Layers aborted by a timeout, in order, from the manager's warning lines."""
+    return [int(r.getMessage().split()[2]) for r in caplog.records
+            if r.getMessage().startswith("EPLB layer ") and " timed out after " in
+            r.getMessage()]
 
 
 def counters(*per_rank):

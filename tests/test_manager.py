@@ -6,21 +6,23 @@ import logging
 
 import numpy as np
 import pytest
-from manager_util import NO, SWAP, Clock, RecordingPolicy, counters, make, out
+from manager_util import NO, SWAP, Clock, RecordingPlanner, activated_layers, counters, make, out
 
 from xllm_eplb.config import EplbConfig
 from xllm_eplb.eplb.manager import EplbManager
 
 
-def test_seeds_policy_with_active_distribution():
-    pol = RecordingPolicy([SWAP])
+def test_plans_against_the_active_distribution():
+    pol = RecordingPlanner([SWAP])
     mgr, _ = make(pol)
-    assert pol.seed.tolist() == [[0, 1]]
     assert mgr.active_placement.tolist() == [[0, 1]] and mgr.generation == 0
+    out(mgr, [[[10]], [[0]]])
+    mgr.tick()
+    assert pol.calls[0][2].tolist() == [[0, 1]]
 
 
 def test_rebalance_timer_processes_samples_without_followup_traffic():
-    pol = RecordingPolicy([SWAP])
+    pol = RecordingPlanner([SWAP])
     mgr, clock = make(pol, interval=1.0)
     mgr.tick()
     clock.advance(5.0)
@@ -37,7 +39,7 @@ def test_rebalance_timer_processes_samples_without_followup_traffic():
 
 
 def test_never_runs_the_policy_on_an_empty_window():
-    pol = RecordingPolicy([SWAP])
+    pol = RecordingPlanner([SWAP])
     mgr, clock = make(pol, interval=0.0)
     for _ in range(3):
         clock.advance(10)
@@ -45,8 +47,9 @@ def test_never_runs_the_policy_on_an_empty_window():
     assert not pol.calls
 
 
-def test_queued_load_uses_placement_active_at_submission():
-    pol = RecordingPolicy([SWAP, ([[1, 0]], [False])])
+def test_queued_load_uses_placement_active_at_submission(caplog):
+    caplog.set_level(logging.INFO)
+    pol = RecordingPlanner([SWAP, ([[1, 0]], [False])])
     mgr, clock = make(pol)
     out(mgr, [[[10]], [[0]]])
     mgr.tick()
@@ -61,16 +64,17 @@ def test_queued_load_uses_placement_active_at_submission():
     assert (info.update_layer_id, info.activation_token) == (0, 1)
     assert mgr.active_placement.tolist() == [[0, 1]]       # not before the output returns
     out(mgr, [[[7]], [[7]]], act=1)                        # measured with the OLD weights
-    assert mgr.active_placement.tolist() == [[1, 0]] and pol.commits == [0]
+    assert mgr.active_placement.tolist() == [[1, 0]] and activated_layers(caplog) == [0]
     assert mgr.generation == 1 and not mgr.window_physical().any()
     out(mgr, [[[2]], [[4]]])                               # slot 0 now holds expert 1
     mgr.tick()
-    logical, physical = pol.calls[1]
+    logical, physical, deployed = pol.calls[1]
     assert logical.tolist() == [[4, 2]] and physical.tolist() == [[[2], [4]]]
+    assert deployed.tolist() == [[1, 0]]                   # the committed row, not the seed
 
 
 def test_window_halves_after_each_round():
-    pol = RecordingPolicy([([[0, 1]], [False])])
+    pol = RecordingPlanner([([[0, 1]], [False])])
     mgr, _ = make(pol)
     out(mgr, [[[10]], [[5]]])
     mgr.tick()
@@ -79,9 +83,10 @@ def test_window_halves_after_each_round():
     assert pol.calls[1][1].tolist() == [[[5], [2]]]        # next round: halved window
 
 
-def test_publishes_next_prepare_with_pending_activation():
+def test_publishes_next_prepare_with_pending_activation(caplog):
+    caplog.set_level(logging.INFO)
     cand = [[1, 0], [1, 0]]
-    pol = RecordingPolicy([(cand, [True, True])])
+    pol = RecordingPlanner([(cand, [True, True])])
     mgr, _ = make(pol, layers=2)
     out(mgr, [[[10], [10]], [[0], [0]]])
     mgr.tick()
@@ -92,16 +97,17 @@ def test_publishes_next_prepare_with_pending_activation():
     assert (info.update_layer_id, info.activation_token) == (0, 1)
     assert (info.prepare_layer_id, info.prepare_token) == (1, 2)
     out(mgr, prepared=[2, 2], act=1)
+    assert mgr.active_placement.tolist() == [[1, 0], [0, 1]]   # layer 0 only
     info = mgr.eplb_info(True)
     assert (info.update_layer_id, info.activation_token, info.prepare_layer_id) == (1, 2, NO)
     out(mgr, act=2)
-    assert mgr.active_placement.tolist() == cand and pol.commits == [0, 1]
+    assert mgr.active_placement.tolist() == cand and activated_layers(caplog) == [0, 1]
     st = mgr.stats()
     assert st["layers_committed"] == 2 and st["slots_moved"] == 4 and st["weight_copies"] == 4
 
 
 def test_allow_false_changes_no_state():
-    pol = RecordingPolicy([SWAP])
+    pol = RecordingPlanner([SWAP])
     mgr, _ = make(pol)
     out(mgr, [[[10]], [[0]]])
     mgr.tick()
@@ -111,11 +117,12 @@ def test_allow_false_changes_no_state():
     assert mgr.eplb_info(True).prepare_token == 1          # the token was not consumed
 
 
-def test_overwrite_guard_ready_layer_not_overwritten():
-    """xLLM section 4.6: while layer 0's activation is unsent, layer 1 is not even prepared,
-    so it can never become READY and overwrite layer 0's pending activation."""
+def test_overwrite_guard_ready_layer_not_overwritten(caplog):
+    """xLLM's overlap-mode bug: while layer 0's activation is unsent, layer 1 is not even
+    prepared, so it can never become READY and overwrite layer 0's pending activation."""
+    caplog.set_level(logging.INFO)
     cand = [[1, 0], [1, 0], [1, 0]]
-    pol = RecordingPolicy([(cand, [True, True, True])])
+    pol = RecordingPlanner([(cand, [True, True, True])])
     mgr, clock = make(pol, layers=3)
     out(mgr, [[[9], [9], [9]], [[1], [1], [1]]])
     mgr.tick()
@@ -137,11 +144,12 @@ def test_overwrite_guard_ready_layer_not_overwritten():
     out(mgr, prepared=[3, 3], act=2)
     assert mgr.eplb_info(True).update_layer_id == 2
     out(mgr, act=3)
-    assert pol.commits == [0, 1, 2] and mgr.active_placement.tolist() == cand
+    assert activated_layers(caplog) == [0, 1, 2] and mgr.active_placement.tolist() == cand
 
 
 def test_activation_token_only_commits_once_and_stale_ones_warn(caplog):
-    pol = RecordingPolicy([SWAP, ([[1, 0]], [False])])
+    caplog.set_level(logging.INFO)
+    pol = RecordingPlanner([SWAP, ([[1, 0]], [False])])
     mgr, _ = make(pol)
     out(mgr, [[[10]], [[0]]])
     mgr.tick()
@@ -149,16 +157,16 @@ def test_activation_token_only_commits_once_and_stale_ones_warn(caplog):
     out(mgr, prepared=[1, 1])
     with caplog.at_level(logging.WARNING):
         out(mgr, act=1)                                    # activation not sent yet: foreign
-    assert "stale activation completion token" in caplog.text and not pol.commits
+    assert "stale activation completion token" in caplog.text and not activated_layers(caplog)
     mgr.eplb_info(True)
     out(mgr, act=1)
     out(mgr, act=1)                                        # duplicate
-    assert pol.commits == [0] and mgr.generation == 1
+    assert activated_layers(caplog) == [0] and mgr.generation == 1
     assert mgr.stats()["stale_tokens"] == 2
 
 
 def test_no_new_round_while_previous_round_in_flight():
-    pol = RecordingPolicy([SWAP])
+    pol = RecordingPlanner([SWAP])
     mgr, clock = make(pol)
     out(mgr, [[[10]], [[0]]])
     mgr.tick()
@@ -171,7 +179,7 @@ def test_no_new_round_while_previous_round_in_flight():
 
 
 def test_bad_worker_output_is_rejected_and_never_aggregated(caplog):
-    pol = RecordingPolicy([SWAP])
+    pol = RecordingPlanner([SWAP])
     mgr, _ = make(pol, interval=100.0)
     with caplog.at_level(logging.WARNING):
         mgr.on_outputs([np.zeros((1, 2), np.int64), np.zeros((1, 1), np.int64)], [NO, NO], NO)
@@ -187,9 +195,10 @@ def test_bad_worker_output_is_rejected_and_never_aggregated(caplog):
 @pytest.mark.timeout(60)
 def test_thread_runner_smoke():
     """Real background thread, real clock: one round end to end, then close."""
-    pol = RecordingPolicy([SWAP, ([[1, 0]], [False])])
+    pol = RecordingPlanner([SWAP, ([[1, 0]], [False])])
     cfg = EplbConfig(ep_size=2, redundant_experts_num=0, eplb_update_interval=0.0)
-    with EplbManager(cfg, 1, 2, 2, policy=pol, runner="thread") as mgr:
+    with EplbManager(cfg, 1, 2, planner=pol, runner="thread") as mgr:
+        thread = mgr._runner.thread
         import time
         mgr.on_outputs(counters([[10]], [[0]]), [NO, NO], NO)
         deadline = time.monotonic() + 30
@@ -206,7 +215,7 @@ def test_thread_runner_smoke():
         assert st["policy_cpu_seconds"] > 0.0              # the thread ran a round
         assert time.monotonic() - 30 < st["heartbeat_at"] <= time.monotonic()
         assert st["manager_heartbeat_at"] <= time.monotonic()
-    assert mgr._thread is None
+    assert not thread.is_alive()
 
 
 def test_real_balanced_policy_round():
@@ -215,7 +224,7 @@ def test_real_balanced_policy_round():
     cfg = EplbConfig(ep_size=2, redundant_experts_num=1, eplb_update_interval=0.0,
                      eplb_policy_kind="balanced")
     clock = Clock()
-    mgr = EplbManager(cfg, 1, 2, 4, clock=clock, runner="sync", use_estimator=False)
+    mgr = EplbManager(cfg, 1, 4, clock=clock, runner="sync")
     assert mgr.active_placement.tolist() == [[0, 1, 1, 2, 3, 3]]
     # experts 0 and 1 are hot, both on rank 0
     mgr.on_outputs(counters([[100, 80, 0]], [[5, 5, 0]]), [NO, NO], NO)
@@ -231,13 +240,13 @@ def test_real_balanced_policy_round():
 
 
 def test_policy_gets_the_estimate_and_the_gate_the_raw_window():
-    pol = RecordingPolicy([([[0, 1]], [False])])
+    pol = RecordingPlanner([([[0, 1]], [False])])
     cfg = EplbConfig(ep_size=2, redundant_experts_num=0, eplb_update_interval=0.0,
                      eplb_use_estimator=True, eplb_estimator_window=2, eplb_estimator_decay=1.0)
-    mgr = EplbManager(cfg, 1, 2, 2, policy=pol, clock=Clock(), runner="sync")
+    mgr = EplbManager(cfg, 1, 2, planner=pol, clock=Clock(), runner="sync")
     for loads in ([[[100]], [[0]]], [[[0]], [[10]]], [[[0]], [[30]]]):
         out(mgr, loads)
     mgr.tick()
-    logical, physical = pol.calls[0]
+    logical, physical, _ = pol.calls[0]
     assert logical.tolist() == [[0, 40]]                   # last 2 batches: mean 20 x 2
     assert physical.tolist() == [[[100], [40]]]            # raw measured window

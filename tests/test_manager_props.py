@@ -1,6 +1,6 @@
 """Property test: for random interleavings of outputs, prepare tokens (delayed, stuck, stale),
 allow flags, clock jumps and ticks, the manager's active placement always equals the placement
-the simulated workers actually run, and the policy's belief matches it at quiescence."""
+the simulated workers actually run, and every round is planned against that placement."""
 
 import numpy as np
 import pytest
@@ -8,6 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from xllm_eplb.config import EplbConfig
+from xllm_eplb.eplb.gate import Round
 from xllm_eplb.eplb.info import NO_TOKEN
 from xllm_eplb.eplb.manager import EplbManager
 from xllm_eplb.sim.workers import SimWorkers
@@ -15,32 +16,25 @@ from xllm_eplb.sim.workers import SimWorkers
 L, D, E, R = 3, 2, 4, 1
 
 
-class ShufflePolicy:
-    """Each round: random slot permutations of what it believes is deployed, for random
-    layers; keeps rollback records like the real policy base."""
+class ShufflePlanner:
+    """Each round: random slot permutations of the deployed table it is handed, for random
+    layers (no gate); checks that table against what the workers run at that moment."""
 
     name = "shuffle"
 
     def __init__(self, seed):
         self.rng = np.random.default_rng(seed)
-        self.prev = None
-        self.rollback = {}
+        self.workers = None
+        self.rounds = 0
 
-    def initialize(self, phy2log):
-        self.prev = np.array(phy2log)
-
-    def rebalance(self, logical, physical=None):
+    def __call__(self, logical, physical, deployed):
+        assert (np.asarray(deployed) == self.workers.placement).all()
+        self.rounds += 1
         upd = self.rng.random(L) < 0.7
+        table = np.array(deployed, copy=True)
         for layer in np.nonzero(upd)[0]:
-            self.rollback[int(layer)] = self.prev[layer].copy()
-            self.prev[layer] = self.rng.permutation(self.prev[layer])
-        return self.prev.copy(), upd
-
-    def commit_layer(self, layer):
-        self.rollback.pop(layer)
-
-    def abort_layer(self, layer):
-        self.prev[layer] = self.rollback.pop(layer)
+            table[layer] = self.rng.permutation(table[layer])
+        return Round(table, upd)
 
 
 class Clock:
@@ -65,9 +59,9 @@ def test_active_placement_always_equals_worker_placement(actions, seed):
     clock = Clock()
     cfg = EplbConfig(ep_size=D, redundant_experts_num=R, eplb_update_interval=0.3,
                      eplb_prepare_timeout_seconds=1.0)
-    pol = ShufflePolicy(seed)
-    mgr = EplbManager(cfg, L, D, E, policy=pol, clock=clock, runner="sync")
-    workers = SimWorkers(mgr.active_placement, D, delays=1)
+    pol = ShufflePlanner(seed)
+    mgr = EplbManager(cfg, L, E, planner=pol, clock=clock, runner="sync")
+    workers = pol.workers = SimWorkers(mgr.active_placement, D, delays=1)
     seen_tokens = []
     for act in actions:
         if act[0] == "step":
@@ -92,8 +86,7 @@ def test_active_placement_always_equals_worker_placement(actions, seed):
     st_ = mgr.stats()
     assert st_["layers_committed"] == workers.activations
     assert seen_tokens == sorted(set(seen_tokens))    # unique, monotonic
-    if not st_["round_in_progress"]:
-        assert (pol.prev == mgr.active_placement).all() and not pol.rollback
+    assert st_["rounds"] == pol.rounds
 
 
 @pytest.mark.parametrize("kind", ["balanced", "greedy"])
@@ -103,7 +96,7 @@ def test_real_policy_replay_keeps_placements_in_sync(kind):
     clock = Clock()
     cfg = EplbConfig(ep_size=4, redundant_experts_num=1, eplb_update_interval=0.5,
                      eplb_prepare_timeout_seconds=0.4, eplb_policy_kind=kind)
-    mgr = EplbManager(cfg, 4, 4, 16, clock=clock, runner="sync")
+    mgr = EplbManager(cfg, 4, 16, clock=clock, runner="sync")
     workers = SimWorkers(mgr.active_placement, 4, delays=2)
     rng = np.random.default_rng(1)
     w = rng.zipf(1.5, 16).astype(float)

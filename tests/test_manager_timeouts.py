@@ -4,14 +4,14 @@ fake clock (split from ``test_manager.py``)."""
 import logging
 
 import numpy as np
-from manager_util import NO, SWAP, Clock, RecordingPolicy, make, out
+from manager_util import NO, SWAP, Clock, RecordingPlanner, make, out, timed_out_layers
 
 from xllm_eplb.config import EplbConfig
 from xllm_eplb.eplb.manager import EplbManager
 
 
 def test_prepare_timeout_skips_stalled_layer_and_ignores_old_token(caplog):
-    pol = RecordingPolicy([SWAP])
+    pol = RecordingPlanner([SWAP])
     mgr, clock = make(pol)
     out(mgr, [[[10]], [[0]]])
     mgr.tick()
@@ -20,9 +20,11 @@ def test_prepare_timeout_skips_stalled_layer_and_ignores_old_token(caplog):
     clock.advance(1.01)
     with caplog.at_level(logging.WARNING):
         mgr.tick()
-    assert pol.aborts == [0] and mgr.stats()["layers_timed_out"] == 1
+    assert timed_out_layers(caplog) == [0] and mgr.stats()["layers_timed_out"] == 1
     assert "EPLB layer 0 prepare progress timed out after 1s" in caplog.text
+    assert mgr.active_placement.tolist() == [[0, 1]]       # never deployed
     mgr.tick()                                             # next round republishes layer 0
+    assert pol.calls[1][2].tolist() == [[0, 1]]            # planned from what workers run
     info = mgr.eplb_info(True)
     assert info.prepare_layer_id == 0 and info.prepare_token == 2
     caplog.clear()
@@ -37,57 +39,59 @@ def test_prepare_timeout_skips_stalled_layer_and_ignores_old_token(caplog):
     assert mgr.active_placement.tolist() == [[1, 0]]
 
 
-def test_prepare_timeout_starts_after_worker_output_is_observable():
-    pol = RecordingPolicy([SWAP])
+def test_prepare_timeout_starts_after_worker_output_is_observable(caplog):
+    pol = RecordingPlanner([SWAP])
     mgr, clock = make(pol, timeout=1.0)
     out(mgr, [[[10]], [[0]]])
     mgr.tick()
     mgr.eplb_info(True)
     clock.advance(1.2)                                     # no output yet: 2x budget applies
-    mgr.tick()
-    assert not pol.aborts
-    out(mgr)                                               # first output: 1x budget starts now
-    clock.advance(0.9)
-    mgr.tick()
-    assert not pol.aborts
+    with caplog.at_level(logging.WARNING):
+        mgr.tick()
+        assert not timed_out_layers(caplog) and mgr.stats()["layers_timed_out"] == 0
+        out(mgr)                                           # first output: 1x budget starts now
+        clock.advance(0.9)
+        mgr.tick()
+    assert not timed_out_layers(caplog) and mgr.stats()["layers_timed_out"] == 0
     out(mgr, prepared=[1, 1])
     assert mgr.eplb_info(True).update_layer_id == 0
 
 
 def test_prepare_dispatch_without_worker_output_eventually_aborts(caplog):
-    pol = RecordingPolicy([SWAP, ([[0, 1]], [False])])
+    pol = RecordingPlanner([SWAP, ([[0, 1]], [False])])
     mgr, clock = make(pol, timeout=1.0)
     out(mgr, [[[10]], [[0]]])
     mgr.tick()
     mgr.eplb_info(True)
     clock.advance(2.0)
-    mgr.tick()
-    assert not pol.aborts                                  # exactly 2x: not yet (strict >)
-    clock.advance(0.01)
     with caplog.at_level(logging.WARNING):
         mgr.tick()
-    assert pol.aborts == [0]
+        assert not timed_out_layers(caplog)                # exactly 2x: not yet (strict >)
+        clock.advance(0.01)
+        mgr.tick()
+    assert timed_out_layers(caplog) == [0] and mgr.stats()["layers_timed_out"] == 1
     assert "EPLB layer 0 output timed out after 2s" in caplog.text
     assert not mgr.stats()["round_in_progress"]
     assert mgr.active_placement.tolist() == [[0, 1]]
 
 
-def test_defers_pending_activation_until_weight_update_is_allowed():
-    pol = RecordingPolicy([SWAP])
+def test_defers_pending_activation_until_weight_update_is_allowed(caplog):
+    pol = RecordingPlanner([SWAP])
     mgr, clock = make(pol)
     out(mgr, [[[10]], [[0]]])
     mgr.tick()
     mgr.eplb_info(True)
     out(mgr, prepared=[1, 1])
     before = mgr.stats()
-    for _ in range(5):
-        info = mgr.eplb_info(False)
-        assert info.empty and info.prepare_token == NO and info.activation_token == NO
-        clock.advance(10.0)                                # longer than any timeout
-        out(mgr)
-        mgr.tick()
+    with caplog.at_level(logging.WARNING):
+        for _ in range(5):
+            info = mgr.eplb_info(False)
+            assert info.empty and info.prepare_token == NO and info.activation_token == NO
+            clock.advance(10.0)                            # longer than any timeout
+            out(mgr)
+            mgr.tick()
     assert mgr.stats()["waiting_on"] == before["waiting_on"] == "activation_send:layer=0"
-    assert not pol.aborts
+    assert not timed_out_layers(caplog) and mgr.stats()["layers_timed_out"] == 0
     info = mgr.eplb_info(True)
     assert (info.update_layer_id, info.activation_token) == (0, 1)
     out(mgr, act=1)
@@ -95,13 +99,12 @@ def test_defers_pending_activation_until_weight_update_is_allowed():
 
 
 def test_heartbeats_and_decreasing_counters(caplog):
-    pol = RecordingPolicy([SWAP])
+    pol = RecordingPlanner([SWAP])
     cfg = EplbConfig(ep_size=2, redundant_experts_num=0, eplb_update_interval=0.0,
                      eplb_prepare_timeout_seconds=100.0, eplb_heartbeat_seconds=1.0)
     clock = Clock()
     with caplog.at_level(logging.INFO):
-        mgr = EplbManager(cfg, 1, 2, 2, policy=pol, clock=clock, runner="sync",
-                          use_estimator=False)
+        mgr = EplbManager(cfg, 1, 2, planner=pol, clock=clock, runner="sync")
         out(mgr, [[[10]], [[0]]])
         mgr.on_outputs([np.array([[5]]), np.array([[2.0]])], [NO, NO], NO)     # float counters
         mgr.tick()
@@ -121,7 +124,7 @@ def test_heartbeats_and_decreasing_counters(caplog):
 def test_stats_heartbeats_follow_the_loop_and_the_step_loop():
     """``heartbeat_at`` = end of the last rebalance pass, ``manager_heartbeat_at`` = last
     on_outputs/tick (both in the manager's clock), ``policy_cpu_seconds`` only grows."""
-    pol = RecordingPolicy([SWAP])
+    pol = RecordingPlanner([SWAP])
     mgr, clock = make(pol)
     st = mgr.stats()
     assert st["heartbeat_at"] == st["manager_heartbeat_at"] == 100.0

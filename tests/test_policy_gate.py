@@ -1,13 +1,16 @@
-"""xLLM eplb_policy_test cases (xllm_eplb.md §7): factory, gate, rollback, slot stability."""
+"""xLLM eplb_policy_test cases: factory, gate, re-planning after an abort or a commit, slot
+stability. The caller owns the deployed table; :func:`propose` is the round (plan + gate)."""
 
 import logging
 
 import numpy as np
 import pytest
 
+from xllm_eplb.eplb.gate import propose
 from xllm_eplb.eplb.placement import initial_phy2log, validate_phy2log
 from xllm_eplb.eplb.policy import POLICY_KINDS, make_policy
 from xllm_eplb.eplb.policy.balanced import plan_balanced, plan_layer_exact
+from xllm_eplb.errors import ConfigError
 
 E, D, R = 16, 4, 1          # S = 5, as in xLLM's tests
 
@@ -17,10 +20,17 @@ def skewed(layers=1):
     return np.tile(row, (layers, 1))
 
 
+def initial(layers=1):
+    return np.tile(initial_phy2log(E, D, R), (layers, 1))
+
+
 def seeded(kind="balanced", minimum=0.05, layers=1, **opts):
-    pol = make_policy(kind, D, E, R, minimum, **opts)
-    pol.initialize(np.tile(initial_phy2log(E, D, R), (layers, 1)))
-    return pol
+    """(round function of ``kind`` with gate ``minimum``, the initial deployed table)."""
+    pol = make_policy(kind, D, E, R, **opts)
+
+    def rnd(logical, deployed, physical=None):
+        return propose(pol, logical, deployed, physical, minimum)
+    return rnd, initial(layers)
 
 
 def physical_under(table, logical, ep_size):
@@ -36,9 +46,10 @@ def physical_under(table, logical, ep_size):
 
 @pytest.mark.parametrize("kind", POLICY_KINDS)
 def test_build_gives_valid_placement(kind):
-    pol = make_policy(kind, D, E, R, 0.0)
-    cand, upd = pol.rebalance(skewed(2))
-    assert upd.all()                                   # never seeded: published without gate
+    pol = make_policy(kind, D, E, R)
+    r = propose(pol, skewed(2), None, None, 0.0)
+    cand, upd = r.table, r.update
+    assert upd.all() and not r.gate                    # nothing deployed: published ungated
     for row in cand:
         validate_phy2log(row, E, D)
 
@@ -61,7 +72,7 @@ def test_factory_names_and_legacy_aliases(caplog):
 def test_balanced_spreads_hot_expert_replicas_across_ranks():
     load = np.full((1, E), 10, dtype=np.int64)
     load[0, 5] = 10000
-    cand, _ = make_policy("balanced", D, E, R, 0.0).rebalance(load)
+    cand = propose(make_policy("balanced", D, E, R), load, None, None, 0.0).table
     validate_phy2log(cand[0], E, D)
     assert np.bincount(cand[0], minlength=E)[5] == D    # one replica on every rank
 
@@ -91,56 +102,52 @@ def test_fast_path_matches_exact_port():
 
 
 def test_zero_load_publishes_once_for_initial_placement():
-    pol = make_policy("balanced", D, E, R, 0.05)
+    pol = make_policy("balanced", D, E, R)
     z = np.zeros((2, E), dtype=np.int64)
-    _, upd = pol.rebalance(z)
-    assert upd.all()
-    _, upd = pol.rebalance(z)
-    assert not upd.any()
+    first = propose(pol, z, None, None, 0.05)
+    assert first.update.all()
+    assert not propose(pol, z, first.table, None, 0.05).update.any()
 
 
 @pytest.mark.parametrize("kind", ["balanced", "greedy"])
 def test_abort_retries_uncommitted_placement(kind):
-    pol = seeded(kind, 0.0)
-    c1, u1 = pol.rebalance(skewed())
-    assert u1[0]
-    pol.abort_layer(0)
-    c2, u2 = pol.rebalance(skewed())
-    assert u2[0] and c2[0].tolist() == c1[0].tolist()
-    pol.commit_layer(0)
-    pol.abort_layer(0)                                  # no record left: nothing to undo
-    _, u3 = pol.rebalance(skewed())
-    assert not u3[0]
+    """An aborted layer stays deployed as it was: the next round publishes the same candidate;
+    once committed (deployed), nothing more. The manager-level twin: test_manager_rollback."""
+    rnd, init = seeded(kind, 0.0)
+    r1 = rnd(skewed(), init)
+    assert r1.update[0]
+    r2 = rnd(skewed(), init)                            # aborted: still the initial table
+    assert r2.update[0] and r2.table[0].tolist() == r1.table[0].tolist()
+    assert not rnd(skewed(), r1.table).update[0]       # committed
 
 
-def test_abort_restores_previous_row():
-    pol = seeded("balanced", 0.0)
-    init = initial_phy2log(E, D, R)
-    pol.rebalance(skewed())
-    pol.abort_layer(0)
-    assert pol.prev_table()[0].tolist() == init.tolist()
+def test_round_leaves_its_inputs_unchanged():
+    rnd, init = seeded("balanced", 0.0)
+    load, before = skewed(), init.copy()
+    rnd(load, init)
+    assert init.tolist() == before.tolist() and load.tolist() == skewed().tolist()
 
 
 def test_skips_uniform_workload_repack_with_no_gain():
-    pol = seeded("balanced", 0.0)
-    cand, upd = pol.rebalance(np.full((1, E), 100, dtype=np.int64))
-    assert not upd[0] and cand[0].tolist() == initial_phy2log(E, D, R).tolist()
+    rnd, init = seeded("balanced", 0.0)
+    r = rnd(np.full((1, E), 100, dtype=np.int64), init)
+    assert not r.update[0] and r.table[0].tolist() == initial_phy2log(E, D, R).tolist()
 
 
 def test_seeded_initial_distribution_skips_no_gain_first_round():
-    pol = seeded("balanced", 0.05)
+    rnd, init = seeded("balanced", 0.05)
     load = np.full((1, E), 100, dtype=np.int64)
     phys = physical_under(initial_phy2log(E, D, R), load, D)
-    _, upd = pol.rebalance(load, phys)
-    assert not upd[0]
+    assert not rnd(load, init, phys).update[0]
 
 
 def test_balanced_preserves_slots_when_rank_membership_unchanged():
-    pol = seeded("balanced", 0.0)
-    cand, upd = pol.rebalance(skewed())
+    rnd, init = seeded("balanced", 0.0)
+    r = rnd(skewed(), init)
+    cand, upd = r.table, r.update
     assert upd[0]
-    pol.commit_layer(0)
-    again, upd2 = pol.rebalance(skewed())
+    r2 = rnd(skewed(), cand)                            # committed
+    again, upd2 = r2.table, r2.update
     assert not upd2[0] and again[0].tolist() == cand[0].tolist()
     # a permutation inside each rank is kept as is
     perm = cand[0].reshape(D, -1)[:, ::-1].reshape(-1)
@@ -149,22 +156,22 @@ def test_balanced_preserves_slots_when_rank_membership_unchanged():
 
 
 def test_balanced_fills_only_slots_vacated_by_rank_migrations():
-    pol = make_policy("balanced", 2, 4, 1, 0.05)
-    pol.initialize(np.array([[0, 1, 3, 1, 2, 0]]))
+    pol = make_policy("balanced", 2, 4, 1)
     phys = np.array([[[100, 100, 100], [1, 1, 1]]])     # measured peak 300, total 303
-    cand, upd = pol.rebalance(np.array([[100, 90, 80, 1]]), phys)
+    r = propose(pol, np.array([[100, 90, 80, 1]]), np.array([[0, 1, 3, 1, 2, 0]]), phys, 0.05)
+    cand, upd = r.table, r.update
     assert upd[0] and cand[0].tolist() == [0, 1, 2, 1, 3, 0]
-    g = pol.last_gate[0]
-    assert g["current_peak"] == 300
-    assert g["proposed_peak"] == pytest.approx(175 * 303 / 271)
-    assert g["improvement_ratio"] == pytest.approx((300 - 175 * 303 / 271) / 300)
-    assert g["placement_changed"] is True
+    g = r.gate[0]
+    assert g.current_peak == 300
+    assert g.proposed_peak == pytest.approx(175 * 303 / 271)
+    assert g.improvement_ratio == pytest.approx((300 - 175 * 303 / 271) / 300)
+    assert g.placement_changed is True
 
 
 def test_publishes_with_sufficient_gain_and_logs_benefit(caplog):
-    pol = seeded("balanced", 0.05)
+    rnd, init = seeded("balanced", 0.05)
     with caplog.at_level(logging.INFO):
-        _, upd = pol.rebalance(skewed())
+        upd = rnd(skewed(), init).update
     assert upd[0]
     lines = [r.getMessage() for r in caplog.records if "EPLB placement benefit" in
              r.getMessage()]
@@ -174,46 +181,65 @@ def test_publishes_with_sufficient_gain_and_logs_benefit(caplog):
 
 
 def test_gate_uses_measured_physical_peak():
-    pol = seeded("balanced", 0.05)
+    rnd, init = seeded("balanced", 0.05)
     phys = np.full((1, D, E // D + R), 10.0)              # measured: perfectly balanced
-    _, upd = pol.rebalance(skewed(), phys)
-    assert not upd[0]
+    assert not rnd(skewed(), init, phys).update[0]
 
 
 def test_recomputes_when_only_measured_physical_peak_changes():
-    pol = seeded("balanced", 0.05)
+    rnd, init = seeded("balanced", 0.05)
     flat = np.full((1, D, E // D + R), 10.0)
-    _, upd = pol.rebalance(skewed(), flat)
-    assert not upd[0]
+    assert not rnd(skewed(), init, flat).update[0]
     hot = flat.copy()
     hot[0, 0] = 100.0
-    _, upd = pol.rebalance(skewed(), hot)
-    assert upd[0]
+    assert rnd(skewed(), init, hot).update[0]
 
 
 def test_gate_is_invariant_to_logical_load_scale():
     phys = physical_under(initial_phy2log(E, D, R), skewed(), D)
     ratios = []
     for scale in (1, 1000):
-        pol = seeded("balanced", 0.05)
-        _, upd = pol.rebalance(skewed() * scale, phys)
-        assert upd[0]
-        ratios.append(pol.last_gate[0]["improvement_ratio"])
+        rnd, init = seeded("balanced", 0.05)
+        r = rnd(skewed() * scale, init, phys)
+        assert r.update[0]
+        ratios.append(r.gate[0].improvement_ratio)
     assert ratios[0] == pytest.approx(ratios[1])
 
 
 @pytest.mark.parametrize("minimum,moves", [(0.0, True), (1.0, False)])
 def test_greedy_requires_minimum_improvement(minimum, moves):
-    pol = seeded("greedy", minimum)
-    _, upd = pol.rebalance(skewed())
-    assert bool(upd[0]) is moves
+    rnd, init = seeded("greedy", minimum)
+    assert bool(rnd(skewed(), init).update[0]) is moves
 
 
 def test_every_layer_replanned_and_shapes_checked():
-    pol = seeded("incremental", 0.0, layers=3)
-    cand, upd = pol.rebalance(skewed(3))
-    assert cand.shape == (3, D * (E // D + R)) and upd.all()
+    rnd, init = seeded("incremental", 0.0, layers=3)
+    r = rnd(skewed(3), init)
+    assert r.table.shape == (3, D * (E // D + R)) and r.update.all()
     with pytest.raises(ValueError, match="layers"):
-        pol.rebalance(skewed(2))
+        rnd(skewed(2), init)
     with pytest.raises(ValueError, match="physical"):
-        pol.rebalance(skewed(3), np.zeros((3, D, 2)))
+        rnd(skewed(3), init, np.zeros((3, D, 2)))
+
+
+def test_gate_threshold_out_of_range_is_a_config_error():
+    with pytest.raises(ConfigError, match=r"eplb_min_peak_load_improvement=1.5 must be in"):
+        seeded("balanced", 1.5)[0](skewed(), initial())
+
+
+@pytest.mark.parametrize("kind,bad,known", [
+    ("incremental", "budget_slot", "budget_slots"),
+    ("node_aware", "num_node", "num_nodes"),
+    ("balanced", "budget_slots", "it takes no options"),
+    ("greedy", "num_nodes", "it takes no options"),
+])
+def test_unknown_policy_option_raises_naming_it(kind, bad, known):
+    with pytest.raises(ConfigError) as err:
+        make_policy(kind, D, E, R, **{bad: 1})
+    msg = str(err.value)
+    assert f"{kind} policy: unknown option {bad!r}" in msg and known in msg
+
+
+def test_unknown_policy_options_are_all_named():
+    with pytest.raises(ConfigError, match=r"unknown options 'a_x', 'b_y' \(known: budget_slots"):
+        make_policy("incremental", D, E, R, b_y=1, a_x=2)

@@ -47,12 +47,12 @@ def test_spend_budget_prefers_best_gain_per_slot():
 
 def test_small_skew_balances_and_keeps_slots():
     load = np.array([[400, 300, 50, 50, 40, 40, 30, 30, 20, 20, 10, 10]])
-    pol = make_policy("incremental", 4, 12, 1, 0.0)
+    pol = make_policy("incremental", 4, 12, 1)
     init = initial_phy2log(12, 4, 1)[None]
-    first = fill(pol.plan_layers(load, init), init)
+    first = fill(pol.plan(load, init), init)
     validate_phy2log(first[0], 12, 4)
     assert global_peak(first, load, 4) < global_peak(init, load, 4)
-    again = fill(pol.plan_layers(load, first), first)
+    again = fill(pol.plan(load, first), first)
     assert diff(first, again, 4).moved_slots == 0
 
 
@@ -69,46 +69,46 @@ def test_real_ep32_fresh_plan_and_drift(real):
     a, b = real
     d = 32
     init = np.tile(initial_phy2log(256, d, 1), (58, 1))
-    pol = make_policy("incremental", d, 256, 1, 0.0)
-    fresh = fill(pol.plan_layers(a, init), init)
+    pol = make_policy("incremental", d, 256, 1)
+    fresh = fill(pol.plan(a, init), init)
     for row in fresh:
         validate_phy2log(row, 256, d)
     assert global_peak(fresh, a, d) <= 1.004
     budget = int(0.05 * fresh.size)
-    capped = make_policy("incremental", d, 256, 1, 0.0, budget_slots=budget)
-    drift = fill(capped.plan_layers(b, fresh), fresh)
+    capped = make_policy("incremental", d, 256, 1, budget_slots=budget)
+    drift = fill(capped.plan(b, fresh), fresh)
     assert diff(fresh, drift, d).moved_slots <= budget
     assert global_peak(drift, b, d) < global_peak(fresh, b, d)
-    free = fill(pol.plan_layers(b, fresh), fresh)
+    free = fill(pol.plan(b, fresh), fresh)
     assert global_peak(free, b, d) <= 1.01
 
 
 def test_deployed_layer_within_trigger_is_not_touched():
     rng = np.random.default_rng(1)
     load = np.round(1000 / np.arange(1, 65) ** 1.1)[rng.permutation(64)][None].astype(np.int64)
-    pol = make_policy("incremental", 8, 64, 1, 0.0, noise_z=0)
+    pol = make_policy("incremental", 8, 64, 1, noise_z=0)
     init = initial_phy2log(64, 8, 1)[None]
-    first = fill(pol.plan_layers(load, init), init)
+    first = fill(pol.plan(load, init), init)
     pk = global_peak(first, load, 8)
     assert pk <= 1 + pol.target_slack + 1e-9
     # a small drift that keeps the peak under (1 + trigger_slack) x bound: no move at all
     drifted = load.copy()
     drifted[0, int(np.argmin(drifted[0]))] += 1
     assert global_peak(first, drifted, 8) <= 1 + pol.trigger_slack
-    assert pol.plan_layers(drifted, first) == [None]
+    assert pol.plan(drifted, first) == [None]
 
 
 def test_deployed_layer_above_trigger_settles_near_target():
     rng = np.random.default_rng(2)
     base = np.round(1000 / np.arange(1, 65) ** 1.1)
     load = base[rng.permutation(64)][None].astype(np.int64)
-    pol = make_policy("incremental", 8, 64, 1, 0.0, noise_z=0)
+    pol = make_policy("incremental", 8, 64, 1, noise_z=0)
     init = initial_phy2log(64, 8, 1)[None]
-    first = fill(pol.plan_layers(load, init), init)
+    first = fill(pol.plan(load, init), init)
     drifted = base[rng.permutation(64)][None].astype(np.int64)
     before = global_peak(first, drifted, 8)
     assert before > 1 + pol.trigger_slack
-    out = pol.plan_layers(drifted, first)
+    out = pol.plan(drifted, first)
     assert out[0] is not None
     validate_phy2log(out[0], 64, 8)
     after = global_peak(out[0][None], drifted, 8)
@@ -120,9 +120,9 @@ def test_deployed_layer_above_trigger_settles_near_target():
 def test_slack_options_are_checked():
     from xllm_eplb.errors import ConfigError
     with pytest.raises(ConfigError, match="settle_slack"):
-        make_policy("incremental", 4, 12, 1, 0.0, settle_slack=0.05, trigger_slack=0.01)
+        make_policy("incremental", 4, 12, 1, settle_slack=0.05, trigger_slack=0.01)
     with pytest.raises(ConfigError, match="trigger_slack"):
-        make_policy("incremental", 4, 12, 1, 0.0, trigger_slack=-0.1)
+        make_policy("incremental", 4, 12, 1, trigger_slack=-0.1)
 
 
 @pytest.mark.parametrize("rewrites", [False, True])
@@ -168,14 +168,14 @@ def test_real_ep32_drift_settles_with_few_moves(real):
     a, b = real
     d = 32
     init = np.tile(initial_phy2log(256, d, 1), (58, 1))
-    pol = make_policy("incremental", d, 256, 1, 0.0)
-    fresh = fill(pol.plan_layers(a, init), init)
-    out = fill(pol.plan_layers(b, fresh), fresh)
+    pol = make_policy("incremental", d, 256, 1)
+    fresh = fill(pol.plan(a, init), init)
+    out = fill(pol.plan(b, fresh), fresh)
     moved = diff(fresh, out, d).moved_slots / fresh.size
     assert 1 / global_peak(out, b, d) >= 0.99
     assert moved <= 0.10
     # unchanged load right after: every layer is within its trigger -> nothing moves
-    assert all(c is None for c in pol.plan_layers(b, out))
+    assert all(c is None for c in pol.plan(b, out))
 
 
 def test_noise_floor_keeps_small_count_layers_still():
@@ -185,15 +185,15 @@ def test_noise_floor_keeps_small_count_layers_still():
     base = np.round(1000 / np.arange(1, 65) ** 1.1)
     load = base[rng.permutation(64)][None].astype(np.int64)
     init = initial_phy2log(64, 8, 1)[None]
-    pol = make_policy("incremental", 8, 64, 1, 0.0)
-    first = fill(pol.plan_layers(load, init), init)
+    pol = make_policy("incremental", 8, 64, 1)
+    first = fill(pol.plan(load, init), init)
     drifted = load.copy()
     hot = int(np.argmax(rank_loads_from_phy2log(first, load, 8)[0]))
     drifted[0, first[0].reshape(8, -1)[hot, 0]] += int(0.06 * load.sum() / 8)
     assert global_peak(first, drifted, 8) > 1 + pol.trigger_slack
-    assert pol.plan_layers(drifted, first) == [None]             # noise floor ~ 2.5/sqrt(ideal)
-    big = make_policy("incremental", 8, 64, 1, 0.0)
-    assert big.plan_layers(drifted * 10 ** 6, first)[0] is not None
+    assert pol.plan(drifted, first) == [None]             # noise floor ~ 2.5/sqrt(ideal)
+    big = make_policy("incremental", 8, 64, 1)
+    assert big.plan(drifted * 10 ** 6, first)[0] is not None
 
 
 def test_repair_places_a_replica_when_only_its_own_rank_is_free():
@@ -216,14 +216,14 @@ def test_rewrites_give_a_new_hot_expert_replicas(mode):
     e, d = 64, 8
     load = np.round(rng.uniform(50, 150, e) * 10 ** 4)[None].astype(np.int64)
     init = initial_phy2log(e, d, 1)[None]
-    pol = make_policy("incremental", d, e, 1, 0.0, rewrite_moves=mode)
-    first = fill(pol.plan_layers(load, init), init)
+    pol = make_policy("incremental", d, e, 1, rewrite_moves=mode)
+    first = fill(pol.plan(load, init), init)
     counts = np.bincount(first[0], minlength=e)
     hot = int(np.nonzero(counts == 1)[0][0])
     drifted = load.copy()
     drifted[0, hot] = int(2.0 * load.sum() / d)             # alone > 1.5x the new fair share
     before = global_peak(first, drifted, d)
-    out = pol.plan_layers(drifted, first)
+    out = pol.plan(drifted, first)
     assert out[0] is not None
     validate_phy2log(out[0], e, d)
     assert np.bincount(out[0], minlength=e)[hot] >= 2

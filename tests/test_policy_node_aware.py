@@ -49,9 +49,9 @@ def test_topology_rules_are_config_errors():
 def test_default_groups_avoid_the_contiguous_group_trap():
     # load trends with expert id: contiguous groups put all hot experts on node 0
     load = np.linspace(100, 1, 32)[None].round().astype(np.int64)
-    free = make_policy("node_aware", 8, 32, 1, 0.0, num_nodes=2)
-    trap = make_policy("node_aware", 8, 32, 1, 0.0, num_nodes=2, num_groups=2)
+    free = make_policy("node_aware", 8, 32, 1, num_nodes=2)
+    trap = make_policy("node_aware", 8, 32, 1, num_nodes=2, num_groups=2)
     prev = np.full((1, 8 * 5), -1)
-    pk = [rank_loads_from_phy2log(np.stack(p.plan_layers(load, prev)), load, 8).max()
+    pk = [rank_loads_from_phy2log(np.stack(p.plan(load, prev)), load, 8).max()
           for p in (free, trap)]
     assert pk[0] < pk[1]

@@ -5,6 +5,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from xllm_eplb.eplb.balance import rank_loads_from_phy2log
+from xllm_eplb.eplb.gate import propose
 from xllm_eplb.eplb.placement import diff, initial_phy2log, validate_phy2log
 from xllm_eplb.eplb.policy import make_policy
 from xllm_eplb.eplb.policy.balanced import plan_balanced, plan_layer_exact
@@ -51,17 +52,18 @@ def test_policy_output_obeys_invariants(prob, kind):
     d, e, r, loads = prob
     opts = {"num_nodes": 2} if kind == "node_aware" and d % 2 == 0 and \
         e // 2 >= e // d + r else {}
-    pol = make_policy(kind, d, e, r, 0.0, **opts)
+    pol = make_policy(kind, d, e, r, **opts)
     init = np.tile(initial_phy2log(e, d, r), (loads.shape[0], 1))
-    pol.initialize(init)
-    cand, upd = pol.rebalance(loads)
+    first = propose(pol, loads, init, None, 0.0)
+    cand, upd = first.table, first.update
     for i, row in enumerate(cand):
         if upd[i]:
             validate_phy2log(row, e, d)
         else:
             assert row.tolist() == init[i].tolist()
     # a second round from the published placement keeps the invariants too
-    cand2, upd2 = pol.rebalance(loads[::-1].copy())
+    second = propose(pol, loads[::-1].copy(), cand, None, 0.0)
+    cand2, upd2 = second.table, second.update
     for i, row in enumerate(cand2):
         if upd2[i]:
             validate_phy2log(row, e, d)
@@ -85,14 +87,14 @@ def test_balanced_fast_path_equals_exact_port(prob):
 @given(problems(), st.integers(0, 12))
 def test_incremental_budget_caps_moved_slots(prob, budget):
     d, e, r, loads = prob
-    pol = make_policy("incremental", d, e, r, 0.0)
+    pol = make_policy("incremental", d, e, r)
     init = np.tile(initial_phy2log(e, d, r), (loads.shape[0], 1))
-    cands = pol.plan_layers(loads, init)
+    cands = pol.plan(loads, init)
     check_all([c for c in cands if c is not None], e, d)   # None = keep the deployed table
     first = fill(cands, init)
     drifted = (loads[:, ::-1] + 3).copy()
-    capped = make_policy("incremental", d, e, r, 0.0, budget_slots=budget or 1)
-    out = capped.plan_layers(drifted, first)
+    capped = make_policy("incremental", d, e, r, budget_slots=budget or 1)
+    out = capped.plan(drifted, first)
     check_all([c for c in out if c is not None], e, d)
     table = fill(out, first)
     assert diff(first, table, d).moved_slots <= (budget or 1)
@@ -106,9 +108,9 @@ def test_incremental_budget_caps_moved_slots(prob, budget):
 @given(problems())
 def test_incremental_is_stable_on_unchanged_load(prob):
     d, e, r, loads = prob
-    pol = make_policy("incremental", d, e, r, 0.0)
+    pol = make_policy("incremental", d, e, r)
     init = np.tile(initial_phy2log(e, d, r), (loads.shape[0], 1))
-    first = fill(pol.plan_layers(loads, init), init)
-    again = pol.plan_layers(loads, first)
+    first = fill(pol.plan(loads, init), init)
+    again = pol.plan(loads, first)
     for i, row in enumerate(again):
         assert row is None or row.tolist() == first[i].tolist()

@@ -139,10 +139,10 @@ def run_plan(load: str, ep_size: int, redundant: int, policy: str, previous: str
     kind = normalize_kind(policy)
     prev = (read_previous(previous, layers, total, ep_size, slots, num_e) if previous else
             np.tile(initial_phy2log(num_e, ep_size, redundant), (len(layers), 1)))
-    pol = make_policy(kind, ep_size, num_e, redundant, 0.0,
+    pol = make_policy(kind, ep_size, num_e, redundant,
                       **_policy_opts(kind, num_nodes, num_groups, budget_slots))
     t0 = time.perf_counter()
-    cands = pol.plan_layers(loads, prev)
+    cands = pol.plan(loads, prev)
     seconds = time.perf_counter() - t0
     table = np.stack([prev[i] if c is None else np.asarray(c, np.int64)
                       for i, c in enumerate(cands)])

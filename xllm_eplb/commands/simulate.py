@@ -154,7 +154,7 @@ def simulate(trace_path, spec, policy, steps, step_seconds, transfer_steps_per_l
     (out / "simulate.log").unlink(missing_ok=True)        # one run per log, never appended
     setup_logging("simulate", cfg.serve.v, log_file=str(out / "simulate.log"), stream=None)
     opts = ReplayOptions(step_seconds, transfer_steps_per_layer, window_steps)
-    res = replay(tr, cfg, opts)
+    res = replay(tr, cfg.eplb, opts)
     res.extra = {"trace": trace_path or spec, "ep_size": cfg.eplb.ep_size,
                  "redundant_experts_num": cfg.eplb.redundant_experts_num,
                  "layers": tr.layers, "experts": tr.experts,

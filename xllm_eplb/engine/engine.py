@@ -29,6 +29,7 @@ from xllm_eplb.engine.scheduler import Request, Scheduler, is_eplb_boundary
 from xllm_eplb.engine.telemetry import Telemetry
 from xllm_eplb.engine.tokenizer import BOS_ID
 from xllm_eplb.eplb.info import NO_TOKEN, EplbInfo
+from xllm_eplb.eplb.manager_stats import ManagerStats
 from xllm_eplb.launcher import backend_name
 from xllm_eplb.model.batch import RankBatch, SeqRow
 from xllm_eplb.obs.logs import event, setup_logging
@@ -193,15 +194,14 @@ class Engine:
                                          "eplb": self.manager is not None}
 
     def status(self) -> dict:
-        out = {"enabled": self.manager is not None, "policy": self.cfg.eplb.eplb_policy_kind,
-               "ep_size": self.D, "num_layers": self.cfg.num_moe_layers, "step": self.step_no,
-               "generation": 0, "rounds": 0, "layers_published": 0, "layers_committed": 0,
-               "layers_timed_out": 0, "layer_in_flight": -1, "last_policy_seconds": 0.0,
-               "slots_moved": 0, "policy_cpu_seconds": 0.0}
+        """/eplb/status: the manager's ``stats()`` (EPLB off: the same keys at their zero
+        values, :class:`~xllm_eplb.eplb.manager_stats.ManagerStats`), balance, critical path."""
+        policy = self.cfg.eplb.eplb_policy_kind
+        st = (self.manager.stats() if self.manager is not None
+              else ManagerStats(policy=policy).as_dict())
+        out = {"enabled": self.manager is not None, "ep_size": self.D,
+               "num_layers": self.cfg.num_moe_layers, "step": self.step_no, **st}
         if self.manager is not None:
-            st = self.manager.stats()
-            out.update({k: v for k, v in st.items() if isinstance(v, (int, float, str))
-                        or v is None})
             out["placement"] = self.manager.active_placement.tolist()
         out.update(self.tele.balance_summary())
         out["critical_path"] = self.tele.critical_path_summary()
@@ -218,8 +218,7 @@ def _make_manager(cfg: Config):
         return None
     from xllm_eplb.eplb.manager import EplbManager
 
-    return EplbManager(cfg, cfg.num_moe_layers, cfg.eplb.ep_size, cfg.model.num_experts,
-                       runner="thread")
+    return EplbManager(cfg.eplb, cfg.num_moe_layers, cfg.model.num_experts, runner="thread")
 
 
 def _attach_rings(cfg: Config):

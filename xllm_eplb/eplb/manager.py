@@ -1,26 +1,34 @@
-"""`EplbManager`: the engine side of EPLB (spec sections 4-6, xLLM reference sections 3-4).
+"""`EplbManager`: the engine side of EPLB, and the one owner of the placement.
 
 One instance per engine. The step loop calls, per forward::
 
     info = mgr.eplb_info(allow)          # EplbInfo for the next forward (allow=False: empty)
     ... workers run the forward ...
     mgr.on_outputs(counters, prepared_tokens, activation_token)
-    mgr.tick()                           # timers, timeouts, (sync runner) the policy
+    mgr.tick()                           # timeouts; with the sync runner also timer + policy
+
+State: the manager owns the deployed placement (``active_placement``, ``[L, D*S]``, replaced
+copy-on-write at each commit) and, through its
+:class:`~xllm_eplb.eplb.manager_state.LayerPipeline`, what is in flight (the published round,
+tokens, barrier, timeouts). The policy holds no placement: each round the manager hands it the
+deployed table (:class:`~xllm_eplb.eplb.gate.Planner`: ``policy.plan`` then the publication
+gate). An aborted layer (timeout) simply never reaches the deployed table, so the next round
+plans it again from what the workers run; a committed one is written into it.
 
 Load window: :class:`~xllm_eplb.eplb.aggregator.EplbAggregator` (samples tagged with the
 placement generation; commit zeroes, each round halves). Policy input: the logical estimate of
 :class:`~xllm_eplb.eplb.estimator.LoadEstimator` (or the raw window) plus the raw physical window
-(the gate always uses measured load). Per-layer tokens/barrier/timeouts:
-:class:`~xllm_eplb.eplb.manager_state.LayerPipeline`; counters and heartbeats:
+for the gate (which always uses measured load). Counters and heartbeats:
 :mod:`~xllm_eplb.eplb.manager_stats`.
 
 Timer: armed by the first valid sample of a generation, ``eplb_update_interval`` seconds; every
 commit (a new generation) disarms it, so it restarts at the next sample. A round starts only when
 it fired, the window is not empty and no layer of the previous round is still in flight.
 
-Runners: ``"thread"`` (production) aggregates samples and runs the policy on a background
-thread so a slow policy never stalls the step loop; ``"sync"`` (tests, ``simulate``) does
-everything inside ``on_outputs``/``tick`` with the injected clock -- deterministic, no sleeps.
+Runners: ``"thread"`` (production) aggregates samples and runs the policy on a
+:class:`~xllm_eplb.eplb.manager_runner.RebalanceThread`, so a slow policy never stalls the step
+loop; ``"sync"`` (tests, ``simulate``) does the same work inside ``on_outputs``/``tick`` with the
+injected clock -- deterministic, no sleeps. Both drain samples the same way (:meth:`_drain`).
 """
 
 from __future__ import annotations
@@ -33,89 +41,77 @@ from typing import Callable
 
 import numpy as np
 
+from xllm_eplb.config import EplbConfig
 from xllm_eplb.eplb.aggregator import CounterShapeError, EplbAggregator, scatter_logical
 from xllm_eplb.eplb.estimator import LoadEstimator
+from xllm_eplb.eplb.gate import Planner, Round
 from xllm_eplb.eplb.info import NO_TOKEN, EplbInfo
+from xllm_eplb.eplb.manager_runner import RebalanceThread
 from xllm_eplb.eplb.manager_state import LayerPipeline
-from xllm_eplb.eplb.manager_stats import Heartbeats, new_counters
+from xllm_eplb.eplb.manager_stats import Counters, Heartbeats, ManagerStats
 from xllm_eplb.eplb.placement import diff, initial_phy2log, slots_per_rank
+from xllm_eplb.eplb.policy import policy_from_config
+from xllm_eplb.errors import ConfigError
 from xllm_eplb.obs.logs import event
 
 log = logging.getLogger(__name__)
 
 RUNNERS = ("thread", "sync")
-#: the background thread drains queued samples this often (not per sample: waking it on every
-#: forward would make the step loop fight it for the GIL)
+#: the background thread drains queued samples this often (not per sample: see manager_runner)
 DRAIN_PERIOD_S = 0.02
 #: queued (not yet aggregated) samples kept at most; older ones are dropped if the thread lags
 MAX_QUEUED_SAMPLES = 4096
 
-
-def _opt(cfg, name: str, default):
-    v = getattr(cfg, name, None)
-    return default if v is None else v
-
-
-def build_policy(cfg, ep_size: int, num_logical: int):
-    """The policy named by ``cfg.eplb_policy_kind`` (registry in ``eplb/policy``)."""
-    from xllm_eplb.eplb.policy import make_policy
-    return make_policy(str(_opt(cfg, "eplb_policy_kind", "balanced")), ep_size, num_logical,
-                       int(_opt(cfg, "redundant_experts_num", 1)),
-                       float(_opt(cfg, "eplb_min_peak_load_improvement", 0.05)),
-                       budget_slots=int(_opt(cfg, "eplb_migration_budget_slots", 0)),
-                       num_nodes=int(_opt(cfg, "eplb_num_nodes", 1)))
-
-
-def _use_estimator(cfg, override: bool | None) -> bool:
-    """``override`` (tests, simulate) wins over ``eplb_use_estimator`` (default off)."""
-    return bool(_opt(cfg, "eplb_use_estimator", False)) if override is None else bool(override)
+#: ``planner(logical [L, E], physical [L, D, S], deployed [L, D*S]) -> Round``
+PlannerFn = Callable[[np.ndarray, np.ndarray, np.ndarray], Round]
 
 
 class EplbManager:
-    """See the module docstring. Shapes: ``L`` MoE layers, ``D`` = ep_size ranks,
-    ``S`` slots per rank, ``E`` logical experts; placements are ``[L, D*S]`` int64."""
+    """See the module docstring. Shapes: ``L`` MoE layers, ``D`` = ``cfg.ep_size`` ranks,
+    ``S`` slots per rank, ``E`` logical experts; placements are ``[L, D*S]`` int64.
 
-    def __init__(self, cfg, num_layers: int, ep_size: int, num_logical: int, policy=None,
-                 clock: Callable[[], float] = time.monotonic, runner: str = "thread",
-                 use_estimator: bool | None = None):
-        cfg = getattr(cfg, "eplb", cfg)           # a full Config or its EplbConfig
+    ``num_layers`` / ``num_logical`` come from the model; everything else from ``cfg``.
+    ``planner`` (tests): replaces the policy + gate built from ``cfg``; it must carry a
+    ``name``.
+    """
+
+    def __init__(self, cfg: EplbConfig, num_layers: int, num_logical: int, *,
+                 planner: PlannerFn | None = None,
+                 clock: Callable[[], float] = time.monotonic, runner: str = "thread"):
+        if not isinstance(cfg, EplbConfig):
+            raise TypeError(f"EplbManager takes the EplbConfig (cfg.eplb), got "
+                            f"{type(cfg).__name__}")
         if runner not in RUNNERS:
             raise ValueError(f"runner={runner!r}: must be one of {', '.join(RUNNERS)}")
-        self.num_layers, self.ep_size, self.num_logical = num_layers, ep_size, num_logical
-        redundant = int(_opt(cfg, "redundant_experts_num", 1))
-        self.slots = slots_per_rank(num_logical, ep_size, redundant)
-        self.interval = float(_opt(cfg, "eplb_update_interval", 1000.0))
-        self.timeout = float(_opt(cfg, "eplb_prepare_timeout_seconds", 30.0))
-        self.heartbeat_s = float(_opt(cfg, "eplb_heartbeat_seconds", 60.0))
-        self.clock, self.runner = clock, runner
-        self.policy = policy if policy is not None else build_policy(cfg, ep_size, num_logical)
-        self.policy_name = str(getattr(self.policy, "name", type(self.policy).__name__))
-        self.agg = EplbAggregator(num_layers, ep_size, self.slots, num_logical)
-        self.estimator = (LoadEstimator(num_layers, num_logical,
-                                        int(_opt(cfg, "eplb_estimator_window", 16)),
-                                        float(_opt(cfg, "eplb_estimator_decay", 0.85)),
-                                        bool(_opt(cfg, "eplb_estimator_trend", False)))
-                          if _use_estimator(cfg, use_estimator) else None)
-        self.pipe = LayerPipeline(num_layers, ep_size)
-        self._active = np.tile(initial_phy2log(num_logical, ep_size, redundant), (num_layers, 1))
+        if cfg.ep_size is None:
+            raise ConfigError("ep_size: required by the EPLB manager")
+        self.num_layers, self.ep_size, self.num_logical = num_layers, cfg.ep_size, num_logical
+        self.slots = slots_per_rank(num_logical, cfg.ep_size, cfg.redundant_experts_num)
+        self.interval = float(cfg.eplb_update_interval)
+        self.timeout = float(cfg.eplb_prepare_timeout_seconds)
+        self.clock = clock
+        self.planner = planner if planner is not None else Planner(
+            policy_from_config(cfg, num_logical), cfg.eplb_min_peak_load_improvement)
+        self.policy_name = str(self.planner.name)
+        self.agg = EplbAggregator(num_layers, cfg.ep_size, self.slots, num_logical)
+        self.estimator = (LoadEstimator(num_layers, num_logical, cfg.eplb_estimator_window,
+                                        cfg.eplb_estimator_decay, cfg.eplb_estimator_trend)
+                          if cfg.eplb_use_estimator else None)
+        self.pipe = LayerPipeline(num_layers, cfg.ep_size)
+        self._active = np.tile(initial_phy2log(num_logical, cfg.ep_size,
+                                               cfg.redundant_experts_num), (num_layers, 1))
         self._active.setflags(write=False)
-        self.policy.initialize(self._active.copy())
         self._lock = threading.Lock()
-        self._data_cv = threading.Condition(self._lock)
         self._queue: collections.deque = collections.deque()
         self._deadline: float | None = None
         self._deadline_gen = -1
-        self._stats = new_counters()
-        self.hb = Heartbeats(clock(), self.heartbeat_s, self.policy_name)
-        self._closed = False
-        self._thread: threading.Thread | None = None
+        self._counters = Counters()
+        self.hb = Heartbeats(clock(), cfg.eplb_heartbeat_seconds, self.policy_name)
         log.info(event("EPLB manager start", policy=self.policy_name, layers=num_layers,
-                       devices=ep_size, device_experts=self.slots, runner=runner,
+                       devices=cfg.ep_size, device_experts=self.slots, runner=runner,
                        update_interval_s=self.interval, prepare_timeout_s=self.timeout))
-        if runner == "thread":
-            self._thread = threading.Thread(target=self._loop, name="eplb-rebalance",
-                                            daemon=True)
-            self._thread.start()
+        self._runner = (RebalanceThread(self._rebalance_pass, self._wait_seconds,
+                                        self.policy_name) if runner == "thread" else None)
 
     # --- public API ---------------------------------------------------------------------------
 
@@ -150,6 +146,9 @@ class EplbManager:
             self.hb.manager_at = now
             self._observe_prepared(prepared_tokens, now)
             self._enqueue(counters)
+        if self._runner is None:
+            self._drain()           # sync: the sample counts before this forward's activation
+        with self._lock:
             self._observe_activation(int(activation_token))
 
     def tick(self) -> None:
@@ -157,7 +156,7 @@ class EplbManager:
         now = self.clock()
         with self._lock:
             self._check_timeouts(now)
-        if self.runner == "sync":
+        if self._runner is None:
             self._rebalance_pass()
 
     def window_physical(self) -> np.ndarray:
@@ -165,33 +164,21 @@ class EplbManager:
         with self._lock:
             return self.agg.physical.copy()
 
-    def window_logical(self) -> np.ndarray:
-        """Copy of the measured logical window, int64 ``[L, E]``."""
-        with self._lock:
-            return self.agg.logical.copy()
-
     def stats(self) -> dict:
-        """Counters for metrics and /eplb/status, plus heartbeats (manager clock seconds):
-        ``heartbeat_at`` (rebalance loop's last pass), ``manager_heartbeat_at`` (last
-        ``on_outputs``/``tick``) and ``policy_cpu_seconds`` (rebalance passes' thread CPU)."""
+        """:class:`~xllm_eplb.eplb.manager_stats.ManagerStats` as a dict (metrics,
+        /eplb/status): counters, heartbeats (manager clock seconds) and the round's state."""
         with self._lock:
-            out = dict(self._stats)
-            out.update(self.hb.stats())
-            out.update(generation=self.agg.generation, window_samples=self.agg.sample_count,
-                       layer_in_flight=self.pipe.layer_in_flight(),
-                       waiting_on=self.pipe.waiting_on(), round_in_progress=self.pipe.in_progress,
-                       next_prepare_token=self.pipe.next_token, policy=self.policy_name,
-                       timer_deadline=self._deadline)
-            return out
+            return ManagerStats(
+                **vars(self._counters), **self.hb.stats(), generation=self.agg.generation,
+                window_samples=self.agg.sample_count, layer_in_flight=self.pipe.layer_in_flight(),
+                waiting_on=self.pipe.waiting_on(), round_in_progress=self.pipe.in_progress,
+                next_prepare_token=self.pipe.next_token, policy=self.policy_name,
+                timer_deadline=self._deadline).as_dict()
 
     def close(self) -> None:
         """Stop the background thread (idempotent)."""
-        with self._lock:
-            self._closed = True
-            self._data_cv.notify_all()
-        if self._thread is not None:
-            self._thread.join(timeout=10.0)
-            self._thread = None
+        if self._runner is not None:
+            self._runner.close()
 
     def __enter__(self):
         return self
@@ -204,14 +191,14 @@ class EplbManager:
     def _observe_prepared(self, tokens: list[int], now: float) -> None:
         tokens = list(tokens)
         if len(tokens) != self.ep_size:
-            self._stats["samples_rejected"] += 1
+            self._counters.samples_rejected += 1
             log.warning(event("EPLB rejected worker output", reason="prepared_tokens",
                               got=len(tokens), expected=self.ep_size))
             return
         if self.pipe.active_token == NO_TOKEN and tokens.count(NO_TOKEN) == len(tokens):
             return                                   # fast path: nothing prepared, nothing due
         for tok in self.pipe.observe_prepared([int(t) for t in tokens], now):
-            self._stats["stale_tokens"] += 1
+            self._counters.stale_tokens += 1
             log.warning(event("EPLB ignoring stale prepare token", got=tok,
                               waiting_for=self.pipe.active_token))
 
@@ -221,7 +208,7 @@ class EplbManager:
         if layer is not None:
             self._commit(layer)
         elif token != NO_TOKEN:
-            self._stats["stale_tokens"] += 1
+            self._counters.stale_tokens += 1
             log.warning(event("EPLB ignoring stale activation completion token", got=token,
                               waiting_for=waiting))
 
@@ -240,30 +227,38 @@ class EplbManager:
             return
         if len(self._queue) >= MAX_QUEUED_SAMPLES:
             self._queue.popleft()
-            self._stats["samples_backlog_dropped"] += 1
+            self._counters.samples_backlog_dropped += 1
         self._queue.append((counters, self._active, self.agg.generation))
-        if self.runner == "sync":
-            self._drain()
 
     def _reject(self, why: str) -> None:
-        self._stats["samples_rejected"] += 1
+        self._counters.samples_rejected += 1
         log.warning(event("EPLB rejected worker output", reason=why))
 
-    def _drain(self) -> None:
-        """Aggregate queued samples (lock held): decode, drop stale generations, estimator."""
-        while self._queue:
-            counters, placement, gen = self._queue.popleft()
-            try:
-                deltas = self.agg.decode(counters)
-            except CounterShapeError as e:
-                self._reject(str(e))
-                continue
-            self._accumulate(deltas, scatter_logical(deltas, placement, self.num_logical), gen)
+    def _commit(self, layer: int) -> None:
+        """The activation of ``layer`` came back: write its row into the deployed placement,
+        start a new window."""
+        row = self.pipe.candidate[layer]
+        d = diff(self._active[layer], row, self.ep_size)
+        active = self._active.copy()
+        active[layer] = row
+        active.setflags(write=False)
+        self._active = active
+        self.agg.commit()
+        self._deadline = None
+        self._counters.layers_committed += 1
+        self._counters.slots_moved += d.moved_slots
+        self._counters.weight_copies += d.weight_copies
+        log.info(event("EPLB layer activated", layer=layer, generation=self.agg.generation,
+                       slots_moved=d.moved_slots, weight_copies=d.weight_copies))
 
-    def _drain_unlocked(self) -> None:
-        """Thread runner: take the queue under the lock, decode and scatter without it, add
-        under it again (the generation check then drops samples a commit made stale)."""
+    # --- samples -----------------------------------------------------------------------------
+
+    def _drain(self) -> None:
+        """Aggregate queued samples: take the queue under the lock, decode and scatter without
+        it, add under it again (the generation check then drops samples a commit made stale)."""
         with self._lock:
+            if not self._queue:
+                return
             items, self._queue = self._queue, collections.deque()
         done = []
         for counters, placement, gen in items:
@@ -282,37 +277,20 @@ class EplbManager:
 
     def _accumulate(self, deltas: np.ndarray, logical: np.ndarray, gen: int) -> None:
         if not self.agg.accumulate(deltas, logical, gen):
-            self._stats["samples_stale"] += 1
+            self._counters.samples_stale += 1
             return
-        self._stats["samples"] += 1
+        self._counters.samples += 1
         self.hb.batches += 1
         if self.estimator is not None:
             self.estimator.observe(logical)
 
-    def _commit(self, layer: int) -> None:
-        """The activation of ``layer`` came back: switch the active placement, new window."""
-        row = self.pipe.candidate[layer]
-        d = diff(self._active[layer], row, self.ep_size)
-        self.policy.commit_layer(layer)
-        active = self._active.copy()
-        active[layer] = row
-        active.setflags(write=False)
-        self._active = active
-        self.agg.commit()
-        self._deadline = None
-        self._stats["layers_committed"] += 1
-        self._stats["slots_moved"] += d.moved_slots
-        self._stats["weight_copies"] += d.weight_copies
-        log.info(event("EPLB layer activated", layer=layer, generation=self.agg.generation,
-                       slots_moved=d.moved_slots, weight_copies=d.weight_copies))
-
     # --- timeouts (lock held) ----------------------------------------------------------------
 
     def _check_timeouts(self, now: float) -> None:
+        """An aborted layer is disabled in the pipeline; the deployed table never had it."""
         ab = self.pipe.check_timeout(now, self.timeout)
         if ab is not None:
-            self.policy.abort_layer(ab.layer)
-            self._stats["layers_timed_out"] += 1
+            self._counters.layers_timed_out += 1
             log.warning(event(f"EPLB layer {ab.layer} {ab.kind} timed out after "
                               f"{ab.limit:g}s; skipping this layer for the current round.",
                               layer=ab.layer, token=ab.token, kind=ab.kind.replace(" ", "_"),
@@ -342,56 +320,44 @@ class EplbManager:
                                             self.estimator.window)), physical
 
     def _rebalance_pass(self) -> None:
-        """Drain samples, check the timer, run one policy round if due, heartbeat."""
+        """Drain samples, check the timer, run one policy round if due, heartbeat.
+
+        The planner runs without the lock on the deployed table of the moment: no commit can
+        replace it meanwhile, since a round starts only when none is in flight."""
         c0 = time.thread_time()
-        if self.runner == "thread":
-            self._drain_unlocked()
+        self._drain()
         with self._lock:
-            self._drain()
-            now = self.clock()
-            run = self._due(now)
+            run = self._due(self.clock())
             if run:
                 logical, physical = self._policy_inputs()
+                deployed = self._active
         if run:
             t0 = time.perf_counter()
-            cand, update = self.policy.rebalance(logical, physical)
+            rnd = self.planner(logical, physical, deployed)
             dt = time.perf_counter() - t0
             with self._lock:
-                self._finish_round(np.asarray(cand), np.asarray(update, dtype=bool), dt)
+                self._finish_round(rnd, dt)
         with self._lock:
             self.hb.loop_pass(self.clock(), time.thread_time() - c0,
-                              self._stats["last_policy_seconds"])
+                              self._counters.last_policy_seconds)
 
-    def _finish_round(self, cand: np.ndarray, update: np.ndarray, seconds: float) -> None:
+    def _finish_round(self, rnd: Round, seconds: float) -> None:
+        update = np.asarray(rnd.update, dtype=bool)
         k = int(update.sum())
-        self.pipe.start_round(cand, update)
+        self.pipe.start_round(np.asarray(rnd.table), update)
         self.agg.decay()
-        self._stats["rounds"] += 1
-        self._stats["layers_published"] += k
-        self._stats["last_policy_seconds"] = seconds
+        self._counters.rounds += 1
+        self._counters.layers_published += k
+        self._counters.last_policy_seconds = seconds
         self.hb.layers += k
         log.info(event("EPLB rebalance", policy=self.policy_name,
                        layers_updated=f"{k}/{self.num_layers}",
                        duration_ms=round(seconds * 1e3, 3)))
 
-    # --- background runner -------------------------------------------------------------------
-
     def _wait_seconds(self) -> float:
-        """How long the background thread may sleep (lock held)."""
-        wait = DRAIN_PERIOD_S
-        if self._deadline is not None:
-            wait = min(wait, max(self._deadline - self.clock(), 0.0))
+        """How long the background thread may sleep before its next pass."""
+        with self._lock:
+            wait = DRAIN_PERIOD_S
+            if self._deadline is not None:
+                wait = min(wait, max(self._deadline - self.clock(), 0.0))
         return max(wait, 0.001)
-
-    def _loop(self) -> None:
-        while True:
-            with self._lock:
-                if not self._closed:
-                    self._data_cv.wait(self._wait_seconds())
-                if self._closed:
-                    return
-            try:
-                self._rebalance_pass()
-            except Exception:                      # never let the loop die silently
-                log.exception(event("EPLB rebalance loop error", policy=self.policy_name))
-                time.sleep(0.1)

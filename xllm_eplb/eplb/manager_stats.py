@@ -1,5 +1,6 @@
 """Counters and heartbeats of :class:`~xllm_eplb.eplb.manager.EplbManager`: what ``stats()``
-reports and the periodic ``EPLB heartbeat`` log lines (spec section 13, xLLM reference 3-4).
+reports (:class:`ManagerStats`, the one list of its keys, reused by ``Engine.status()``) and the
+periodic ``EPLB heartbeat`` log lines.
 
 Pure bookkeeping: the manager calls it with its lock held and passes its own clock's time
 (``time.monotonic`` in the engine, a fake clock in tests); nothing here locks or reads a clock.
@@ -8,22 +9,54 @@ Pure bookkeeping: the manager calls it with its lock held and passes its own clo
 from __future__ import annotations
 
 import logging
+from dataclasses import asdict, dataclass
 
 from xllm_eplb.obs.logs import event
 
 log = logging.getLogger(__name__)
 
-#: cumulative counters of ``EplbManager.stats()`` (never reset; metrics take deltas)
-COUNTERS = ("rounds", "layers_published", "layers_committed", "layers_timed_out",
-            "slots_moved", "weight_copies", "samples", "samples_rejected", "samples_stale",
-            "stale_tokens", "samples_backlog_dropped")
+
+@dataclass
+class Counters:
+    """Cumulative counters of the manager (never reset; metrics take deltas), plus
+    ``last_policy_seconds`` (wall seconds of the latest policy round)."""
+
+    rounds: int = 0
+    layers_published: int = 0
+    layers_committed: int = 0
+    layers_timed_out: int = 0
+    slots_moved: int = 0
+    weight_copies: int = 0
+    samples: int = 0
+    samples_rejected: int = 0
+    samples_stale: int = 0
+    stale_tokens: int = 0
+    samples_backlog_dropped: int = 0
+    last_policy_seconds: float = 0.0
 
 
-def new_counters() -> dict:
-    """Zeroed counters plus ``last_policy_seconds`` (wall seconds of the latest policy round)."""
-    out: dict = {k: 0 for k in COUNTERS}
-    out["last_policy_seconds"] = 0.0
-    return out
+@dataclass
+class ManagerStats(Counters):
+    """``EplbManager.stats()``: the counters, the heartbeats (manager clock seconds:
+    ``heartbeat_at`` = the rebalance loop's last pass, ``manager_heartbeat_at`` = the last
+    ``on_outputs``/``tick``; ``policy_cpu_seconds`` = thread CPU of all rebalance passes) and the
+    round's state. The defaults are what a manager reports before anything happened."""
+
+    heartbeat_at: float | None = None
+    manager_heartbeat_at: float | None = None
+    policy_cpu_seconds: float = 0.0
+    generation: int = 0
+    window_samples: int = 0
+    layer_in_flight: int = -1
+    waiting_on: str = "none"
+    round_in_progress: bool = False
+    next_prepare_token: int = 1
+    policy: str = ""
+    timer_deadline: float | None = None
+
+    def as_dict(self) -> dict:
+        """Flat ``{key: int | float | str | bool | None}`` (the /eplb/status fields)."""
+        return asdict(self)
 
 
 class Heartbeats:
@@ -48,8 +81,8 @@ class Heartbeats:
 
     def stats(self) -> dict:
         """``heartbeat_at`` (rebalance loop), ``manager_heartbeat_at``, ``policy_cpu_seconds``."""
-        return {"heartbeat_at": self.loop_at, "manager_heartbeat_at": self.manager_at,
-                "policy_cpu_seconds": self.cpu_s}
+        return dict(heartbeat_at=self.loop_at, manager_heartbeat_at=self.manager_at,
+                    policy_cpu_seconds=self.cpu_s)
 
     def loop_pass(self, now: float, cpu_s: float, last_policy_s: float) -> None:
         """One rebalance pass ended at ``now`` after ``cpu_s`` thread CPU seconds."""

@@ -16,11 +16,13 @@ averaged over layers; the summary value is the mean over full windows.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from xllm_eplb.config import EplbConfig
 from xllm_eplb.eplb.balance import balancedness
 from xllm_eplb.eplb.info import NO_LAYER
 from xllm_eplb.eplb.manager import EplbManager
@@ -89,15 +91,15 @@ def rank_totals(per_slot: np.ndarray, ep_size: int) -> np.ndarray:
     return per_slot.reshape(per_slot.shape[0], ep_size, -1).sum(axis=2)
 
 
-def replay(trace: Trace, cfg, opts: ReplayOptions | None = None) -> ReplayResult:
-    """Run ``trace`` through aggregator + estimator + manager + policy (``cfg``: a Config or
-    its EplbConfig; ``ep_size`` must be set)."""
+def replay(trace: Trace, cfg: EplbConfig, opts: ReplayOptions | None = None) -> ReplayResult:
+    """Run ``trace`` through aggregator + estimator + manager + policy (``cfg.ep_size`` must be
+    set; ``opts.use_estimator``, when not None, replaces ``cfg.eplb_use_estimator``)."""
     opts = opts or ReplayOptions()
-    ecfg = getattr(cfg, "eplb", cfg)
-    ep = int(ecfg.ep_size)
+    if opts.use_estimator is not None:
+        cfg = dataclasses.replace(cfg, eplb_use_estimator=bool(opts.use_estimator))
+    ep = int(cfg.ep_size)
     clock = SimClock()
-    mgr = EplbManager(ecfg, trace.layers, ep, trace.experts, clock=clock, runner="sync",
-                      use_estimator=opts.use_estimator)
+    mgr = EplbManager(cfg, trace.layers, trace.experts, clock=clock, runner="sync")
     static = mgr.active_placement.copy()
     workers = SimWorkers(static, ep, delays=int(opts.transfer_steps_per_layer))
     steps = trace.steps

@@ -1,16 +1,18 @@
 """Placement policies and their factory.
 
-``make_policy(kind, ep_size, num_logical, redundant, min_improvement, **opts)``: ``kind`` is
-case-insensitive; xLLM's legacy names map to ``balanced``; an unknown kind logs ONE warning and
-falls back to ``greedy`` (xLLM rule: never crash the rebalance loop).
+``make_policy(kind, ep_size, num_logical, redundant, **opts)``: ``kind`` is case-insensitive;
+xLLM's legacy names map to ``balanced``; an unknown kind logs ONE warning and falls back to
+``greedy`` (xLLM rule: never crash the rebalance loop). An option the chosen policy does not take
+is a :class:`~xllm_eplb.errors.ConfigError` naming it and the known ones.
 """
 
 from __future__ import annotations
 
-from xllm_eplb.config import POLICY_KINDS, normalize_policy_kind
-from xllm_eplb.eplb.policy.base import EplbPolicyBase, IEplbPolicy
+from xllm_eplb.config import POLICY_KINDS, EplbConfig, normalize_policy_kind
+from xllm_eplb.eplb.policy.base import EplbPolicy
+from xllm_eplb.errors import ConfigError
 
-__all__ = ["IEplbPolicy", "EplbPolicyBase", "make_policy", "normalize_kind", "POLICY_KINDS"]
+__all__ = ["EplbPolicy", "make_policy", "normalize_kind", "policy_from_config", "POLICY_KINDS"]
 
 
 def normalize_kind(kind: str | None) -> str:
@@ -19,9 +21,22 @@ def normalize_kind(kind: str | None) -> str:
     return normalize_policy_kind("" if kind is None else kind)
 
 
+def policy_class(kind: str) -> type[EplbPolicy]:
+    """The class for a canonical ``kind`` (imported on demand)."""
+    if kind == "balanced":
+        from xllm_eplb.eplb.policy.balanced import BalancedPolicy as cls
+    elif kind == "incremental":
+        from xllm_eplb.eplb.policy.incremental import IncrementalPolicy as cls
+    elif kind == "node_aware":
+        from xllm_eplb.eplb.policy.node_aware import NodeAwarePolicy as cls
+    else:
+        from xllm_eplb.eplb.policy.greedy import GreedyPolicy as cls
+    return cls
+
+
 def make_policy(kind: str, ep_size: int, num_logical: int, redundant: int,
-                min_improvement: float = 0.05, **opts) -> IEplbPolicy:
-    """Build the policy for ``kind`` (see module doc). Options a policy does not use are ignored.
+                **opts) -> EplbPolicy:
+    """Build the policy for ``kind`` (see module doc) with its tuning options ``opts``.
 
     incremental (``IncrementalPolicy``):
 
@@ -40,14 +55,24 @@ def make_policy(kind: str, ep_size: int, num_logical: int, redundant: int,
 
     node_aware (``NodeAwarePolicy``): ``num_nodes`` (ranks split evenly into nodes, default 1)
     and ``num_groups`` (expert groups placed node-locally, 0 = one group per expert).
+    balanced and greedy take no options.
     """
     k = normalize_kind(kind)
-    if k == "balanced":
-        from xllm_eplb.eplb.policy.balanced import BalancedPolicy as cls
-    elif k == "incremental":
-        from xllm_eplb.eplb.policy.incremental import IncrementalPolicy as cls
-    elif k == "node_aware":
-        from xllm_eplb.eplb.policy.node_aware import NodeAwarePolicy as cls
-    else:
-        from xllm_eplb.eplb.policy.greedy import GreedyPolicy as cls
-    return cls(ep_size, num_logical, redundant, min_improvement, **opts)
+    cls = policy_class(k)
+    known = cls.option_names()
+    unknown = sorted(set(opts) - set(known))
+    if unknown:
+        names = ", ".join(repr(u) for u in unknown)
+        rule = f"known: {', '.join(known)}" if known else "it takes no options"
+        raise ConfigError(f"{k} policy: unknown option{'s' * (len(unknown) > 1)} {names} "
+                          f"({rule})")
+    return cls(ep_size, num_logical, redundant, **opts)
+
+
+def policy_from_config(cfg: EplbConfig, num_logical: int) -> EplbPolicy:
+    """The policy ``cfg.eplb_policy_kind`` names, with the config options that kind takes
+    (incremental: ``eplb_migration_budget_slots``; node_aware: ``eplb_num_nodes``)."""
+    k = normalize_kind(cfg.eplb_policy_kind)
+    opts = {"incremental": dict(budget_slots=int(cfg.eplb_migration_budget_slots)),
+            "node_aware": dict(num_nodes=int(cfg.eplb_num_nodes))}.get(k, {})
+    return make_policy(k, int(cfg.ep_size), num_logical, int(cfg.redundant_experts_num), **opts)

@@ -1,4 +1,4 @@
-"""`balanced` (default): faithful port of xLLM's BalancedEplbPolicy (xllm_eplb.md §2.3).
+"""`balanced` (default): a faithful port of xLLM's BalancedEplbPolicy.
 
 A. replicas by the largest drop of per-replica load ``L/(c(c+1))``, at most ``ep_size`` each;
 B. equal-capacity LPT packing by ``L/c`` descending (stable: physical index breaks ties), each
@@ -17,7 +17,7 @@ from fractions import Fraction
 
 import numpy as np
 
-from xllm_eplb.eplb.policy.base import EplbPolicyBase
+from xllm_eplb.eplb.policy.base import EplbPolicy
 from xllm_eplb.eplb.policy.packing import (
     as_float,
     cyclic_fallback,
@@ -99,12 +99,8 @@ def plan_layer_exact(load, prev, ep_size: int, slots: int):
     return stabilize_slots(table, np.asarray(prev, dtype=np.int64).reshape(1, -1), ep_size)[0]
 
 
-class BalancedPolicy(EplbPolicyBase):
+class BalancedPolicy(EplbPolicy):
     name = "balanced"
 
-    def plan_layers(self, loads, prev):
-        return plan_balanced(loads, prev, self.ep_size, self.slots)
-
-    def plan_layer(self, load, prev):
-        return plan_balanced(np.asarray(load)[None], np.asarray(prev)[None], self.ep_size,
-                             self.slots)[0]
+    def plan(self, logical, deployed):
+        return plan_balanced(logical, deployed, self.ep_size, self.slots)

@@ -1,4 +1,4 @@
-"""`greedy`: xLLM's historical GreedyEplbPolicy (xllm_eplb.md §2.4), layer-vectorised.
+"""`greedy`: xLLM's historical GreedyEplbPolicy, layer-vectorised.
 
 Replicas: repeatedly the expert with the largest working load ``w`` (ties: lowest id) gets one more
 copy and ``w <- trunc(w * c / (c + 1))``. Placement: phase 1 puts the redundant copies (origin id
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from xllm_eplb.eplb.policy.base import EplbPolicyBase
+from xllm_eplb.eplb.policy.base import EplbPolicy
 from xllm_eplb.eplb.policy.packing import pack_sequences
 
 
@@ -40,11 +40,10 @@ def plan_greedy(loads: np.ndarray, ep_size: int, slots: int):
     return [table[i] if ok[i] and packed[i] else None for i in range(layers)]
 
 
-class GreedyPolicy(EplbPolicyBase):
+class GreedyPolicy(EplbPolicy):
+    """Ignores the deployed table (xLLM's greedy policy re-packs every round)."""
+
     name = "greedy"
 
-    def plan_layers(self, loads, prev):
-        return plan_greedy(loads, self.ep_size, self.slots)
-
-    def plan_layer(self, load, prev):
-        return plan_greedy(np.asarray(load)[None], self.ep_size, self.slots)[0]
+    def plan(self, logical, deployed):
+        return plan_greedy(logical, self.ep_size, self.slots)

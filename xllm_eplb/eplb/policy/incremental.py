@@ -1,6 +1,6 @@
 """`incremental`: migration-aware placement (this project's policy, beyond xLLM).
 
-Per round, starting from the table the policy believes is deployed; LB = ``max(ideal,
+Per round, starting from the deployed table; LB = ``max(ideal,
 min-max per-replica load)`` per layer:
 1. free the slots that repeat an expert on the same rank (only xLLM's initial layout has them)
    and fill them (``repair``: min-max replica counts, LPT into the freed slots). Such a *fresh*
@@ -34,7 +34,7 @@ import numpy as np
 
 from xllm_eplb.eplb.balance import rank_loads_from_phy2log
 from xllm_eplb.eplb.placement import initial_phy2log
-from xllm_eplb.eplb.policy.base import EplbPolicyBase
+from xllm_eplb.eplb.policy.base import EplbPolicy
 from xllm_eplb.eplb.policy.excess import excess_search
 from xllm_eplb.eplb.policy.localsearch import slot_values, swap_search
 from xllm_eplb.eplb.policy.packing import (
@@ -51,7 +51,7 @@ __all__ = ["IncrementalPolicy", "best_cut", "dedup_ranks", "replay", "spend_budg
 log = logging.getLogger(__name__)
 
 
-class IncrementalPolicy(EplbPolicyBase):
+class IncrementalPolicy(EplbPolicy):
     """Options: ``budget_slots`` (moved slots per round over all layers, 0 = auto: cost-based),
     ``budget_bytes`` + ``slot_bytes`` (the same in bytes), ``move_cost`` (fraction of the ideal
     rank load one moved slot costs), ``target_slack``, ``must_slack``, ``count_slack``,
@@ -60,15 +60,12 @@ class IncrementalPolicy(EplbPolicyBase):
 
     name = "incremental"
 
-    def __init__(self, ep_size, num_logical, redundant, min_improvement=0.05, *,
-                 budget_slots: int = 0, budget_bytes: int = 0, slot_bytes: int = 0,
-                 move_cost: float = 2e-4, target_slack: float = 2e-3, must_slack: float = 4e-3,
-                 count_slack: float = 0.02, max_iters: int = 0, trigger_slack: float = 0.02,
-                 settle_slack: float = 0.009, noise_z: float = 2.5, rewrite_moves=None,
-                 **opts):
-        opts.pop("num_nodes", None)
-        opts.pop("num_groups", None)
-        super().__init__(ep_size, num_logical, redundant, min_improvement, **opts)
+    def __init__(self, ep_size, num_logical, redundant, *, budget_slots: int = 0,
+                 budget_bytes: int = 0, slot_bytes: int = 0, move_cost: float = 2e-4,
+                 target_slack: float = 2e-3, must_slack: float = 4e-3, count_slack: float = 0.02,
+                 max_iters: int = 0, trigger_slack: float = 0.02, settle_slack: float = 0.009,
+                 noise_z: float = 2.5, rewrite_moves=None):
+        super().__init__(ep_size, num_logical, redundant)
         if budget_bytes and slot_bytes:
             budget_slots = max(1, int(budget_bytes) // int(slot_bytes))
         for key, val in (("trigger_slack", trigger_slack), ("settle_slack", settle_slack),
@@ -85,13 +82,13 @@ class IncrementalPolicy(EplbPolicyBase):
         self.rewrite_moves = None if rewrite_moves is None else bool(rewrite_moves)
         self.noise_z = float(noise_z)
         self.max_iters = int(max_iters) or 8 * self.num_slots
-        self.last_stats: dict = {}
+        self.last_stats: dict = {}       # diagnostics of the latest plan() (bench, tests)
 
-    def plan_layers(self, loads, prev):
-        w = np.asarray(loads, dtype=np.float64)
+    def plan(self, logical, deployed):
+        w = np.asarray(logical, dtype=np.float64)
         n, num_e = w.shape
         d, s = self.ep_size, self.slots
-        base = np.asarray(prev, dtype=np.int64).copy()
+        base = np.asarray(deployed, dtype=np.int64).copy()
         unseeded = (base < 0).any(axis=1)
         base[unseeded] = initial_phy2log(num_e, d, self.redundant)
         t0 = dedup_ranks(base.reshape(n, d, s))
@@ -108,7 +105,7 @@ class IncrementalPolicy(EplbPolicyBase):
         fresh = ~strict | unseeded
         # hysteresis: a deployed layer is re-planned only above `trigger`, and then only down to
         # `settle`; a layer coming from xLLM's initial layout is planned down to `target`
-        settle, trigger = self._hysteresis(loads, ideal)
+        settle, trigger = self._hysteresis(logical, ideal)
         target = np.where(fresh, lb * (1 + self.target_slack), lb * (1 + settle))
         start = np.where(fresh, target, lb * (1 + trigger))
         slot_cost = self.move_cost * ideal

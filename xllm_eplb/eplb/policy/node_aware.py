@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from xllm_eplb.eplb.policy.base import EplbPolicyBase
+from xllm_eplb.eplb.policy.base import EplbPolicy
 from xllm_eplb.eplb.policy.localsearch import swap_search
 from xllm_eplb.eplb.policy.packing import (
     cyclic_fallback,
@@ -89,19 +89,20 @@ def plan_node_aware(loads, ep_size: int, slots: int, num_nodes: int, num_groups:
     return out
 
 
-class NodeAwarePolicy(EplbPolicyBase):
+class NodeAwarePolicy(EplbPolicy):
+    """Options: ``num_nodes`` (ranks split evenly into nodes), ``num_groups`` (expert groups
+    placed node-locally, 0 = one group per expert)."""
+
     name = "node_aware"
 
-    def __init__(self, ep_size, num_logical, redundant, min_improvement=0.05, *,
-                 num_nodes: int = 1, num_groups: int = 0, **opts):
-        for k in ("budget_slots", "budget_bytes", "slot_bytes"):
-            opts.pop(k, None)
-        super().__init__(ep_size, num_logical, redundant, min_improvement, **opts)
+    def __init__(self, ep_size, num_logical, redundant, *, num_nodes: int = 1,
+                 num_groups: int = 0):
+        super().__init__(ep_size, num_logical, redundant)
         self.num_nodes = int(num_nodes)
         self.num_groups = int(num_groups) or num_logical
         check_topology(num_logical, ep_size, self.slots, self.num_nodes, self.num_groups)
 
-    def plan_layers(self, loads, prev):
-        out = plan_node_aware(loads, self.ep_size, self.slots, self.num_nodes, self.num_groups,
-                              prev)
+    def plan(self, logical, deployed):
+        out = plan_node_aware(logical, self.ep_size, self.slots, self.num_nodes,
+                              self.num_groups, deployed)
         return list(out)

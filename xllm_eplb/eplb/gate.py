@@ -1,0 +1,168 @@
+"""Which planned layers a rebalance round publishes: the strict-invariant check and the
+publication gate (pure functions; the caller owns every table).
+
+A round (:func:`propose`) takes the policy's candidate rows (``policy.plan(logical, deployed)``,
+one ``[D*S]`` row or None per layer) and keeps a layer only when
+
+1. its row obeys the strict invariants (:func:`valid_rows`): ids in ``[0, E)``, every expert
+   present, at most one replica of an expert per rank. A row that breaks them is logged and
+   skipped;
+2. the row differs from the deployed one;
+3. for a deployed layer, the peak improves enough (:func:`gate`, xLLM's ``compare_peak``): the
+   current peak is the measured peak rank load (the physical window) or, without one, the
+   even-split estimate under the deployed row; the proposed peak is the even-split estimate under
+   the candidate, rescaled into physical units by ``physical total / logical total``; the layer
+   is published when ``ratio = (current - proposed) / current`` is ``> 0`` and
+   ``>= min_improvement``. Every gated layer logs one ``EPLB placement benefit`` line.
+
+A layer with nothing deployed (a ``-1`` row, or ``deployed=None``) takes any valid candidate,
+ungated.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from xllm_eplb.eplb.balance import rank_loads_from_phy2log
+from xllm_eplb.errors import ConfigError
+from xllm_eplb.obs.logs import event
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class GateRecord:
+    """One gated layer: peaks in physical units (tokens) when a physical window was given."""
+
+    layer: int
+    current_peak: float
+    proposed_peak: float
+    improvement_ratio: float
+    min_improvement_ratio: float
+    placement_changed: bool
+
+
+@dataclass(frozen=True)
+class Round:
+    """A round's decision: ``table`` int64 ``[L, D*S]`` (the candidate where ``update``, the
+    deployed row elsewhere), ``update`` bool ``[L]``, the gate's records (gated layers only)."""
+
+    table: np.ndarray
+    update: np.ndarray
+    gate: tuple[GateRecord, ...] = ()
+
+
+def check_min_improvement(value: float) -> float:
+    """``eplb_min_peak_load_improvement`` must be in [0, 1]; returns it as float."""
+    if not 0.0 <= float(value) <= 1.0:
+        raise ConfigError(f"eplb_min_peak_load_improvement={value} must be in [0, 1]")
+    return float(value)
+
+
+def valid_rows(table: np.ndarray, num_logical: int, ep_size: int) -> np.ndarray:
+    """Strict invariants per row of ``[L, D*S]``: ids in range, every expert present, at most one
+    replica per rank. Returns bool [L]."""
+    t = np.asarray(table, dtype=np.int64)
+    layers, _ = t.shape
+    in_range = ((t >= 0) & (t < num_logical)).all(axis=1)
+    safe = np.where(in_range[:, None], t, 0)
+    per_rank = np.sort(safe.reshape(layers, ep_size, -1), axis=2)
+    no_dup = ~(per_rank[..., 1:] == per_rank[..., :-1]).any(axis=(1, 2))
+    flat = (safe + (np.arange(layers) * num_logical)[:, None]).ravel()
+    cnt = np.bincount(flat, minlength=layers * num_logical).reshape(layers, num_logical)
+    return in_range & no_dup & (cnt > 0).all(axis=1)
+
+
+def gate(logical: np.ndarray, deployed: np.ndarray, proposed: np.ndarray,
+         physical: np.ndarray | None, layers: np.ndarray, ep_size: int,
+         min_improvement: float) -> list[GateRecord]:
+    """xLLM's compare_peak for the layers ``layers`` (int [k]); see the module docstring.
+
+    logical [L, E], deployed / proposed [L, D*S], physical [L, D, S] float or None.
+    """
+    idx = np.asarray(layers, dtype=np.int64)
+    w = np.asarray(logical[idx], dtype=np.float64)
+    cur = rank_loads_from_phy2log(deployed[idx], w, ep_size).max(axis=1)
+    prop = rank_loads_from_phy2log(proposed[idx], w, ep_size).max(axis=1)
+    if physical is not None:
+        dev = np.asarray(physical[idx], dtype=np.float64).sum(axis=2)
+        cur = dev.max(axis=1)
+        tot = w.sum(axis=1)
+        prop = np.where(tot > 0, prop * dev.sum(axis=1) / np.where(tot > 0, tot, 1.0), prop)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        ratio = np.where(cur > 0, (cur - prop) / np.where(cur > 0, cur, 1.0), 0.0)
+    ok = (ratio > 0) & (ratio >= min_improvement)
+    return [GateRecord(int(i), float(cur[j]), float(prop[j]), float(ratio[j]),
+                       float(min_improvement), bool(ok[j])) for j, i in enumerate(idx)]
+
+
+def _inputs(policy, logical, deployed, physical):
+    """Shape-checked (logical [L, E], deployed [L, D*S] with -1 rows, physical or None)."""
+    lg = np.asarray(logical)
+    if lg.ndim != 2 or lg.shape[1] != policy.num_logical:
+        raise ValueError(f"logical load of shape {lg.shape} is not [layers, "
+                         f"{policy.num_logical}]")
+    layers = lg.shape[0]
+    if deployed is None:
+        dep = np.full((layers, policy.num_slots), -1, dtype=np.int64)
+    else:
+        dep = np.asarray(deployed, dtype=np.int64)
+        if dep.shape != (layers, policy.num_slots):
+            raise ValueError(f"load has {layers} layers, the deployed placement is of shape "
+                             f"{dep.shape}, expected {(layers, policy.num_slots)}")
+    if physical is not None:
+        physical = np.asarray(physical, dtype=np.float64)
+        if physical.shape != (layers, policy.ep_size, policy.slots):
+            raise ValueError(f"physical load of shape {physical.shape} is not "
+                             f"{(layers, policy.ep_size, policy.slots)}")
+    return lg, dep, physical
+
+
+def propose(policy, logical: np.ndarray, deployed: np.ndarray | None,
+            physical: np.ndarray | None = None, min_improvement: float = 0.05) -> Round:
+    """One round: ``policy.plan(logical, deployed)``, the strict-invariant check, the gate.
+
+    logical [L, E] (the policy's input: counts or an estimate); deployed int64 [L, D*S] (None or
+    -1 rows: nothing deployed); physical [L, D, S] measured under ``deployed`` or None. Pure when
+    the policy is: nothing is kept between calls.
+    """
+    lg, dep, physical = _inputs(policy, logical, deployed, physical)
+    cands = policy.plan(lg, dep)
+    table = np.stack([dep[i] if c is None else np.asarray(c, dtype=np.int64)
+                      for i, c in enumerate(cands)])
+    planned = np.array([c is not None for c in cands])
+    valid = valid_rows(table, policy.num_logical, policy.ep_size)
+    for i in np.nonzero(planned & ~valid)[0]:
+        log.warning(event("EPLB policy produced an invalid placement; layer skipped",
+                          policy=policy.name, layer=int(i)))
+    planned &= valid
+    seeded = (dep >= 0).all(axis=1)
+    changed = planned & (~seeded | (table != dep).any(axis=1))
+    update = changed & ~seeded
+    records: list[GateRecord] = []
+    gated = np.nonzero(changed & seeded)[0]
+    if gated.size:
+        records = gate(lg, dep, table, physical, gated, policy.ep_size,
+                       check_min_improvement(min_improvement))
+        for rec in records:
+            update[rec.layer] = rec.placement_changed
+            log.info(event("EPLB placement benefit", policy=policy.name, **asdict(rec)))
+    table[~update] = dep[~update]
+    return Round(table, update, tuple(records))
+
+
+class Planner:
+    """The manager's round function: ``policy`` through the gate with ``min_improvement``.
+    Holds no placement: the manager passes what is deployed each call."""
+
+    def __init__(self, policy, min_improvement: float = 0.05):
+        self.policy = policy
+        self.min_improvement = check_min_improvement(min_improvement)
+        self.name = policy.name
+
+    def __call__(self, logical: np.ndarray, physical: np.ndarray | None,
+                 deployed: np.ndarray) -> Round:
+        return propose(self.policy, logical, deployed, physical, self.min_improvement)
