@@ -238,6 +238,7 @@ def test_unknown_policy_option_raises_naming_it(kind, bad, known):
         make_policy(kind, D, E, R, **{bad: 1})
     msg = str(err.value)
     assert f"{kind} policy: unknown option {bad!r}" in msg and known in msg
+    assert err.value.exit_code == 2                    # a UserError: the CLI prints `error:`
 
 
 def test_unknown_policy_options_are_all_named():

@@ -13,9 +13,14 @@ Each published layer goes ``IDLE -> PREPARING -> READY -> (activation sent) -> c
   after dispatch, or ``2 * timeout`` from dispatch when no output arrived at all; the layer is
   aborted and skipped for this round.
 
-NOTE (xLLM overlap-mode bug, reference section 4.6): a READY layer whose activation has not been
-sent must never be overwritten. We guarantee it at dispatch: the next prepare is only sent when
-no activation is pending, so at most one layer is ever READY-but-unsent.
+NOTE (xLLM's overlap-mode bug: the next layer became READY over a pending one): a READY layer
+whose activation has not been sent must never be overwritten. We guarantee it at dispatch: the
+next prepare is only sent when no activation is pending, so at most one layer is ever
+READY-but-unsent.
+
+The pipeline and the manager are the only owners of round state: the published round lives here
+(``candidate``/``enable``) until each layer commits (the manager writes the row into its deployed
+placement) or is aborted (``enable`` cleared; nothing to undo, it was never deployed).
 """
 
 from __future__ import annotations
