@@ -165,7 +165,7 @@ def plan(kind, d, r, loads, prev, repeats, **opts):
     for _ in range(repeats):
         pol = make_policy(kind, d, e, r, **opts)
         t0 = time.process_time()          # CPU time: robust on a shared, loaded machine
-        table = propose(pol, loads, prev, None, 0.0).table
+        table = propose(pol, loads, prev, min_improvement=0.0).table
         best = min(best, time.process_time() - t0)
     return table, best
 

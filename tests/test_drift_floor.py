@@ -46,9 +46,9 @@ def test_bound_never_exceeds_what_incremental_moves(seed):
                                                                               (layers, experts))
     b = np.round(a * rng.lognormal(0.0, 0.15, a.shape)).astype(np.int64) + 1
     init = np.tile(initial_phy2log(experts, d, r), (layers, 1))
-    fresh = propose(make_policy("incremental", d, experts, r), a, init, None, 0.0).table
+    fresh = propose(make_policy("incremental", d, experts, r), a, init, min_improvement=0.0).table
     pol = make_policy("incremental", d, experts, r, settle_slack=0.0, trigger_slack=0.0)
-    after = propose(pol, b, fresh, None, 0.0).table
+    after = propose(pol, b, fresh, min_improvement=0.0).table
     moved = diff(fresh, after, d).moved_slots / fresh.size
     rl = rank_loads_from_phy2log(after, b, d)
     reached = rl.mean(axis=1).sum() / rl.max(axis=1).sum()

@@ -29,7 +29,7 @@ def seeded(kind="balanced", minimum=0.05, layers=1, **opts):
     pol = make_policy(kind, D, E, R, **opts)
 
     def rnd(logical, deployed, physical=None):
-        return propose(pol, logical, deployed, physical, minimum)
+        return propose(pol, logical, deployed, physical=physical, min_improvement=minimum)
     return rnd, initial(layers)
 
 
@@ -47,7 +47,7 @@ def physical_under(table, logical, ep_size):
 @pytest.mark.parametrize("kind", POLICY_KINDS)
 def test_build_gives_valid_placement(kind):
     pol = make_policy(kind, D, E, R)
-    r = propose(pol, skewed(2), None, None, 0.0)
+    r = propose(pol, skewed(2), None, min_improvement=0.0)
     cand, upd = r.table, r.update
     assert upd.all() and not r.gate                    # nothing deployed: published ungated
     for row in cand:
@@ -72,7 +72,7 @@ def test_factory_names_and_legacy_aliases(caplog):
 def test_balanced_spreads_hot_expert_replicas_across_ranks():
     load = np.full((1, E), 10, dtype=np.int64)
     load[0, 5] = 10000
-    cand = propose(make_policy("balanced", D, E, R), load, None, None, 0.0).table
+    cand = propose(make_policy("balanced", D, E, R), load, None, min_improvement=0.0).table
     validate_phy2log(cand[0], E, D)
     assert np.bincount(cand[0], minlength=E)[5] == D    # one replica on every rank
 
@@ -104,9 +104,9 @@ def test_fast_path_matches_exact_port():
 def test_zero_load_publishes_once_for_initial_placement():
     pol = make_policy("balanced", D, E, R)
     z = np.zeros((2, E), dtype=np.int64)
-    first = propose(pol, z, None, None, 0.05)
+    first = propose(pol, z, None, min_improvement=0.05)
     assert first.update.all()
-    assert not propose(pol, z, first.table, None, 0.05).update.any()
+    assert not propose(pol, z, first.table, min_improvement=0.05).update.any()
 
 
 @pytest.mark.parametrize("kind", ["balanced", "greedy"])
@@ -158,7 +158,8 @@ def test_balanced_preserves_slots_when_rank_membership_unchanged():
 def test_balanced_fills_only_slots_vacated_by_rank_migrations():
     pol = make_policy("balanced", 2, 4, 1)
     phys = np.array([[[100, 100, 100], [1, 1, 1]]])     # measured peak 300, total 303
-    r = propose(pol, np.array([[100, 90, 80, 1]]), np.array([[0, 1, 3, 1, 2, 0]]), phys, 0.05)
+    r = propose(pol, np.array([[100, 90, 80, 1]]), np.array([[0, 1, 3, 1, 2, 0]]), physical=phys,
+                min_improvement=0.05)
     cand, upd = r.table, r.update
     assert upd[0] and cand[0].tolist() == [0, 1, 2, 1, 3, 0]
     g = r.gate[0]

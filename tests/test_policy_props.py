@@ -54,7 +54,7 @@ def test_policy_output_obeys_invariants(prob, kind):
         e // 2 >= e // d + r else {}
     pol = make_policy(kind, d, e, r, **opts)
     init = np.tile(initial_phy2log(e, d, r), (loads.shape[0], 1))
-    first = propose(pol, loads, init, None, 0.0)
+    first = propose(pol, loads, init, min_improvement=0.0)
     cand, upd = first.table, first.update
     for i, row in enumerate(cand):
         if upd[i]:
@@ -62,7 +62,7 @@ def test_policy_output_obeys_invariants(prob, kind):
         else:
             assert row.tolist() == init[i].tolist()
     # a second round from the published placement keeps the invariants too
-    second = propose(pol, loads[::-1].copy(), cand, None, 0.0)
+    second = propose(pol, loads[::-1].copy(), cand, min_improvement=0.0)
     cand2, upd2 = second.table, second.update
     for i, row in enumerate(cand2):
         if upd2[i]:

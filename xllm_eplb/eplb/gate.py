@@ -121,7 +121,7 @@ def _inputs(policy, logical, deployed, physical):
     return lg, dep, physical
 
 
-def propose(policy, logical: np.ndarray, deployed: np.ndarray | None,
+def propose(policy, logical: np.ndarray, deployed: np.ndarray | None, *,
             physical: np.ndarray | None = None, min_improvement: float = 0.05) -> Round:
     """One round: ``policy.plan(logical, deployed)``, the strict-invariant check, the gate.
 
@@ -165,4 +165,5 @@ class Planner:
 
     def __call__(self, logical: np.ndarray, physical: np.ndarray | None,
                  deployed: np.ndarray) -> Round:
-        return propose(self.policy, logical, deployed, physical, self.min_improvement)
+        return propose(self.policy, logical, deployed, physical=physical,
+                       min_improvement=self.min_improvement)
