@@ -23,12 +23,16 @@ from __future__ import annotations
 
 import logging
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from xllm_eplb.eplb.balance import rank_loads_from_phy2log
 from xllm_eplb.errors import ConfigError
 from xllm_eplb.obs.logs import event
+
+if TYPE_CHECKING:
+    from xllm_eplb.eplb.policy.base import EplbPolicy
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +103,7 @@ def gate(logical: np.ndarray, deployed: np.ndarray, proposed: np.ndarray,
                        float(min_improvement), bool(ok[j])) for j, i in enumerate(idx)]
 
 
-def _inputs(policy, logical, deployed, physical):
+def _inputs(policy: EplbPolicy, logical, deployed, physical):
     """Shape-checked (logical [L, E], deployed [L, D*S] with -1 rows, physical or None)."""
     lg = np.asarray(logical)
     if lg.ndim != 2 or lg.shape[1] != policy.num_logical:
@@ -121,7 +125,7 @@ def _inputs(policy, logical, deployed, physical):
     return lg, dep, physical
 
 
-def propose(policy, logical: np.ndarray, deployed: np.ndarray | None, *,
+def propose(policy: EplbPolicy, logical: np.ndarray, deployed: np.ndarray | None, *,
             physical: np.ndarray | None = None, min_improvement: float = 0.05) -> Round:
     """One round: ``policy.plan(logical, deployed)``, the strict-invariant check, the gate.
 
@@ -129,6 +133,7 @@ def propose(policy, logical: np.ndarray, deployed: np.ndarray | None, *,
     -1 rows: nothing deployed); physical [L, D, S] measured under ``deployed`` or None. Pure when
     the policy is: nothing is kept between calls.
     """
+    min_improvement = check_min_improvement(min_improvement)
     lg, dep, physical = _inputs(policy, logical, deployed, physical)
     cands = policy.plan(lg, dep)
     table = np.stack([dep[i] if c is None else np.asarray(c, dtype=np.int64)
@@ -145,8 +150,7 @@ def propose(policy, logical: np.ndarray, deployed: np.ndarray | None, *,
     records: list[GateRecord] = []
     gated = np.nonzero(changed & seeded)[0]
     if gated.size:
-        records = gate(lg, dep, table, physical, gated, policy.ep_size,
-                       check_min_improvement(min_improvement))
+        records = gate(lg, dep, table, physical, gated, policy.ep_size, min_improvement)
         for rec in records:
             update[rec.layer] = rec.placement_changed
             log.info(event("EPLB placement benefit", policy=policy.name, **asdict(rec)))
@@ -158,7 +162,7 @@ class Planner:
     """The manager's round function: ``policy`` through the gate with ``min_improvement``.
     Holds no placement: the manager passes what is deployed each call."""
 
-    def __init__(self, policy, min_improvement: float = 0.05):
+    def __init__(self, policy: EplbPolicy, min_improvement: float = 0.05):
         self.policy = policy
         self.min_improvement = check_min_improvement(min_improvement)
         self.name = policy.name
