@@ -28,7 +28,7 @@ def _input() -> ForwardInput:
                     activation_token=10)
     batches = [RankBatch([SeqRow(7, [1, 2, 3], 0, True, 0.7, 42)], release=[3]), RankBatch(),
                RankBatch([SeqRow(8, [9], 17, False)])]
-    return ForwardInput(step=123, batches=batches, eplb_info=info, warmup=True, graph=True)
+    return ForwardInput(step=123, batches=batches, eplb_info=info, warmup=True, pure_decode=True)
 
 
 def _output() -> ForwardOutput:
@@ -44,7 +44,7 @@ def test_forward_input_round_trip():
     msg = _input()
     got = decode(encode(msg, RUN), RUN)
     assert isinstance(got, ForwardInput)
-    assert got.step == 123 and got.warmup and got.graph and not got.shutdown
+    assert got.step == 123 and got.warmup and got.pure_decode and not got.shutdown
     assert got.batches == msg.batches
     assert got.eplb_info.expert_ids.dtype == np.int64
     np.testing.assert_array_equal(got.eplb_info.expert_ids, msg.eplb_info.expert_ids)

@@ -11,6 +11,7 @@ import time
 
 import numpy as np
 
+from xllm_eplb.eplb import counters as counter_format
 from xllm_eplb.eplb.balance import balancedness
 from xllm_eplb.obs.metrics import EngineMetrics
 
@@ -42,7 +43,7 @@ class RecentLoad:
 
 def rank_loads(counters: list[np.ndarray]) -> np.ndarray:
     """Per-rank prefix-sum counters ``[L, S]`` -> tokens per rank ``[L, D]`` (last column)."""
-    return np.stack([c[:, -1] for c in counters], axis=1).astype(np.int64)
+    return np.stack([counter_format.totals(c) for c in counters], axis=1)
 
 
 def critical_path(outputs) -> tuple[float, float, int]:

@@ -10,7 +10,9 @@ version, another run id, an unexpected kind or malformed fields.
     step: int                      engine step counter
     batches: list[RankBatch]       one per DP rank (= worker), possibly empty
     eplb_info: EplbInfo            the step's control message
-    warmup: bool, graph: bool      step flags
+    warmup: bool                   warm-up forward (never counted, never an EPLB boundary)
+    pure_decode: bool              some batch non-empty and every non-empty one pure decode
+                                   (``engine.scheduler.is_pure_decode_step``, computed once)
     shutdown: bool                 last message: workers exit their loop
 
 ``ForwardOutput`` (worker -> engine, one per step and rank)::
@@ -48,7 +50,7 @@ class ForwardInput:
     batches: list[RankBatch] = field(default_factory=list)
     eplb_info: EplbInfo = field(default_factory=EplbInfo)
     warmup: bool = False
-    graph: bool = False
+    pure_decode: bool = False
     shutdown: bool = False
 
     @classmethod
@@ -58,14 +60,15 @@ class ForwardInput:
     def to_dict(self) -> dict:
         return {"step": int(self.step), "batches": [b.to_dict() for b in self.batches],
                 "eplb": self.eplb_info.to_dict(), "warmup": bool(self.warmup),
-                "graph": bool(self.graph), "shutdown": bool(self.shutdown)}
+                "pure_decode": bool(self.pure_decode), "shutdown": bool(self.shutdown)}
 
     @classmethod
     def from_dict(cls, d: dict) -> "ForwardInput":
         return cls(step=_int(d, "step"),
                    batches=[RankBatch.from_dict(b) for b in _typed(d, "batches", list)],
                    eplb_info=EplbInfo.from_dict(_typed(d, "eplb", dict)),
-                   warmup=_typed(d, "warmup", bool), graph=_typed(d, "graph", bool),
+                   warmup=_typed(d, "warmup", bool),
+                   pure_decode=_typed(d, "pure_decode", bool),
                    shutdown=_typed(d, "shutdown", bool))
 
 

@@ -31,6 +31,7 @@ import numpy as np
 
 from xllm_eplb.eplb.info import NO_LAYER, NO_TOKEN, EplbInfo
 from xllm_eplb.obs.logs import event
+from xllm_eplb.worker.migration import ModelEplbHooks
 
 log = logging.getLogger(__name__)
 
@@ -233,8 +234,6 @@ def make_executor(model, eplb_group, cfg, *, canary: bool | None = None):
     if not cfg.eplb.enable_eplb:
         log.info(event("EPLB executor", mode="off", thread=False, staging=False))
         return NullExecutor()
-    from xllm_eplb.worker.migration import ModelEplbHooks
-
     ex = EplbExecutor(ModelEplbHooks(model, eplb_group, cfg, canary=canary), cfg)
     log.info(event("EPLB executor", mode="on", thread=True, staging=True))
     return ex
