@@ -115,8 +115,9 @@ def _worker(run_id, rank, n, slow, kill_at):
         max_pending = max(max_pending, inp.ring.pending())
         if slow:
             time.sleep(0.002)
+        # the reader's worst back-pressure rides in an int field of the output
         out.put(ForwardOutput(msg.step, rank, np.full((2, 3), msg.step), sampled={i: rank},
-                              heartbeat={"max_pending": max_pending}), timeout=20)
+                              prepared_token=max_pending), timeout=20)
     inp.close()
     out.close()
 
@@ -138,7 +139,7 @@ def test_order_and_back_pressure_across_processes(run_id):
             assert all(g.rank == r and int(g.counters[1, 2]) == g.step for g in got)
             # never more than a full ring of unread frames (the producer may refill the slot
             # freed by the get just before pending() is read); the slow reader hit the limit
-            worst = max(g.heartbeat["max_pending"] for g in got)
+            worst = max(g.prepared_token for g in got)
             assert worst <= slots and (r != 0 or worst >= slots - 1)
     finally:
         _reap(procs)

@@ -22,9 +22,8 @@ version, another run id, an unexpected kind or malformed fields.
                                         (raw int64 bytes + shape on the wire)
     prepared_token, activation_token: int   (-1 = none)
     sampled: dict[int, int]             req_id -> sampled token id
-    timings: dict[str, float]           seconds
-    heartbeat: dict                     e.g. {"ts": time.monotonic(), "executor": {...}}
-                                        (msgpack-safe values only)
+    timings: StepTimings                seconds (``ipc/records.py``)
+    heartbeat: WorkerHeartbeat          wall-clock ``ts`` + the executor's ``ExecutorStats``
     error: str | None                   worker-side failure of this step
 """
 
@@ -37,6 +36,7 @@ import numpy as np
 
 from xllm_eplb.eplb.info import NO_TOKEN, EplbInfo
 from xllm_eplb.ipc.errors import MessageError
+from xllm_eplb.ipc.records import StepTimings, WorkerHeartbeat
 from xllm_eplb.model.batch import RankBatch
 
 SCHEMA_VERSION = 1
@@ -80,8 +80,8 @@ class ForwardOutput:
     prepared_token: int = NO_TOKEN
     activation_token: int = NO_TOKEN
     sampled: dict[int, int] = field(default_factory=dict)
-    timings: dict[str, float] = field(default_factory=dict)
-    heartbeat: dict = field(default_factory=dict)
+    timings: StepTimings = field(default_factory=StepTimings)
+    heartbeat: WorkerHeartbeat = field(default_factory=WorkerHeartbeat)
     error: str | None = None
 
     def to_dict(self) -> dict:
@@ -92,8 +92,8 @@ class ForwardOutput:
                 "counters": c.tobytes(), "cshape": [int(c.shape[0]), int(c.shape[1])],
                 "prepared": int(self.prepared_token), "activation": int(self.activation_token),
                 "sampled": [[int(k), int(v)] for k, v in self.sampled.items()],
-                "timings": {str(k): float(v) for k, v in self.timings.items()},
-                "heartbeat": dict(self.heartbeat), "error": self.error}
+                "timings": self.timings.to_dict(), "heartbeat": self.heartbeat.to_dict(),
+                "error": self.error}
 
     @classmethod
     def from_dict(cls, d: dict) -> "ForwardOutput":
@@ -110,8 +110,8 @@ class ForwardOutput:
                    counters=np.frombuffer(raw, dtype=np.int64).reshape(shape).copy(),
                    prepared_token=_int(d, "prepared"), activation_token=_int(d, "activation"),
                    sampled={int(k): int(v) for k, v in _typed(d, "sampled", list)},
-                   timings={str(k): float(v) for k, v in _typed(d, "timings", dict).items()},
-                   heartbeat=_typed(d, "heartbeat", dict), error=err)
+                   timings=StepTimings.from_dict(_typed(d, "timings", dict)),
+                   heartbeat=WorkerHeartbeat.from_dict(_typed(d, "heartbeat", dict)), error=err)
 
 
 def _typed(d: dict, key: str, typ: type):
@@ -144,7 +144,7 @@ def encode(msg: ForwardInput | ForwardOutput, run_id: str) -> bytes:
         return msgpack.packb(body, use_bin_type=True)
     except (TypeError, ValueError, OverflowError) as e:
         raise TypeError(f"{type(msg).__name__} step={msg.step}: a field is not msgpack-safe "
-                        f"(plain int/float/str/bytes/list/dict only, e.g. in heartbeat): {e}"
+                        f"(plain int/float/str/bytes/list/dict only, e.g. in a record): {e}"
                         ) from None
 
 

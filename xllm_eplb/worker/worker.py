@@ -33,6 +33,7 @@ from xllm_eplb.config import Config
 from xllm_eplb.eplb.info import NO_LAYER, NO_TOKEN
 from xllm_eplb.ipc.errors import RingTimeoutError
 from xllm_eplb.ipc.messages import ForwardOutput
+from xllm_eplb.ipc.records import StepTimings, WorkerHeartbeat
 from xllm_eplb.ipc.ring import InputRing, OutputRing
 from xllm_eplb.model.transformer import MoETransformer
 from xllm_eplb.obs.logs import event, setup_logging
@@ -56,13 +57,12 @@ def _setup_logs(cfg: Config, rank: int) -> None:
     root.addHandler(console)
 
 
-def forward_timings(model_timings: dict) -> dict[str, float]:
-    """``StepResult.timings`` -> flat ``ForwardOutput.timings``: the per-MoE-layer list
-    ``expert_cpu_s`` [L_moe] becomes ``xc<l>`` keys (what the engine's telemetry reads)."""
-    out = {k: float(v) for k, v in model_timings.items() if k != "expert_cpu_s"}
-    for i, s in enumerate(model_timings.get("expert_cpu_s", ())):
-        out[f"xc{i}"] = float(s)
-    return out
+def step_timings(model_timings: dict, *, step_s: float, cpu_s: float,
+                 eplb_s: float) -> StepTimings:
+    """The worker's seconds plus the model's per-MoE-layer expert CPU list
+    (``StepResult.timings["expert_cpu_s"]`` [L_moe], required) -> ``ForwardOutput.timings``."""
+    return StepTimings(step_s=step_s, cpu_s=cpu_s, eplb_s=eplb_s,
+                       expert_cpu_s=[float(s) for s in model_timings["expert_cpu_s"]])
 
 
 class Worker:
@@ -140,20 +140,14 @@ class Worker:
         ready = self.executor.consume_ready_token()
         c3 = time.thread_time()
         act = info.activation_token if info.update_layer_id != NO_LAYER else NO_TOKEN
-        timings = forward_timings(res.timings)
         # eplb_s: main-thread CPU of the executor hooks (the EPLB cost of this step)
-        timings.update(step_s=time.perf_counter() - t0, cpu_s=c3 - c0,
-                       eplb_s=(c1 - c0) + (c3 - c2))
+        timings = step_timings(res.timings, step_s=time.perf_counter() - t0, cpu_s=c3 - c0,
+                               eplb_s=(c1 - c0) + (c3 - c2))
         return ForwardOutput(step=msg.step, rank=self.rank, counters=res.counters,
                              prepared_token=ready,
                              activation_token=act, sampled=res.sampled, timings=timings,
-                             heartbeat=self._heartbeat(), error=None)
-
-    def _heartbeat(self) -> dict:
-        st = self.executor.stats()
-        hb = {k: v for k, v in st.items() if isinstance(v, (int, float))}
-        hb["ts"] = time.time()
-        return hb
+                             heartbeat=WorkerHeartbeat(time.time(), self.executor.stats()),
+                             error=None)
 
     def close(self) -> None:
         """Executor thread, process groups, rings: each closed once, errors ignored."""
