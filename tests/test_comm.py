@@ -70,6 +70,7 @@ def _child(rank, init, q):
         comm.destroy()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_init_groups_two_ranks(tmp_path):
     ctx = mp.get_context("spawn")

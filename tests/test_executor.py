@@ -6,9 +6,11 @@ import time
 import numpy as np
 import pytest
 import torch
-from test_migration_util import four_rank_results, perturb, tiny_cfg, with_eplb
+from migration_util import four_rank_results, perturb, tiny_cfg, with_eplb
 
 from xllm_eplb.eplb.info import EplbInfo
+
+pytestmark = pytest.mark.slow   # starts other processes (make test-fast skips it)
 
 
 def _recording_hooks():

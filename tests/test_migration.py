@@ -6,9 +6,11 @@ move every slot is compared exactly with the weights of the expert its table nam
 
 import pytest
 import torch
-from test_migration_util import four_rank_results, placement_sequence, tiny_cfg, with_eplb
+from migration_util import four_rank_results, placement_sequence, tiny_cfg, with_eplb
 
 from xllm_eplb.eplb.placement import build_log2phy
+
+pytestmark = pytest.mark.slow   # starts other processes (make test-fast skips it)
 
 N_MOVES = 120          # per layer, default P2P limits
 N_CHUNKED = 30         # per layer, tiny chunk / in-flight limits

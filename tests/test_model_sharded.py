@@ -14,6 +14,8 @@ from xllm_eplb.model import topics
 from xllm_eplb.model.batch import RankBatch, SeqRow
 from xllm_eplb.testing.harness import reference_steps, run_sharded
 
+pytestmark = pytest.mark.slow   # starts other processes (make test-fast skips it)
+
 D, E, R = 4, 16, 1
 
 

@@ -122,6 +122,7 @@ def _worker(run_id, rank, n, slow, kill_at):
     out.close()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_order_and_back_pressure_across_processes(run_id):
     n, slots, workers = 60, 4, 3
@@ -150,6 +151,7 @@ def test_order_and_back_pressure_across_processes(run_id):
     assert not _mine(run_id)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_kill_9_of_worker_while_engine_waits(run_id):
     eng = InputRing.create(run_id, 2, slots=2, frame_bytes=4096)
@@ -192,6 +194,7 @@ def _engine_dies(run_id):
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_sigkill_leaves_only_reclaimable_objects(run_id):
     p = CTX.Process(target=_engine_dies, args=(run_id,))
@@ -223,6 +226,7 @@ def _reader_sees_dead_producer(run_id, q):
     w.close()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_worker_detects_dead_engine(run_id):
     q = CTX.Queue()
