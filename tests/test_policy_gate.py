@@ -1,4 +1,4 @@
-"""xLLM eplb_policy_test cases (xllm_eplb.md §7): factory, gate, rollback, slot stability."""
+"""The cases of xLLM's eplb_policy_test: factory, gate, rollback, slot stability."""
 
 import logging
 

@@ -33,7 +33,7 @@ def opt(default: Any, help: str, *, unit: str = "", lo: float | None = None,
 
 @dataclass(frozen=True)
 class EplbConfig:
-    """Spec section 11 plus this project's EPLB extensions."""
+    """xLLM's EPLB options (the same flag names) plus this project's extensions."""
 
     enable_eplb: bool = opt(False, "turn dynamic EPLB on")
     ep_size: int = opt(None, "number of EP ranks = worker processes; > 1; divides num_experts",

@@ -1,4 +1,4 @@
-"""`EplbExecutor`: the worker side of one rebalance (xLLM's EplbExecutor, spec section 5).
+"""`EplbExecutor`: the worker side of one rebalance (after xLLM's EplbExecutor).
 
 Per forward step, on the worker's main thread::
 

@@ -1,6 +1,7 @@
 """Model EPLB hooks: prepare, transfer and activate a new placement of one MoE layer in place.
 
-Per rank, per layer move (xLLM's DSV4 path, spec section 8):
+Per rank, per layer move (the order of xLLM's DeepSeek V4 path; the old weights and tables
+serve until step 3):
 
 1. ``prepare_expert_weight(layer, expert_ids)`` — background thread, host-only: the pending
    local slot table, pending ``log2phy``, changed slots, local sources and the P2P plan.
