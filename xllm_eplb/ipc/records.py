@@ -85,31 +85,29 @@ class StepTimings(Record):
 class ExecutorStats(Record):
     """The EPLB executor's counters on one rank (``EplbExecutor.stats()``; EPLB off: zeros).
 
-    Cumulative: ``prepares_ok``, ``prepares_failed``, ``activations``, ``p2p_bytes_total``,
-    ``p2p_ops_total``, ``slots_changed_total``. Of the last activation (ms / slots):
-    ``last_materialize_ms``, ``last_transfer_ms``, ``last_activation_ms``, ``last_total_ms``,
-    ``last_slots_changed``, ``last_update_layer`` (-1 none); ``last_prepare_ms`` of the last
-    prepare. Heartbeats, wall-clock seconds (0 = the component does not exist):
-    ``heartbeat_ts`` the prepare thread's last wake-up, ``p2p_heartbeat_ts`` the P2P path's last
-    ``after_forward``. ``queued``: prepares waiting (queued or deferred behind an activation).
+    Heartbeats are wall-clock seconds; 0 means the component does not exist (null executor).
     """
 
+    # prepares: cumulative counts, the last one's duration
     prepares_ok: int = 0
     prepares_failed: int = 0
-    activations: int = 0
     last_prepare_ms: float = 0.0
+    # activations: cumulative
+    activations: int = 0
+    p2p_bytes_total: int = 0
+    p2p_ops_total: int = 0
+    slots_changed_total: int = 0
+    # the last activation (from its MoveStats), ms and slots
     last_materialize_ms: float = 0.0
     last_transfer_ms: float = 0.0
     last_activation_ms: float = 0.0
     last_total_ms: float = 0.0
-    p2p_bytes_total: int = 0
-    p2p_ops_total: int = 0
-    slots_changed_total: int = 0
     last_slots_changed: int = 0
-    last_update_layer: int = NO_LAYER
+    last_update_layer: int = NO_LAYER       # -1: none yet
+    # heartbeats: the prepare thread's last wake-up; the P2P path's last after_forward
     heartbeat_ts: float = 0.0
     p2p_heartbeat_ts: float = 0.0
-    queued: int = 0
+    queued: int = 0                         # prepares waiting (queued or deferred)
 
 
 @dataclass
