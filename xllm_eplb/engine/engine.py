@@ -79,7 +79,8 @@ class Engine:
         self.manager = manager
         self.metrics = metrics or EngineMetrics(
             self.D, cfg.num_moe_layers, per_layer=cfg.serve.enable_per_layer_metrics,
-            version=__version__, backend=resolve_backend(rt.device, rt.backend), policy=cfg.eplb.eplb_policy_kind)
+            version=__version__, backend=resolve_backend(rt.device, rt.backend),
+            policy=cfg.eplb.eplb_policy_kind)
         self.metrics.enabled.set(1 if manager is not None else 0)
         self.tele = Telemetry(self.metrics, cfg.num_moe_layers, self.D)
         self.step_no = 0
