@@ -49,14 +49,16 @@ class WorkerFault(RuntimeError):
     """A worker reported an error, answered the wrong step, or went silent."""
 
 
-def step_kind(batches: list[RankBatch], warmup: bool) -> str:
+def step_kind(batches: list[RankBatch], warmup: bool, pure_decode: bool) -> str:
+    """warmup / decode (``pure_decode``: the step's flag) / idle / prefill / mixed."""
     if warmup:
         return "warmup"
+    if pure_decode:
+        return "decode"
     rows = [r for b in batches for r in b.rows]
     if not rows:
         return "idle"
-    pre = sum(r.is_prefill for r in rows)
-    return "prefill" if pre == len(rows) else "decode" if pre == 0 else "mixed"
+    return "prefill" if all(r.is_prefill for r in rows) else "mixed"
 
 
 def agreed_token(tokens: list[int]) -> int:
@@ -112,7 +114,7 @@ class Engine:
                                     agreed_token([o.activation_token for o in outs]))
             self.tele.on_eplb(self.manager.stats())
             eplb_s += time.thread_time() - c0
-        self.tele.on_step(step_kind(batches, warmup), outs, seconds, eplb_engine_s=eplb_s)
+        self.tele.on_step(step_kind(batches, warmup, pure), outs, seconds, eplb_engine_s=eplb_s)
         return outs
 
     def _ring_occupancy(self) -> None:
