@@ -112,7 +112,7 @@ def test_allow_false_changes_no_state():
 
 
 def test_overwrite_guard_ready_layer_not_overwritten():
-    """xLLM section 4.6: while layer 0's activation is unsent, layer 1 is not even prepared,
+    """As in xLLM: while layer 0's activation is unsent, layer 1 is not even prepared,
     so it can never become READY and overwrite layer 0's pending activation."""
     cand = [[1, 0], [1, 0], [1, 0]]
     pol = RecordingPolicy([(cand, [True, True, True])])
