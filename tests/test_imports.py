@@ -142,3 +142,27 @@ def test_layer_order_is_documented():
     doc = (ROOT.parent / "docs" / "architecture.md").read_text()
     for group in LAYERS:
         assert " ".join(f"`{n}`" for n in group) in doc, group
+
+
+#: code that runs every forward step: an import there costs a dict lookup per call and hides a
+#: dependency from a reader
+PER_STEP = {"xllm_eplb.engine.engine": ("Engine.step", "Engine._get"),
+            "xllm_eplb.worker.worker": ("Worker.step", "Worker._forward", "Worker.next_input"),
+            "xllm_eplb.worker.executor": ("EplbExecutor.before_forward",
+                                          "EplbExecutor.after_forward")}
+
+
+def _function(tree: ast.Module, dotted: str) -> ast.FunctionDef:
+    cls, name = dotted.split(".")
+    node = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls)
+    return next(n for n in node.body if isinstance(n, ast.FunctionDef) and n.name == name)
+
+
+@pytest.mark.parametrize("module", sorted(PER_STEP))
+def test_per_step_code_imports_nothing(module):
+    tree = ast.parse(_modules()[module].read_text())
+    for dotted in PER_STEP[module]:
+        fn = _function(tree, dotted)
+        imports = [n.lineno for n in ast.walk(fn) if isinstance(n, (ast.Import, ast.ImportFrom))]
+        assert not imports, f"{module}.{dotted} imports at lines {imports}"
+
