@@ -7,10 +7,10 @@ TORCH   ?= torch==2.13.0
 EP_SIZE ?= 16
 SERVE_ARGS ?= --ep-size $(EP_SIZE) --config configs/eplb.yaml --enable_eplb=true --eplb_update_interval=20
 
-.PHONY: help install test serve lint clean
+.PHONY: help install test test-fast serve lint clean
 
 help:  ## show this help
-	@grep -E '^[a-z]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-8s %s\n", $$1, $$2}'
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-9s %s\n", $$1, $$2}'
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -23,6 +23,9 @@ install: $(STAMP)  ## create .venv: torch==2.13.0 first, then the project with [
 
 test: install  ## run the whole test suite
 	$(BIN)/python -m pytest tests
+
+test-fast: install  ## the in-process core only (no test marked slow), under 30 s
+	$(BIN)/python -m pytest tests -m "not slow"
 
 serve: install  ## run the 16-rank example on the tiny CPU model with the built-in workload
 	$(BIN)/xllm-eplb serve $(SERVE_ARGS)

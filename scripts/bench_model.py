@@ -47,7 +47,7 @@ def make_workload(cfg: Config, ep: int, rows: int, prompt: int, steps: int, seed
 def _bench_rank(rank, world, cfgs, steps, reps):
     import torch
 
-    from xllm_eplb.model.harness import step_pure_decode
+    from xllm_eplb.engine.scheduler import is_pure_decode_step
     from xllm_eplb.model.transformer import MoETransformer
 
     torch.set_num_threads(1)
@@ -59,7 +59,7 @@ def _bench_rank(rank, world, cfgs, steps, reps):
             model.release(list(model.kv.store))
         for batches in steps:                        # interleave modes step by step: the
             for name, model in models.items():       # machine's noise hits all alike
-                res = model.forward_step(batches[rank], pure_decode=step_pure_decode(batches),
+                res = model.forward_step(batches[rank], pure_decode=is_pure_decode_step(batches),
                                          return_logits=rep == 0)
                 recs[name].append((res.timings, res.mode, None if res.logits is None
                                    else res.logits.numpy()))
@@ -90,8 +90,8 @@ def main() -> int:
     steps_n = args.steps or (8 if args.quick else 32)
     reps = 2 if args.quick else 4
     rows = 8
-    from xllm_eplb.model.harness import reference_steps
     from xllm_eplb.testing.dist import run_ranks
+    from xllm_eplb.testing.harness import reference_steps
 
     base = Config(eplb=EplbConfig(ep_size=args.ep), model=ModelConfig())
     cfgs = {"plain": replace(base, eplb=replace(base.eplb, enable_fused_mc2=0)),

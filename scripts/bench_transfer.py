@@ -109,8 +109,8 @@ def _move(hooks, table, n_slots):
     hooks.start_expert_weight_transfer(0)
     st = hooks.update_expert_weight(0)
     total = time.perf_counter() - t0
-    transfer = total - (st["materialize_ms"] + st["activation_ms"]) / 1e3
-    assert st["recv_slots"] == st["send_slots"] == n_slots, st
+    transfer = total - (st.materialize_ms + st.activation_ms) / 1e3
+    assert st.recv_slots == st.send_slots == n_slots, st
     return _slowest(transfer), _slowest(total), st
 
 
@@ -154,7 +154,7 @@ def _transfer_bench(rank, world, a):
                 else:
                     res["raw_per_slot"].append(_raw(rank, world, per_out, per_in))
         med = {k: statistics.median(v) for k, v in res.items()}
-        rows[name] = {"bytes_per_rank": moved, "p2p_ops_per_move": st["p2p_operations"],
+        rows[name] = {"bytes_per_rank": moved, "p2p_ops_per_move": st.p2p_operations,
                       **{f"{k}_ms": v * 1e3 for k, v in med.items()},
                       **{f"{k}_min_ms": min(v) * 1e3 for k, v in res.items()},
                       **{f"{k}_GBps": moved / v / 1e9 for k, v in med.items()}}

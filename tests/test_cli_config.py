@@ -27,6 +27,7 @@ def run(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
 
 # --- acceptance (subprocess) --------------------------------------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_show_acceptance():
     r = run("config", "show", "--config", "configs/eplb.yaml", "--eplb_policy_kind=GREEDY",
@@ -40,6 +41,7 @@ def test_show_acceptance():
     assert len(lines) == len(FIELDS)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_validate_acceptance():
     r = run("config", "validate", "--config", "configs/eplb.yaml",
@@ -51,6 +53,7 @@ def test_validate_acceptance():
     assert ok.returncode == 0 and "configuration is valid" in ok.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_yaml_error_is_one_line_and_debug_adds_traceback(tmp_path):
     bad = tmp_path / "bad.yaml"

@@ -1,4 +1,5 @@
-"""Dispatch mode resolution (spec §9) as a table, and the precondition fallback."""
+"""Dispatch mode resolution (``enable_fused_mc2`` x ``expert_parallel_degree`` x pure decode) as a
+table, and the precondition fallback."""
 
 from __future__ import annotations
 

@@ -6,9 +6,11 @@ import time
 import numpy as np
 import pytest
 import torch
-from test_migration_util import four_rank_results, perturb, tiny_cfg, with_eplb
+from migration_util import four_rank_results, perturb, tiny_cfg, with_eplb
 
 from xllm_eplb.eplb.info import EplbInfo
+
+pytestmark = pytest.mark.slow   # starts other processes (make test-fast skips it)
 
 
 def _recording_hooks():
@@ -51,9 +53,9 @@ def _wait_token(ex, timeout=10.0):
 
 def _wait_stat(ex, key, value, timeout=10.0):
     t0 = time.monotonic()
-    while ex.stats()[key] < value and time.monotonic() - t0 < timeout:
+    while getattr(ex.stats(), key) < value and time.monotonic() - t0 < timeout:
         time.sleep(0.005)
-    return ex.stats()[key]
+    return getattr(ex.stats(), key)
 
 
 class _Capture(logging.Handler):
@@ -126,7 +128,7 @@ def _rank_main(rank, world):
     # activate layer 1 (no prepare with it)
     t_act = time.time()
     assert torch.equal(forward(EplbInfo(update_layer_id=1, activation_token=8)), base)
-    assert ex.stats()["p2p_heartbeat_ts"] >= t_act             # the P2P path reported its work
+    assert ex.stats().p2p_heartbeat_ts >= t_act             # the P2P path reported its work
     assert moes[1].global_phy2log.tolist() == new1.tolist()
     assert torch.equal(forward(), base)
 
@@ -146,8 +148,8 @@ def _rank_main(rank, world):
     null = make_executor(model, groups.eplb_group, with_eplb(cfg, enable_eplb=False))
     null.before_forward(EplbInfo())
     null.after_forward()
-    assert null.consume_ready_token() == -1 and null.stats()["activations"] == 0
-    assert null.stats()["p2p_heartbeat_ts"] == 0                # no P2P path: no heartbeat
+    assert null.consume_ready_token() == -1 and null.stats().activations == 0
+    assert null.stats().p2p_heartbeat_ts == 0                # no P2P path: no heartbeat
     logging.getLogger("xllm_eplb.worker").removeHandler(cap)
     return st, cap.lines
 
@@ -156,10 +158,10 @@ def _rank_main(rank, world):
 def test_executor_overlap_deferral_and_failures():
     out = four_rank_results()["executor"]
     for st, lines in out:
-        assert st["prepares_ok"] == 2 and st["prepares_failed"] == 2
-        assert st["activations"] == 2 and st["last_update_layer"] == 1
-        assert st["slots_changed_total"] > 0 and st["p2p_bytes_total"] > 0
-        assert st["p2p_heartbeat_ts"] > 0 and st["heartbeat_ts"] > 0
+        assert st.prepares_ok == 2 and st.prepares_failed == 2
+        assert st.activations == 2 and st.last_update_layer == 1
+        assert st.slots_changed_total > 0 and st.p2p_bytes_total > 0
+        assert st.p2p_heartbeat_ts > 0 and st.heartbeat_ts > 0
         assert any(s.startswith("EPLB staging reservation warmed bytes=") for s in lines)
         assert sum(s.startswith("update_expert_weight layer=") for s in lines) == 2
         assert sum(s.startswith("prepare_expert_weight layer=") for s in lines) == 2
@@ -169,4 +171,4 @@ def test_executor_overlap_deferral_and_failures():
         assert "token=10" in failed[1] and "injected prepare failure" in failed[1]
         assert any(s.startswith("EPLB heartbeat executor_thread") for s in lines)
         assert any(s.startswith("EPLB heartbeat p2p_bucket rank=") for s in lines)
-    assert sum(st["p2p_bytes_total"] for st, _ in out) > 0
+    assert sum(st.p2p_bytes_total for st, _ in out) > 0

@@ -118,7 +118,7 @@ def test_allow_false_changes_no_state():
 
 
 def test_overwrite_guard_ready_layer_not_overwritten(caplog):
-    """xLLM's overlap-mode bug: while layer 0's activation is unsent, layer 1 is not even
+    """As in xLLM (its overlap-mode bug): while layer 0's activation is unsent, layer 1 is not even
     prepared, so it can never become READY and overwrite layer 0's pending activation."""
     caplog.set_level(logging.INFO)
     cand = [[1, 0], [1, 0], [1, 0]]

@@ -15,6 +15,7 @@ from xllm_eplb.eplb.info import EplbInfo
 from xllm_eplb.ipc import objects
 from xllm_eplb.ipc.errors import MessageError, RingTimeoutError
 from xllm_eplb.ipc.messages import SCHEMA_VERSION, ForwardInput, ForwardOutput, decode, encode
+from xllm_eplb.ipc.records import ExecutorStats, StepTimings, WorkerHeartbeat
 from xllm_eplb.ipc.ring import InputRing
 from xllm_eplb.ipc.shm import run_prefix
 from xllm_eplb.model.batch import RankBatch, SeqRow
@@ -28,15 +29,17 @@ def _input() -> ForwardInput:
                     activation_token=10)
     batches = [RankBatch([SeqRow(7, [1, 2, 3], 0, True, 0.7, 42)], release=[3]), RankBatch(),
                RankBatch([SeqRow(8, [9], 17, False)])]
-    return ForwardInput(step=123, batches=batches, eplb_info=info, warmup=True, graph=True)
+    return ForwardInput(step=123, batches=batches, eplb_info=info, warmup=True, pure_decode=True)
 
 
 def _output() -> ForwardOutput:
     return ForwardOutput(step=123, rank=5,
                          counters=np.arange(58 * 34, dtype=np.int64).reshape(58, 34) * 2**33,
                          prepared_token=11, activation_token=-1, sampled={7: 31999, 8: 0},
-                         timings={"forward": 0.0125, "prepare": 1e-6},
-                         heartbeat={"ts": 12345.5, "executor": {"pending": 1, "state": "idle"}},
+                         timings=StepTimings(0.0125, 0.01, 1e-6, [0.5, 0.25, 0.0]),
+                         heartbeat=WorkerHeartbeat(12345.5, ExecutorStats(
+                             prepares_ok=3, activations=2, last_transfer_ms=1.5,
+                             p2p_bytes_total=2**40, last_update_layer=7, queued=1)),
                          error=None)
 
 
@@ -44,7 +47,7 @@ def test_forward_input_round_trip():
     msg = _input()
     got = decode(encode(msg, RUN), RUN)
     assert isinstance(got, ForwardInput)
-    assert got.step == 123 and got.warmup and got.graph and not got.shutdown
+    assert got.step == 123 and got.warmup and got.pure_decode and not got.shutdown
     assert got.batches == msg.batches
     assert got.eplb_info.expert_ids.dtype == np.int64
     np.testing.assert_array_equal(got.eplb_info.expert_ids, msg.eplb_info.expert_ids)
@@ -67,7 +70,30 @@ def test_forward_output_round_trip():
 
 def test_unserialisable_field_is_named():
     with pytest.raises(TypeError, match="ForwardOutput step=3: a field is not msgpack-safe"):
-        encode(ForwardOutput(3, 0, heartbeat={"x": object()}), RUN)
+        encode(ForwardOutput(3, 0, heartbeat=WorkerHeartbeat(ts=object())), RUN)
+
+
+def test_records_are_exact_a_missing_or_renamed_field_is_an_error():
+    """A heartbeat or timings field the reader does not know (or misses) is a MessageError
+    naming it, never a silent 0."""
+    d = msgpack.unpackb(encode(_output(), RUN), raw=False)
+    d["heartbeat"]["executor"]["last_xfer_ms"] = d["heartbeat"]["executor"].pop(
+        "last_transfer_ms")
+    with pytest.raises(MessageError, match=r"ExecutorStats: fields missing \['last_transfer_ms'\], "
+                                           r"unknown \['last_xfer_ms'\]"):
+        decode(msgpack.packb(d, use_bin_type=True), RUN)
+    d = msgpack.unpackb(encode(_output(), RUN), raw=False)
+    del d["timings"]["eplb_s"]
+    with pytest.raises(MessageError, match=r"StepTimings: fields missing \['eplb_s'\]"):
+        decode(msgpack.packb(d, use_bin_type=True), RUN)
+    d = msgpack.unpackb(encode(_output(), RUN), raw=False)
+    d["heartbeat"]["executor"]["activations"] = 2.5
+    with pytest.raises(MessageError, match="field ExecutorStats.activations=2.5: must be int"):
+        decode(msgpack.packb(d, use_bin_type=True), RUN)
+    d["heartbeat"]["executor"]["activations"] = 2
+    d["timings"]["expert_cpu_s"] = [0.5, "x"]
+    with pytest.raises(MessageError, match=r"StepTimings.expert_cpu_s\[1\]='x': must be float"):
+        decode(msgpack.packb(d, use_bin_type=True), RUN)
 
 
 def test_counters_must_be_2d():

@@ -9,7 +9,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from xllm_eplb.engine.scheduler import Request
 from xllm_eplb.engine.telemetry import Telemetry, critical_path, rank_loads
 from xllm_eplb.eplb.balance import balancedness
-from xllm_eplb.ipc.messages import ForwardOutput
+from xllm_eplb.ipc.messages import ForwardOutput, decode, encode
+from xllm_eplb.ipc.records import ExecutorStats, StepTimings, WorkerHeartbeat
 from xllm_eplb.obs.metrics import EngineMetrics, metric_names
 
 
@@ -20,8 +21,9 @@ def _families(m: EngineMetrics) -> dict:
 def _out(rank, per_slot, xc, hb=None):
     """per_slot [L, S] token counts -> a ForwardOutput with prefix-sum counters."""
     c = np.cumsum(np.asarray(per_slot, dtype=np.int64), axis=1)
-    t = {f"xc{i}": v for i, v in enumerate(xc)}
-    return ForwardOutput(step=1, rank=rank, counters=c, timings=t, heartbeat=hb or {})
+    t = StepTimings(expert_cpu_s=list(xc))
+    return ForwardOutput(step=1, rank=rank, counters=c, timings=t,
+                         heartbeat=hb or WorkerHeartbeat())
 
 
 def test_every_metric_is_prefixed_and_parses():
@@ -77,8 +79,9 @@ def test_telemetry_balance_tokens_and_critical_path():
 def test_telemetry_warmup_is_not_counted_and_activations_are_observed():
     m = EngineMetrics(2, 1)
     t = Telemetry(m, 1, 2)
-    hb = {"activations": 1, "last_total_ms": 12.0, "last_transfer_ms": 3.0,
-          "p2p_bytes_total": 4096, "prepares_ok": 1, "last_prepare_ms": 1.0}
+    hb = WorkerHeartbeat(executor=ExecutorStats(
+        activations=1, last_total_ms=12.0, last_transfer_ms=3.0, p2p_bytes_total=4096,
+        prepares_ok=1, last_prepare_ms=1.0))
     t.on_step("warmup", [_out(0, [[5, 5]], [1.0], hb), _out(1, [[0, 1]], [0.0], hb)], 0.1)
     assert t.balance_summary()["balancedness_mean"] is None
     fams = _families(m)
@@ -113,8 +116,8 @@ def test_heartbeat_ages_and_eplb_counters():
                "layers_timed_out": 1, "generation": 2, "layer_in_flight": 0, "samples": 5,
                "last_policy_seconds": 0.01, "heartbeat_at": time.monotonic(),
                "manager_heartbeat_at": time.monotonic() - 4.0})
-    hb = {"ts": time.time() - 3.0, "heartbeat_ts": time.time() - 2.0, "activations": 1,
-          "p2p_heartbeat_ts": time.time() - 5.0}
+    hb = WorkerHeartbeat(ts=time.time() - 3.0, executor=ExecutorStats(
+        heartbeat_ts=time.time() - 2.0, activations=1, p2p_heartbeat_ts=time.time() - 5.0))
     t.on_step("decode", [_out(0, [[1, 1]], [0.1], hb), _out(1, [[1, 1]], [0.1], hb)], 0.01)
     t.refresh_health(60.0)
     fams = _families(m)
@@ -139,7 +142,8 @@ def test_no_heartbeat_gauge_without_a_timestamp():
 
     m = EngineMetrics(1, 1)
     t = Telemetry(m, 1, 1)
-    hb = {"ts": time.time(), "heartbeat_ts": 0, "p2p_heartbeat_ts": 0, "activations": 0}
+    hb = WorkerHeartbeat(ts=time.time(), executor=ExecutorStats(heartbeat_ts=0.0,
+                                                                p2p_heartbeat_ts=0.0))
     t.on_step("decode", [_out(0, [[1, 1]], [0.1], hb)], 0.01)
     t.refresh_health(60.0)
     fams = _families(m)
@@ -147,13 +151,19 @@ def test_no_heartbeat_gauge_without_a_timestamp():
     assert comps == {"worker"}
 
 
-def test_worker_flattens_expert_cpu_into_the_keys_telemetry_reads():
-    """Model ``expert_cpu_s`` [L_moe] -> worker ``xc<l>`` timings -> engine critical path."""
-    from xllm_eplb.worker.worker import forward_timings
+def test_worker_timings_carry_expert_cpu_to_the_critical_path():
+    """Model ``expert_cpu_s`` [L_moe] -> worker ``StepTimings`` -> the wire -> engine critical
+    path."""
+    from xllm_eplb.worker.worker import step_timings
 
-    t0 = forward_timings({"total_s": 0.5, "moe_s": 0.25, "expert_cpu_s": [0.125, 0.25]})
-    t1 = forward_timings({"total_s": 0.5, "moe_s": 0.25, "expert_cpu_s": [0.5, 0.0]})
-    assert t0 == {"total_s": 0.5, "moe_s": 0.25, "xc0": 0.125, "xc1": 0.25}
-    outs = [ForwardOutput(step=1, rank=r, counters=np.zeros((2, 1), np.int64), timings=t)
+    t0 = step_timings({"total_s": 0.5, "moe_s": 0.25, "expert_cpu_s": [0.125, 0.25]},
+                      step_s=0.5, cpu_s=0.375, eplb_s=0.0625)
+    t1 = step_timings({"total_s": 0.5, "moe_s": 0.25, "expert_cpu_s": [0.5, 0.0]},
+                      step_s=0.5, cpu_s=0.5, eplb_s=0.0)
+    assert t0 == StepTimings(step_s=0.5, cpu_s=0.375, eplb_s=0.0625, expert_cpu_s=[0.125, 0.25])
+    outs = [decode(encode(ForwardOutput(step=1, rank=r, counters=np.zeros((2, 1), np.int64),
+                                        timings=t), "run"), "run")
             for r, t in enumerate((t0, t1))]
     assert critical_path(outs) == (0.75, 0.875, 2)
+    with pytest.raises(KeyError, match="expert_cpu_s"):        # the model must report it
+        step_timings({"total_s": 0.5}, step_s=0.5, cpu_s=0.5, eplb_s=0.0)

@@ -6,9 +6,11 @@ move every slot is compared exactly with the weights of the expert its table nam
 
 import pytest
 import torch
-from test_migration_util import four_rank_results, placement_sequence, tiny_cfg, with_eplb
+from migration_util import four_rank_results, placement_sequence, tiny_cfg, with_eplb
 
 from xllm_eplb.eplb.placement import build_log2phy
+
+pytestmark = pytest.mark.slow   # starts other processes (make test-fast skips it)
 
 N_MOVES = 120          # per layer, default P2P limits
 N_CHUNKED = 30         # per layer, tiny chunk / in-flight limits
@@ -41,11 +43,11 @@ def _moves(rank, world, seed, n, hooks, model, ref, summary):
             hooks.start_expert_weight_transfer(moe.layer_id)
             st = hooks.update_expert_weight(moe.layer_id)
             _check_layer(moe, new, ref, rank, S, ptrs)
-            full = st["changed_slots"] >= (S + 1) // 2
-            assert st["activation_mode"] == ("full" if full else "slots")
-            summary["modes"][st["activation_mode"]] += 1
-            summary["changed"][st["changed_slots"]] += 1
-            summary["recv"] += st["recv_slots"]
+            full = st.changed_slots >= (S + 1) // 2
+            assert st.activation_mode == ("full" if full else "slots")
+            summary["modes"][st.activation_mode] += 1
+            summary["changed"][st.changed_slots] += 1
+            summary["recv"] += st.recv_slots
             yield st
     assert hooks.staging.data_ptrs() == staging_ptrs
 
@@ -72,7 +74,7 @@ def _rank_main(rank, world):
     msgs_per_slot = sum(-(-t[0].numel() * t.element_size() // 64)
                         for t in model.moe_layers[0].expert_tensors().values())
     for st in _moves(rank, world, 900, N_CHUNKED, hooks2, model, ref, summary):
-        assert st["p2p_operations"] == (st["recv_slots"] + st["send_slots"]) * msgs_per_slot
+        assert st.p2p_operations == (st.recv_slots + st.send_slots) * msgs_per_slot
     tr = hooks2.transfer
     assert tr.max_wave_bytes <= 256
     assert tr.waves >= tr.posted_bytes / 256

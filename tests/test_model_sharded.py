@@ -12,7 +12,9 @@ from xllm_eplb.config import Config, EplbConfig, ModelConfig, RuntimeConfig
 from xllm_eplb.eplb.placement import build_log2phy, initial_phy2log, validate_phy2log
 from xllm_eplb.model import topics
 from xllm_eplb.model.batch import RankBatch, SeqRow
-from xllm_eplb.model.harness import reference_steps, run_sharded
+from xllm_eplb.testing.harness import reference_steps, run_sharded
+
+pytestmark = pytest.mark.slow   # starts other processes (make test-fast skips it)
 
 D, E, R = 4, 16, 1
 

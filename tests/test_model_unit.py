@@ -64,7 +64,8 @@ def test_fused_moe_storage_contract():
 
 
 @pytest.mark.parametrize("kw,err,match", [
-    (dict(model=dict(num_experts=18)), ConfigError, "num_experts=18 is not divisible by ep_size=4"),
+    (dict(model=dict(num_experts=18)), ConfigError,
+     "--num_experts=18: must be divisible by --ep_size=4"),
     (dict(model=dict(num_experts_per_tok=17)), ConfigError, "num_experts_per_tok=17"),
     (dict(model=dict(hidden_size=30)), ConfigError, "num_attention_heads"),
     (dict(model=dict(routing_mode="trace")), ConfigError, "routing_trace"),

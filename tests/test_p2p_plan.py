@@ -163,7 +163,7 @@ def _tensors(S, sizes):
 
 
 def test_waves_in_global_order_never_deadlock():
-    from test_migration_util import random_placement
+    from migration_util import random_placement
 
     from xllm_eplb.worker.p2p import plan_messages
 

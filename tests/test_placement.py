@@ -41,7 +41,8 @@ def test_validate_names_the_rule(table, msg):
 
 
 def test_slots_per_rank_rules():
-    with pytest.raises(PlacementError, match="not divisible"):
+    with pytest.raises(PlacementError,
+                       match="--num_experts=10: must be divisible by --ep_size=4"):
         slots_per_rank(10, 4, 1)
     with pytest.raises(PlacementError, match="must be > 1"):
         slots_per_rank(8, 1, 1)

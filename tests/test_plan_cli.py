@@ -28,6 +28,7 @@ def loads_file(tmp_path, layers=3, experts=16, dense=1, name="loads.json"):
     return p
 
 
+@pytest.mark.slow
 def test_plan_with_previous_report_and_plot(tmp_path):
     lf = loads_file(tmp_path)
     out, rep, png = tmp_path / "p.json", tmp_path / "r.md", tmp_path / "p.png"
@@ -68,6 +69,7 @@ def bad_previous(tmp_path):
     ("prev_shape", "previous phy2log has shape"),
     ("prev_invariant", "has no replica"),
 ])
+@pytest.mark.slow
 def test_bad_inputs_exit_2_without_output(tmp_path, case, msg):
     lf = loads_file(tmp_path)
     args = ["--ep-size", 4]
@@ -99,6 +101,7 @@ def test_bad_inputs_exit_2_without_output(tmp_path, case, msg):
 
 @pytest.mark.skipif(not (DATA / "decode_in1000out1000.json").is_file(),
                     reason="real load data absent")
+@pytest.mark.slow
 def test_plan_on_real_dump(tmp_path):
     out = tmp_path / "p.json"
     r = run("--load", DATA / "decode_in1000out1000.json", "--ep-size", 32,

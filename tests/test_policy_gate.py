@@ -1,4 +1,4 @@
-"""xLLM eplb_policy_test cases: factory, gate, re-planning after an abort or a commit, slot
+"""The cases of xLLM's eplb_policy_test: factory, gate, re-planning after an abort or a commit, slot
 stability. The caller owns the deployed table; :func:`propose` is the round (plan + gate)."""
 
 import logging

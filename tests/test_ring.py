@@ -115,12 +115,14 @@ def _worker(run_id, rank, n, slow, kill_at):
         max_pending = max(max_pending, inp.ring.pending())
         if slow:
             time.sleep(0.002)
+        # the reader's worst back-pressure rides in an int field of the output
         out.put(ForwardOutput(msg.step, rank, np.full((2, 3), msg.step), sampled={i: rank},
-                              heartbeat={"max_pending": max_pending}), timeout=20)
+                              prepared_token=max_pending), timeout=20)
     inp.close()
     out.close()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_order_and_back_pressure_across_processes(run_id):
     n, slots, workers = 60, 4, 3
@@ -138,7 +140,7 @@ def test_order_and_back_pressure_across_processes(run_id):
             assert all(g.rank == r and int(g.counters[1, 2]) == g.step for g in got)
             # never more than a full ring of unread frames (the producer may refill the slot
             # freed by the get just before pending() is read); the slow reader hit the limit
-            worst = max(g.heartbeat["max_pending"] for g in got)
+            worst = max(g.prepared_token for g in got)
             assert worst <= slots and (r != 0 or worst >= slots - 1)
     finally:
         _reap(procs)
@@ -149,6 +151,7 @@ def test_order_and_back_pressure_across_processes(run_id):
     assert not _mine(run_id)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_kill_9_of_worker_while_engine_waits(run_id):
     eng = InputRing.create(run_id, 2, slots=2, frame_bytes=4096)
@@ -191,6 +194,7 @@ def _engine_dies(run_id):
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_sigkill_leaves_only_reclaimable_objects(run_id):
     p = CTX.Process(target=_engine_dies, args=(run_id,))
@@ -222,6 +226,7 @@ def _reader_sees_dead_producer(run_id, q):
     w.close()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_worker_detects_dead_engine(run_id):
     q = CTX.Queue()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from xllm_eplb.engine.scheduler import Request, Scheduler, is_eplb_boundary
+from xllm_eplb.engine.scheduler import Request, Scheduler, is_eplb_boundary, is_pure_decode_step
 from xllm_eplb.engine.tokenizer import EOS_ID, decode, encode
 from xllm_eplb.model.batch import RankBatch, SeqRow
 
@@ -89,6 +89,20 @@ def test_eplb_boundary_rule():
     assert not is_eplb_boundary([empty, empty], warmup=False)
     assert not is_eplb_boundary([RankBatch([dec]), RankBatch([pre])], warmup=False)
     assert not is_eplb_boundary([RankBatch([dec, pre])], warmup=False)
+
+
+def test_pure_decode_step_flag():
+    """The step flag the engine puts on ForwardInput: warm-up does not change it (the model's
+    dispatch mode follows the batches), empty ranks do not veto, one prefill row does."""
+    pre, dec = SeqRow(1, [1, 2], 0, True), SeqRow(2, [3], 5, False)
+    empty = RankBatch()
+    assert is_pure_decode_step([RankBatch([dec]), empty])
+    assert not is_pure_decode_step([empty, empty])
+    assert not is_pure_decode_step([RankBatch([dec]), RankBatch([pre])])
+    assert not is_pure_decode_step([RankBatch([dec, pre]), empty])
+    for batches in ([RankBatch([dec]), empty], [empty, empty], [RankBatch([pre])]):
+        assert is_eplb_boundary(batches, warmup=False) == is_pure_decode_step(batches)
+        assert not is_eplb_boundary(batches, warmup=True)
 
 
 def test_byte_tokenizer_round_trip():

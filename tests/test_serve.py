@@ -20,7 +20,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 ROOT = Path(__file__).resolve().parents[1]
-pytestmark = pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="needs POSIX shm")
+pytestmark = [pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="needs POSIX shm"),
+              pytest.mark.slow]   # starts other processes (make test-fast skips it)
 
 
 def _free_port() -> int:

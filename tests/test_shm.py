@@ -81,6 +81,7 @@ def _create_and_die(name, size):
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(30)
 def test_stale_reclaim_zeroes_and_bumps_generation(run_id):
     name = object_name(run_id, "seg")
@@ -160,6 +161,7 @@ def _die_holding_the_generation_lock():
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(30)
 def test_killed_generation_lock_holder_blocks_nobody(run_id):
     p = CTX.Process(target=_die_holding_the_generation_lock)
@@ -191,6 +193,7 @@ def _race_worker(name, iters, seed, q):
     q.put(bad)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_concurrent_attach_close_agree_on_one_generation(run_id):
     name = object_name(run_id, "race")

@@ -128,3 +128,17 @@ def test_read_static_loads_errors(tmp_path):
         read_static_loads(tmp_path / "z.npy")
     with pytest.raises(InputFileError, match="not found"):
         generate(f"sglang:missing_file,steps=2,dir={tmp_path}")
+    with pytest.raises(ConfigError, match="needs a folder: dir=PATH in the spec"):
+        generate("sglang:missing_file,steps=2")           # library code assumes no folder
+    with pytest.raises(InputFileError, match=f"not found in {tmp_path}"):
+        generate("sglang:missing_file,steps=2", data_dir=tmp_path)
+
+
+def test_sglang_names_resolve_in_the_given_data_dir(tmp_path):
+    (tmp_path / "a.json").write_text('{"logical_count": [[0, 0, 0, 0], [1, 2, 3, 4]]}')
+    tr = generate("sglang:a,steps=3,tokens=10,topk=2", data_dir=tmp_path)
+    assert tr.loads.shape == (3, 1, 4) and (tr.loads.sum(axis=2) == 20).all()
+    other = tmp_path / "other"
+    other.mkdir()
+    with pytest.raises(InputFileError, match=f"not found in {other}"):   # dir= in the spec wins
+        generate(f"sglang:a,steps=3,dir={other}", data_dir=tmp_path)

@@ -33,7 +33,7 @@ def opt(default: Any, help: str, *, unit: str = "", lo: float | None = None,
 
 @dataclass(frozen=True)
 class EplbConfig:
-    """Spec section 11 plus this project's EPLB extensions."""
+    """xLLM's EPLB options (the same flag names) plus this project's extensions."""
 
     enable_eplb: bool = opt(False, "turn dynamic EPLB on")
     ep_size: int = opt(None, "number of EP ranks = worker processes; > 1; divides num_experts",
@@ -299,6 +299,55 @@ def check_field(spec: FieldSpec, value: Any) -> None:
             raise _bad(spec.name, value, "must be " + spec.rule())
 
 
+#: the torch.distributed backend ``auto`` picks per device, and the devices each backend drives
+BACKEND_FOR_DEVICE = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
+DEVICES_FOR_BACKEND = {"gloo": ("cpu",), "nccl": ("cuda",), "hccl": ("npu",)}
+
+
+def resolve_backend(device: str, backend: str) -> str:
+    """``backend`` with ``auto`` resolved by device (gloo on cpu, nccl on cuda, hccl on npu);
+    ConfigError if it cannot drive ``device``. The one home of the device -> backend rule."""
+    if device not in BACKEND_FOR_DEVICE:
+        raise ConfigError(f"device={device!r} must be one of {sorted(BACKEND_FOR_DEVICE)}")
+    if backend == "auto":
+        return BACKEND_FOR_DEVICE[device]
+    if backend not in DEVICES_FOR_BACKEND:
+        raise ConfigError(f"backend={backend!r} must be auto, gloo, nccl or hccl")
+    if device not in DEVICES_FOR_BACKEND[backend]:
+        raise ConfigError(f"backend={backend} cannot drive device={device} "
+                          f"(use backend=auto or {BACKEND_FOR_DEVICE[device]})")
+    return backend
+
+
+def layout_rules(num_experts: int, ep_size: int, redundant: int) -> list[tuple[str, Any, str]]:
+    """The slot-layout rules as (flag, value, rule) for every violation: ``ep_size`` > 1,
+    ``num_experts`` divisible by it, 0 <= ``redundant`` <= num_experts - num_experts/ep_size
+    (so a rank's ``num_experts/ep_size + redundant`` slots never exceed the experts: at most one
+    replica of an expert per rank). The one validator of these rules (config, placement and the
+    model's preflight call it).
+
+    NOTE: every rank derives its slot layout from these; they must hold on all ranks alike.
+    """
+    if ep_size is None or ep_size <= 1:
+        return [("ep_size", ep_size, "must be > 1")]
+    bad: list[tuple[str, Any, str]] = []
+    if num_experts % ep_size:
+        bad.append(("num_experts", num_experts, f"must be divisible by --ep_size={ep_size}"))
+    if redundant < 0:
+        bad.append(("redundant_experts_num", redundant, "must be >= 0"))
+    elif not bad and redundant > num_experts - num_experts // ep_size:
+        bad.append(("redundant_experts_num", redundant,
+                    f"must be <= {num_experts - num_experts // ep_size} (num_experts - "
+                    f"num_experts/ep_size: at most one replica of an expert per rank)"))
+    return bad
+
+
+def layout_error(num_experts: int, ep_size: int, redundant: int) -> str | None:
+    """The first :func:`layout_rules` violation as ``--flag=value: rule``, or None."""
+    bad = layout_rules(num_experts, ep_size, redundant)
+    return _bad(*bad[0]).args[0] if bad else None
+
+
 def _cross_rules(cfg: Config) -> list[tuple[str, Any, str]]:
     """Cross-field rules as (flag, value, rule) for every violation, in a fixed order."""
     e, m, r = cfg.eplb, cfg.model, cfg.runtime
@@ -317,9 +366,10 @@ def _cross_rules(cfg: Config) -> list[tuple[str, Any, str]]:
     if e.eplb_p2p_max_inflight_bytes < e.eplb_p2p_chunk_bytes:
         bad.append(("eplb_p2p_max_inflight_bytes", e.eplb_p2p_max_inflight_bytes,
                     f"must be >= --eplb_p2p_chunk_bytes={e.eplb_p2p_chunk_bytes}"))
-    want = {"nccl": "cuda", "hccl": "npu"}.get(r.backend)
-    if want and r.device != want:
-        bad.append(("backend", r.backend, f"needs --device={want} (got --device={r.device})"))
+    devices = DEVICES_FOR_BACKEND.get(r.backend, ())
+    if r.backend != "auto" and devices and r.device not in devices:
+        bad.append(("backend", r.backend, f"needs --device={devices[0]} "
+                                          f"(got --device={r.device})"))
     s = cfg.serve
     if s.workload == "synthetic" and (s.workload_prompt_len + s.workload_output_len
                                       > m.max_position_embeddings):
@@ -328,15 +378,8 @@ def _cross_rules(cfg: Config) -> list[tuple[str, Any, str]]:
                     f"--max_position_embeddings={m.max_position_embeddings}"))
     if e.ep_size is None:
         return bad
-    # NOTE: every rank derives its slot layout from these; they must hold on all ranks alike.
-    if m.num_experts % e.ep_size:
-        bad.append(("num_experts", m.num_experts,
-                    f"must be divisible by --ep_size={e.ep_size}"))
-    elif e.redundant_experts_num > m.num_experts - m.num_experts // e.ep_size:
-        bad.append(("redundant_experts_num", e.redundant_experts_num,
-                    f"must be <= {m.num_experts - m.num_experts // e.ep_size} (num_experts - "
-                    f"num_experts/ep_size: at most one replica of an expert per rank)"))
-    if e.ep_size % e.eplb_num_nodes:
+    bad += layout_rules(m.num_experts, e.ep_size, e.redundant_experts_num)
+    if e.ep_size > 1 and e.ep_size % e.eplb_num_nodes:
         bad.append(("eplb_num_nodes", e.eplb_num_nodes,
                     f"must divide --ep_size={e.ep_size}"))
     return bad

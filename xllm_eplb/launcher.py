@@ -30,9 +30,16 @@ import time
 from pathlib import Path
 
 from xllm_eplb.config import Config
+from xllm_eplb.engine.engine import engine_main
 from xllm_eplb.errors import UserError
+from xllm_eplb.ipc.errors import SegmentBusyError
+from xllm_eplb.ipc.objects import sweep_run
+from xllm_eplb.ipc.ring import InputRing, OutputRing
+from xllm_eplb.ipc.shm import resolve_run_id
 from xllm_eplb.obs.logs import event, setup_logging
 from xllm_eplb.obs.progress import Progress, ready_line
+from xllm_eplb.worker.comm import preflight
+from xllm_eplb.worker.worker import worker_main
 
 log = logging.getLogger(__name__)
 
@@ -67,8 +74,6 @@ def free_port() -> int:
 
 def resolve_runtime(cfg: Config) -> Config:
     """Fill what the run decides at start: HTTP port (for 0), rendezvous port, run id."""
-    from xllm_eplb.ipc.shm import resolve_run_id
-
     port = check_port(cfg.serve.host, cfg.serve.port)
     mport = cfg.runtime.master_port or free_port()
     rt = dataclasses.replace(cfg.runtime, master_port=mport,
@@ -134,9 +139,6 @@ class Launcher:
 
     def start(self) -> None:
         """Shared memory, then the engine (it binds the port first), then the workers."""
-        from xllm_eplb.engine.engine import engine_main
-        from xllm_eplb.worker.worker import worker_main
-
         cfg, me = self.cfg, os.getpid()
         self.shm = RunShm.create(cfg)
         self._spawn("engine", engine_main, cfg, self.events, me)
@@ -272,8 +274,6 @@ class RunShm:
 
     @classmethod
     def create(cls, cfg: Config) -> "RunShm":
-        from xllm_eplb.ipc.ring import InputRing, OutputRing
-
         rt, n = cfg.runtime, cfg.eplb.ep_size
         rings: list = []
         try:
@@ -284,8 +284,6 @@ class RunShm:
                                                rt.shm_output_frame_bytes, reader=False))
         except BaseException as e:
             cls(rings).close()
-            from xllm_eplb.ipc.errors import SegmentBusyError
-
             if isinstance(e, SegmentBusyError):
                 raise StartupError(f"--run_id={rt.run_id}: {e}") from None
             raise
@@ -300,36 +298,13 @@ class RunShm:
         self.rings = []
 
 
-def sweep_run(run_id: str) -> list:
-    """Remove every unheld shared-memory object of ``run_id`` (after the children are gone)."""
-    try:
-        from xllm_eplb.ipc.objects import clean
-
-        removed = clean(run_id)
-    except Exception as e:  # noqa: BLE001 - teardown must go on
-        log.warning(event("launcher shm sweep failed", run_id=run_id, error=repr(e)))
-        return []
-    if removed:
-        log.info(event("launcher shm swept", run_id=run_id, objects=len(removed)))
-    return removed
-
-
 def log_name(who: str) -> str:
     """Log file of a process: ``engine.log``, ``rank3.log``, ``launcher.log``."""
     return f"rank{who[2:]}.log" if who.startswith("ep") else f"{who}.log"
 
 
-def backend_name(cfg: Config) -> str:
-    """``--backend`` with ``auto`` resolved by device (gloo on CPU, nccl on CUDA, hccl on NPU)."""
-    from xllm_eplb.worker.comm import resolve_backend
-
-    return resolve_backend(cfg.runtime.device, cfg.runtime.backend)
-
-
 def serve(cfg: Config, digest: str = "") -> int:
     """Run until a signal or a failure; returns the process exit code."""
-    from xllm_eplb.worker.comm import preflight
-
     preflight(cfg)  # device / backend / model checks before anything starts
     cfg = resolve_runtime(cfg)
     try:

@@ -17,7 +17,7 @@ from xllm_eplb.config import FIELDS, SECTIONS, Config, FieldSpec, as_flat_dict, 
 DOCS_PATH = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
 
 _SECTION_TITLES = {
-    "eplb": "EPLB (spec section 11 and extensions)",
+    "eplb": "EPLB (xLLM's options and this project's extensions)",
     "model": "Model",
     "runtime": "Runtime",
     "serve": "Serving, logs and workload",

@@ -30,13 +30,17 @@ from xllm_eplb.errors import ConfigError, InputFileError
 log = logging.getLogger(__name__)
 
 
-def _load(trace: str | None, spec: str | None, steps: int | None):
+#: where ``--generate 'sglang:NAME...'`` looks up NAME.json (relative to the working directory)
+DEFAULT_DATA_DIR = "../shared/data/sglang_ep_statistics"
+
+
+def _load(trace: str | None, spec: str | None, steps: int | None, data_dir: str | None = None):
     from xllm_eplb.sim.generators import generate
     from xllm_eplb.sim.trace import load_trace
 
     if bool(trace) == bool(spec):
         raise ConfigError("simulate: give exactly one of --trace FILE or --generate SPEC")
-    tr = load_trace(trace) if trace else generate(spec)
+    tr = load_trace(trace) if trace else generate(spec, data_dir=data_dir)
     if steps is not None:
         if steps < 1:
             raise ConfigError(f"--steps={steps}: must be >= 1")
@@ -107,6 +111,9 @@ def _text_summary(s: dict, out: Path) -> str:
 @click.option("--generate", "spec", default=None,
               help="synthetic trace, e.g. 'zipf:layers=8,experts=64,steps=2000,drift=0.01' or "
                    "'sglang:decode_in1000out1000->decode_in500out1500,steps=2000,tokens=4096'")
+@click.option("--data-dir", default=DEFAULT_DATA_DIR, show_default=True,
+              type=click.Path(file_okay=False),
+              help="folder of the static load dumps an 'sglang:' spec names (its dir= wins)")
 @click.option("--policy", default=None,
               help="placement policy (same as --eplb_policy_kind)")
 @click.option("--steps", type=int, default=None, help="replay only the first K steps")
@@ -122,7 +129,7 @@ def _text_summary(s: dict, out: Path) -> str:
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), required=True,
               help="output directory (summary.json, plots, simulate.log)")
 @handle_user_errors
-def simulate(trace_path, spec, policy, steps, step_seconds, transfer_steps_per_layer,
+def simulate(trace_path, spec, data_dir, policy, steps, step_seconds, transfer_steps_per_layer,
              window_steps, save_trace, plots, out_dir):
     """Replay a load trace through aggregator + estimator + manager + policy.
 
@@ -139,7 +146,7 @@ def simulate(trace_path, spec, policy, steps, step_seconds, transfer_steps_per_l
         raise ConfigError(f"--transfer-steps-per-layer={transfer_steps_per_layer}: must be >= 1")
     if window_steps < 1:
         raise ConfigError(f"--window-steps={window_steps}: must be >= 1")
-    tr = _load(trace_path, spec, steps)
+    tr = _load(trace_path, spec, steps, data_dir)
     cfg = _resolve_config(list(click.get_current_context().args), tr, policy)
     if save_trace:
         try:

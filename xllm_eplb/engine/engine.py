@@ -24,13 +24,17 @@ from pathlib import Path
 
 from xllm_eplb import __version__
 from xllm_eplb.child import child_exit, child_setup, parent_alive, send_event
-from xllm_eplb.config import Config
-from xllm_eplb.engine.scheduler import Request, Scheduler, is_eplb_boundary
+from xllm_eplb.config import Config, resolve_backend
+from xllm_eplb.engine.scheduler import Request, Scheduler, is_pure_decode_step
 from xllm_eplb.engine.telemetry import Telemetry
 from xllm_eplb.engine.tokenizer import BOS_ID
+from xllm_eplb.engine.workload import SyntheticWorkload
 from xllm_eplb.eplb.info import NO_TOKEN, EplbInfo
 from xllm_eplb.eplb.manager_stats import ManagerStats
-from xllm_eplb.launcher import backend_name
+from xllm_eplb.ipc.errors import IpcError
+from xllm_eplb.ipc.messages import ForwardInput
+from xllm_eplb.ipc.objects import sweep_run
+from xllm_eplb.ipc.ring import InputRing, OutputRing
 from xllm_eplb.model.batch import RankBatch, SeqRow
 from xllm_eplb.obs.logs import event, setup_logging
 from xllm_eplb.obs.metrics import EngineMetrics
@@ -46,14 +50,16 @@ class WorkerFault(RuntimeError):
     """A worker reported an error, answered the wrong step, or went silent."""
 
 
-def step_kind(batches: list[RankBatch], warmup: bool) -> str:
+def step_kind(batches: list[RankBatch], warmup: bool, pure_decode: bool) -> str:
+    """warmup / decode (``pure_decode``: the step's flag) / idle / prefill / mixed."""
     if warmup:
         return "warmup"
+    if pure_decode:
+        return "decode"
     rows = [r for b in batches for r in b.rows]
     if not rows:
         return "idle"
-    pre = sum(r.is_prefill for r in rows)
-    return "prefill" if pre == len(rows) else "decode" if pre == 0 else "mixed"
+    return "prefill" if all(r.is_prefill for r in rows) else "mixed"
 
 
 def agreed_token(tokens: list[int]) -> int:
@@ -76,7 +82,8 @@ class Engine:
         self.manager = manager
         self.metrics = metrics or EngineMetrics(
             self.D, cfg.num_moe_layers, per_layer=cfg.serve.enable_per_layer_metrics,
-            version=__version__, backend=backend_name(cfg), policy=cfg.eplb.eplb_policy_kind)
+            version=__version__, backend=resolve_backend(rt.device, rt.backend),
+            policy=cfg.eplb.eplb_policy_kind)
         self.metrics.enabled.set(1 if manager is not None else 0)
         self.tele = Telemetry(self.metrics, cfg.num_moe_layers, self.D)
         self.step_no = 0
@@ -87,15 +94,13 @@ class Engine:
     def step(self, batches: list[RankBatch], *, warmup: bool = False,
              timeout: float | None = None) -> list:
         """Run one forward on every rank; returns the rank-ordered outputs."""
-        from xllm_eplb.ipc.messages import ForwardInput
-
-        allow = is_eplb_boundary(batches, warmup)
+        pure = is_pure_decode_step(batches)
+        allow = pure and not warmup           # the EPLB boundary (scheduler.is_eplb_boundary)
         c0 = time.thread_time()
         info = self.manager.eplb_info(allow) if self.manager is not None else EplbInfo()
         eplb_s = time.thread_time() - c0
         self.step_no += 1
-        msg = ForwardInput(self.step_no, batches, info, warmup=warmup,
-                           graph=self.cfg.runtime.enable_graph)
+        msg = ForwardInput(self.step_no, batches, info, warmup=warmup, pure_decode=pure)
         timeout = timeout or self.cfg.runtime.worker_timeout_seconds
         t0 = time.perf_counter()
         self.inp.put(msg, timeout=timeout)
@@ -110,7 +115,7 @@ class Engine:
                                     agreed_token([o.activation_token for o in outs]))
             self.tele.on_eplb(self.manager.stats())
             eplb_s += time.thread_time() - c0
-        self.tele.on_step(step_kind(batches, warmup), outs, seconds, eplb_engine_s=eplb_s)
+        self.tele.on_step(step_kind(batches, warmup, pure), outs, seconds, eplb_engine_s=eplb_s)
         return outs
 
     def _ring_occupancy(self) -> None:
@@ -120,8 +125,6 @@ class Engine:
             self.metrics.ring_occupancy.labels("output").set(ring.pending() / ring.slots)
 
     def _get(self, rank: int, timeout: float):
-        from xllm_eplb.ipc.errors import IpcError
-
         try:
             out = self.outs[rank].get(timeout=timeout)
         except IpcError as e:
@@ -179,8 +182,6 @@ class Engine:
 
     def shutdown_workers(self) -> None:
         """Send the shutdown message (workers leave their loop); never blocks for long."""
-        from xllm_eplb.ipc.messages import ForwardInput
-
         with contextlib.suppress(Exception):
             self.inp.put(ForwardInput.make_shutdown(self.step_no + 1), timeout=2.0)
 
@@ -222,8 +223,6 @@ def _make_manager(cfg: Config):
 
 
 def _attach_rings(cfg: Config):
-    from xllm_eplb.ipc.ring import InputRing, OutputRing
-
     rid = cfg.runtime.run_id
     inp = InputRing.attach(rid, producer=True, timeout=30.0)
     outs = [OutputRing.attach(rid, r, reader=True, timeout=30.0) for r in range(cfg.eplb.ep_size)]
@@ -254,8 +253,6 @@ def _api(cfg: Config, engine_ref: dict):
 def _start_workload(cfg: Config, engine: Engine):
     if cfg.serve.workload != "synthetic":
         return None
-    from xllm_eplb.engine.workload import SyntheticWorkload
-
     cap = 4 * cfg.eplb.ep_size * cfg.runtime.max_batch_size
     wl = SyntheticWorkload(cfg, engine.submit,
                            backlog=lambda: sum(engine.sched.load().values()), max_backlog=cap)
@@ -308,8 +305,6 @@ def _teardown(res: dict, parent_pid: int, run_id: str) -> None:
             ring.close()
     if not parent_alive(parent_pid):
         # NOTE: the launcher owns the shm; when it died (SIGKILL) the engine sweeps for it.
-        from xllm_eplb.launcher import sweep_run
-
         for _ in range(10):
             if not sweep_run(run_id):
                 break

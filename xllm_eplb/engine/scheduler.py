@@ -54,11 +54,18 @@ class Request:
         self.done.set()
 
 
-def is_eplb_boundary(batches: list[RankBatch], warmup: bool) -> bool:
-    """Spec 5, "When commands may be sent": some DP batch non-empty, every non-empty DP batch
-    pure decode, and not a warm-up forward. Empty DP ranks take part and do not veto."""
+def is_pure_decode_step(batches: list[RankBatch]) -> bool:
+    """The step-level flag ``ForwardInput.pure_decode``: some DP batch non-empty and every
+    non-empty one pure decode (empty DP ranks take part and do not veto). The engine computes it
+    once per step; the workers pass it to ``forward_step`` (dispatch mode, graph path)."""
     busy = [b for b in batches if not b.is_empty]
-    return bool(busy) and not warmup and all(b.is_pure_decode for b in busy)
+    return bool(busy) and all(b.is_pure_decode for b in busy)
+
+
+def is_eplb_boundary(batches: list[RankBatch], warmup: bool) -> bool:
+    """May this step carry EPLB commands? Only a pure-decode step (:func:`is_pure_decode_step`)
+    that is not a warm-up forward, as xLLM sends them."""
+    return not warmup and is_pure_decode_step(batches)
 
 
 class Scheduler:

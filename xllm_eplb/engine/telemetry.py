@@ -11,7 +11,9 @@ import time
 
 import numpy as np
 
+from xllm_eplb.eplb import counters as counter_format
 from xllm_eplb.eplb.balance import balancedness
+from xllm_eplb.ipc.records import WorkerHeartbeat
 from xllm_eplb.obs.metrics import EngineMetrics
 
 #: steps in the recent load window behind ``balancedness_*``
@@ -42,21 +44,19 @@ class RecentLoad:
 
 def rank_loads(counters: list[np.ndarray]) -> np.ndarray:
     """Per-rank prefix-sum counters ``[L, S]`` -> tokens per rank ``[L, D]`` (last column)."""
-    return np.stack([c[:, -1] for c in counters], axis=1).astype(np.int64)
+    return np.stack([counter_format.totals(c) for c in counters], axis=1)
 
 
 def critical_path(outputs) -> tuple[float, float, int]:
     """(sum over MoE layers of the slowest rank's expert CPU seconds, sum over layers and ranks
-    of expert CPU seconds, layers) from the workers' ``xc<l>`` timings (the model's
-    ``StepResult.timings["expert_cpu_s"]``, flattened by ``worker.forward_timings``)."""
-    per = np.array([[o.timings.get(f"xc{i}", 0.0) for i in range(_layers(o))] for o in outputs])
-    if per.size == 0:
+    of expert CPU seconds, layers) from the workers' ``timings.expert_cpu_s`` [L_moe]."""
+    per = [o.timings.expert_cpu_s for o in outputs]
+    if not per or not per[0]:
         return 0.0, 0.0, 0
-    return float(per.max(axis=0).sum()), float(per.sum()), per.shape[1]
-
-
-def _layers(o) -> int:
-    return sum(1 for k in o.timings if k.startswith("xc"))
+    if any(len(p) != len(per[0]) for p in per):
+        raise ValueError(f"expert_cpu_s lengths differ across ranks: {[len(p) for p in per]}")
+    a = np.asarray(per, dtype=np.float64)                   # [D, L_moe]
+    return float(a.max(axis=0).sum()), float(a.sum()), a.shape[1]
 
 
 class Telemetry:
@@ -74,7 +74,7 @@ class Telemetry:
         self.exec_seen = [0] * ep_size
         self.prep_seen = [0] * ep_size
         self.last_output_at = [0.0] * ep_size
-        self.hb: dict[int, dict] = {}
+        self.hb: dict[int, WorkerHeartbeat] = {}
         self.eplb: dict = {}
 
     # --- per step --------------------------------------------------------------------------
@@ -99,13 +99,12 @@ class Telemetry:
         crit, total, _ = critical_path(outputs)
         m.moe_critical_path.inc(crit)
         for o in outputs:
-            m.moe_compute.labels(str(o.rank)).inc(sum(v for k, v in o.timings.items()
-                                                      if k.startswith("xc")))
+            m.moe_compute.labels(str(o.rank)).inc(sum(o.timings.expert_cpu_s))
         with self.lock:
             self.recent.add(loads)
             self._count_cp(kind, crit, total)
-            self.cp["forward_cpu_s"] += sum(o.timings.get("cpu_s", 0.0) for o in outputs)
-            self.cp["eplb_worker_s"] += sum(o.timings.get("eplb_s", 0.0) for o in outputs)
+            self.cp["forward_cpu_s"] += sum(o.timings.cpu_s for o in outputs)
+            self.cp["eplb_worker_s"] += sum(o.timings.eplb_s for o in outputs)
             self.cp["eplb_engine_s"] += eplb_engine_s
             self.cp["routed_tokens"] += int(loads.sum())
             per = self.recent.per_layer()
@@ -124,20 +123,20 @@ class Telemetry:
             c["decode_expert_cpu_s"] += total
 
     def _executor(self, o) -> None:
-        """Observe each new activation of rank ``o.rank`` (executor counters in heartbeat)."""
-        hb, m = o.heartbeat, self.m
-        p = int(hb.get("prepares_ok", 0))
-        if p > self.prep_seen[o.rank]:
-            self.prep_seen[o.rank] = p
-            m.prepare_seconds.observe(float(hb.get("last_prepare_ms", 0.0)) / 1e3)
-        n = int(hb.get("activations", 0))
-        if n <= self.exec_seen[o.rank]:
+        """Observe each new prepare and activation of rank ``o.rank`` (its executor stats)."""
+        ex, m = o.heartbeat.executor, self.m
+        if ex.prepares_ok > self.prep_seen[o.rank]:
+            self.prep_seen[o.rank] = ex.prepares_ok
+            m.prepare_seconds.observe(ex.last_prepare_ms / 1e3)
+        if ex.activations <= self.exec_seen[o.rank]:
             return
-        self.exec_seen[o.rank] = n
-        for phase in ("materialize", "transfer", "activation", "total"):
-            m.update_seconds.labels(phase).observe(float(hb.get(f"last_{phase}_ms", 0.0)) / 1e3)
-        m.transfer_seconds.observe(float(hb.get("last_transfer_ms", 0.0)) / 1e3)
-        m.inc_to(f"p2p{o.rank}", m.p2p_bytes.labels("sent"), float(hb.get("p2p_bytes_total", 0)))
+        self.exec_seen[o.rank] = ex.activations
+        for phase, ms in (("materialize", ex.last_materialize_ms),
+                          ("transfer", ex.last_transfer_ms),
+                          ("activation", ex.last_activation_ms), ("total", ex.last_total_ms)):
+            m.update_seconds.labels(phase).observe(ms / 1e3)
+        m.transfer_seconds.observe(ex.last_transfer_ms / 1e3)
+        m.inc_to(f"p2p{o.rank}", m.p2p_bytes.labels("sent"), float(ex.p2p_bytes_total))
 
     def on_requests(self, finished) -> None:
         m = self.m
@@ -171,18 +170,18 @@ class Telemetry:
         (rebalance loop's last pass) and ``manager_heartbeat_at`` (its last step-loop call), in
         the manager's clock (``time.monotonic``); each rank's executor ``heartbeat_ts`` (prepare
         thread) and ``p2p_heartbeat_ts`` (P2P path), in wall-clock seconds, and its output
-        ``ts``. A component without a timestamp (EPLB off: no manager, null executor) gets no
-        gauge."""
+        ``ts``. A component without a timestamp (EPLB off: no manager, null executor; 0 in a
+        heartbeat) gets no gauge."""
         now_m, now_w, m = time.monotonic(), time.time(), self.m
         st = self.eplb
         for comp, key in (("rebalance_loop", "heartbeat_at"), ("manager", "manager_heartbeat_at")):
             if st.get(key) is not None:
                 m.heartbeat_age.labels(comp, "engine").set(max(0.0, now_m - float(st[key])))
         for r, hb in self.hb.items():
-            for comp, key in (("executor", "heartbeat_ts"), ("p2p", "p2p_heartbeat_ts")):
-                if float(hb.get(key, 0.0)) > 0.0:          # the null executor reports 0
-                    m.heartbeat_age.labels(comp, str(r)).set(max(0.0, now_w - float(hb[key])))
-            m.heartbeat_age.labels("worker", str(r)).set(now_w - hb.get("ts", now_w))
+            for comp, ts in (("executor", hb.executor.heartbeat_ts),
+                             ("p2p", hb.executor.p2p_heartbeat_ts), ("worker", hb.ts)):
+                if ts > 0.0:                                # the null executor reports 0
+                    m.heartbeat_age.labels(comp, str(r)).set(max(0.0, now_w - ts))
 
     # --- status ----------------------------------------------------------------------------
     def balance_summary(self) -> dict:

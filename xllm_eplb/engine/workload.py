@@ -44,7 +44,7 @@ class SyntheticWorkload:
 
     def __init__(self, cfg: Config, submit, *, seed: int = 1234, clock=time.monotonic,
                  backlog=None, max_backlog: int = 0):
-        from xllm_eplb.model import topics
+        from xllm_eplb.model import topics  # torch: only an engine with a workload loads it
 
         self.cfg, self.submit, self.clock = cfg, submit, clock
         self._topics = topics

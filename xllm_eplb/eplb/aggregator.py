@@ -22,6 +22,7 @@ import logging
 
 import numpy as np
 
+from xllm_eplb.eplb import counters as counter_format
 from xllm_eplb.obs.logs import event
 
 log = logging.getLogger(__name__)
@@ -55,7 +56,7 @@ def decode_counters(counters: list[np.ndarray], num_layers: int, slots_per_rank:
         if c.dtype.kind not in "iu":
             raise CounterShapeError(f"rank {r}: counters of dtype {c.dtype}, expected integers")
     stacked = np.stack(counters, axis=1).astype(np.int64, copy=False)   # [L, D, S]
-    deltas = np.diff(stacked, axis=2, prepend=0)
+    deltas = counter_format.decode(stacked)
     if deltas.min(initial=0) < 0:
         lay, rank, slot = np.unravel_index(int(np.argmin(deltas)), deltas.shape)
         raise CounterShapeError(f"rank {rank} layer {lay}: prefix sum decreases at slot {slot} "

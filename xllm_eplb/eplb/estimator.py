@@ -7,9 +7,9 @@ With ``trend=True`` a weighted least-squares line is fitted per (layer, expert) 
 and extrapolated ``horizon`` batches past the newest one (clipped at 0).
 
 The estimate only feeds the policy's logical input (replica choice and packing). The policy's
-publication gate always uses the *raw measured* physical window kept by the aggregator
-(spec section 6). Logical load does not depend on the placement, so the estimator's window
-survives activations.
+publication gate always uses the *raw measured* physical window kept by the aggregator (a
+prediction must not be able to talk the gate into a move). Logical load does not depend on the
+placement, so the estimator's window survives activations.
 
 Hot/cold classification (EasyBalance): an expert is hot when its estimate exceeds
 ``hot_factor`` (1.5) x the layer mean, cold below ``cold_factor`` (0.7) x the mean.

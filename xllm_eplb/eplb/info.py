@@ -1,4 +1,5 @@
-"""`EplbInfo`: the control message the engine puts into every forward input (spec section 4)."""
+"""`EplbInfo`: the control message the engine puts into every forward input (which layer to
+prepare with which token and expert ids, which layer to activate; docs/architecture.md)."""
 
 from __future__ import annotations
 

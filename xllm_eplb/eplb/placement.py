@@ -11,18 +11,19 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from xllm_eplb.config import layout_error
+
 
 class PlacementError(ValueError):
     """A slot table that breaks an invariant; the message names the rule and the offender."""
 
 
 def slots_per_rank(num_logical: int, ep_size: int, redundant: int) -> int:
-    if ep_size <= 1:
-        raise PlacementError(f"ep_size={ep_size} must be > 1")
-    if num_logical % ep_size:
-        raise PlacementError(f"num_experts={num_logical} is not divisible by ep_size={ep_size}")
-    if redundant < 0:
-        raise PlacementError(f"redundant_experts_num={redundant} must be >= 0")
+    """``num_logical / ep_size + redundant``; PlacementError when the layout rules
+    (:func:`xllm_eplb.config.layout_rules`) fail."""
+    err = layout_error(num_logical, ep_size, redundant)
+    if err:
+        raise PlacementError(err)
     return num_logical // ep_size + redundant
 
 

@@ -10,7 +10,9 @@ version, another run id, an unexpected kind or malformed fields.
     step: int                      engine step counter
     batches: list[RankBatch]       one per DP rank (= worker), possibly empty
     eplb_info: EplbInfo            the step's control message
-    warmup: bool, graph: bool      step flags
+    warmup: bool                   warm-up forward (never counted, never an EPLB boundary)
+    pure_decode: bool              some batch non-empty and every non-empty one pure decode
+                                   (``engine.scheduler.is_pure_decode_step``, computed once)
     shutdown: bool                 last message: workers exit their loop
 
 ``ForwardOutput`` (worker -> engine, one per step and rank)::
@@ -20,9 +22,8 @@ version, another run id, an unexpected kind or malformed fields.
                                         (raw int64 bytes + shape on the wire)
     prepared_token, activation_token: int   (-1 = none)
     sampled: dict[int, int]             req_id -> sampled token id
-    timings: dict[str, float]           seconds
-    heartbeat: dict                     e.g. {"ts": time.monotonic(), "executor": {...}}
-                                        (msgpack-safe values only)
+    timings: StepTimings                seconds (``ipc/records.py``)
+    heartbeat: WorkerHeartbeat          wall-clock ``ts`` + the executor's ``ExecutorStats``
     error: str | None                   worker-side failure of this step
 """
 
@@ -35,6 +36,7 @@ import numpy as np
 
 from xllm_eplb.eplb.info import NO_TOKEN, EplbInfo
 from xllm_eplb.ipc.errors import MessageError
+from xllm_eplb.ipc.records import StepTimings, WorkerHeartbeat
 from xllm_eplb.model.batch import RankBatch
 
 SCHEMA_VERSION = 1
@@ -48,7 +50,7 @@ class ForwardInput:
     batches: list[RankBatch] = field(default_factory=list)
     eplb_info: EplbInfo = field(default_factory=EplbInfo)
     warmup: bool = False
-    graph: bool = False
+    pure_decode: bool = False
     shutdown: bool = False
 
     @classmethod
@@ -58,14 +60,15 @@ class ForwardInput:
     def to_dict(self) -> dict:
         return {"step": int(self.step), "batches": [b.to_dict() for b in self.batches],
                 "eplb": self.eplb_info.to_dict(), "warmup": bool(self.warmup),
-                "graph": bool(self.graph), "shutdown": bool(self.shutdown)}
+                "pure_decode": bool(self.pure_decode), "shutdown": bool(self.shutdown)}
 
     @classmethod
     def from_dict(cls, d: dict) -> "ForwardInput":
         return cls(step=_int(d, "step"),
                    batches=[RankBatch.from_dict(b) for b in _typed(d, "batches", list)],
                    eplb_info=EplbInfo.from_dict(_typed(d, "eplb", dict)),
-                   warmup=_typed(d, "warmup", bool), graph=_typed(d, "graph", bool),
+                   warmup=_typed(d, "warmup", bool),
+                   pure_decode=_typed(d, "pure_decode", bool),
                    shutdown=_typed(d, "shutdown", bool))
 
 
@@ -77,8 +80,8 @@ class ForwardOutput:
     prepared_token: int = NO_TOKEN
     activation_token: int = NO_TOKEN
     sampled: dict[int, int] = field(default_factory=dict)
-    timings: dict[str, float] = field(default_factory=dict)
-    heartbeat: dict = field(default_factory=dict)
+    timings: StepTimings = field(default_factory=StepTimings)
+    heartbeat: WorkerHeartbeat = field(default_factory=WorkerHeartbeat)
     error: str | None = None
 
     def to_dict(self) -> dict:
@@ -89,8 +92,8 @@ class ForwardOutput:
                 "counters": c.tobytes(), "cshape": [int(c.shape[0]), int(c.shape[1])],
                 "prepared": int(self.prepared_token), "activation": int(self.activation_token),
                 "sampled": [[int(k), int(v)] for k, v in self.sampled.items()],
-                "timings": {str(k): float(v) for k, v in self.timings.items()},
-                "heartbeat": dict(self.heartbeat), "error": self.error}
+                "timings": self.timings.to_dict(), "heartbeat": self.heartbeat.to_dict(),
+                "error": self.error}
 
     @classmethod
     def from_dict(cls, d: dict) -> "ForwardOutput":
@@ -107,8 +110,8 @@ class ForwardOutput:
                    counters=np.frombuffer(raw, dtype=np.int64).reshape(shape).copy(),
                    prepared_token=_int(d, "prepared"), activation_token=_int(d, "activation"),
                    sampled={int(k): int(v) for k, v in _typed(d, "sampled", list)},
-                   timings={str(k): float(v) for k, v in _typed(d, "timings", dict).items()},
-                   heartbeat=_typed(d, "heartbeat", dict), error=err)
+                   timings=StepTimings.from_dict(_typed(d, "timings", dict)),
+                   heartbeat=WorkerHeartbeat.from_dict(_typed(d, "heartbeat", dict)), error=err)
 
 
 def _typed(d: dict, key: str, typ: type):
@@ -141,7 +144,7 @@ def encode(msg: ForwardInput | ForwardOutput, run_id: str) -> bytes:
         return msgpack.packb(body, use_bin_type=True)
     except (TypeError, ValueError, OverflowError) as e:
         raise TypeError(f"{type(msg).__name__} step={msg.step}: a field is not msgpack-safe "
-                        f"(plain int/float/str/bytes/list/dict only, e.g. in heartbeat): {e}"
+                        f"(plain int/float/str/bytes/list/dict only, e.g. in a record): {e}"
                         ) from None
 
 

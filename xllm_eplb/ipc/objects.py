@@ -33,6 +33,7 @@ from xllm_eplb.ipc.shm import (
     run_prefix,
     unpack_header,
 )
+from xllm_eplb.obs.logs import event
 
 log = logging.getLogger(__name__)
 SEM_PREFIX = "sem."
@@ -138,3 +139,16 @@ def _unlink(fn, name: str) -> bool:
         fn(name)
         return True
     return False
+
+
+def sweep_run(run_id: str) -> list[ShmObject]:
+    """Teardown sweep: :func:`clean` of ``run_id``'s unheld objects (after its processes are
+    gone), logged; a failure is logged and returns ``[]`` (teardown must go on)."""
+    try:
+        removed = clean(run_id)
+    except Exception as e:  # noqa: BLE001 - teardown must go on
+        log.warning(event("shm sweep failed", run_id=run_id, error=repr(e)))
+        return []
+    if removed:
+        log.info(event("shm swept", run_id=run_id, objects=len(removed)))
+    return removed

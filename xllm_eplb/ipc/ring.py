@@ -1,4 +1,4 @@
-"""Forward rings engine <-> workers (spec section 12), built on :class:`~xllm_eplb.ipc.broadcast.Ring`.
+"""Forward rings engine <-> workers, built on :class:`~xllm_eplb.ipc.broadcast.Ring`.
 
 Objects of run ``R`` (names from :func:`~xllm_eplb.ipc.shm.object_name`)::
 

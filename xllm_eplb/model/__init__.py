@@ -6,6 +6,5 @@
 - ``routing``: top-k routers (model gate or recorded load trace);
 - ``topics``: token topic clusters that make routing skewed (workload helpers);
 - ``weights``: deterministic seeded weights, ``expert_weights(cfg, layer, e)``, weight files;
-- ``harness``: run the sharded model on N processes without the engine;
 - ``batch``: ``SeqRow`` / ``RankBatch``.
 """

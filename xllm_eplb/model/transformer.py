@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from xllm_eplb.config import Config
+from xllm_eplb.eplb import counters as counter_format
 from xllm_eplb.eplb.placement import initial_phy2log
 from xllm_eplb.model import dispatch as dsp
 from xllm_eplb.model.batch import RankBatch
@@ -228,7 +229,7 @@ class MoETransformer:
         if warmup:
             self.release([r.req_id for r in batch.rows])
         tc = time.perf_counter()
-        ctr = torch.stack(counters).cumsum(dim=1).cpu().numpy().astype(np.int64)
+        ctr = counter_format.encode(torch.stack(counters))
         counter_s += time.perf_counter() - tc
         timings = {"total_s": time.perf_counter() - t0, "moe_s": moe_s,
                    "comm_wait_s": stats.wait_s, "counter_s": counter_s,

@@ -4,17 +4,16 @@ from __future__ import annotations
 
 import numpy as np
 
-from xllm_eplb.config import Config
+from xllm_eplb.config import Config, layout_error
 from xllm_eplb.errors import ConfigError, InputFileError
 
 
 def validate_model_config(cfg: Config) -> None:
     """Raise ConfigError / InputFileError naming the field, the value and the rule."""
     m, e = cfg.model, cfg.eplb
-    if e.ep_size is None or e.ep_size < 2:
-        raise ConfigError(f"ep_size={e.ep_size} must be > 1")
-    if m.num_experts % e.ep_size:
-        raise ConfigError(f"num_experts={m.num_experts} is not divisible by ep_size={e.ep_size}")
+    err = layout_error(m.num_experts, e.ep_size, e.redundant_experts_num)
+    if err:
+        raise ConfigError(err)
     if m.num_experts_per_tok > m.num_experts:
         raise ConfigError(f"num_experts_per_tok={m.num_experts_per_tok} is larger than "
                           f"num_experts={m.num_experts}")

@@ -1,8 +1,9 @@
 """Logging for every process: one line per event, ``key=value`` fields, a process tag.
 
 Line format: ``2026-11-29T12:00:00.123 INFO engine EPLB rebalance policy=balanced layers_updated=3/58``.
-Use :func:`event` to build the message so every line with a spec prefix (``EPLB rebalance``,
-``update_expert_weight``, ...) is grep-able and machine-splittable.
+Use :func:`event` to build the message so every line with one of the fixed prefixes
+(``EPLB rebalance``, ``update_expert_weight``, ...; listed in docs/serving.md) is grep-able and
+machine-splittable.
 """
 
 from __future__ import annotations

@@ -20,7 +20,8 @@ PREFIX = "xllm_eplb_"
 _FAST = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 _SLOW = (0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _LATENCY = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
-#: heartbeat components of the control plane and of each worker (spec 13 `EPLB heartbeat`)
+#: heartbeat components of the control plane and of each worker (the `EPLB heartbeat` log
+#: lines name the same components, docs/serving.md)
 HEARTBEAT_COMPONENTS = ("rebalance_loop", "manager", "executor", "p2p")
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import sys
 import time
 
-from xllm_eplb.config import Config
+from xllm_eplb.config import Config, resolve_backend
 
 #: stages every worker reports, in order (``who`` = ``ep<r>``)
 WORKER_STAGES = ("spawned", "dist_init", "model", "ready")
@@ -70,8 +70,6 @@ class Progress:
 
 def ready_line(cfg: Config) -> str:
     """The one fixed line users and tools wait for (``--backend`` auto resolved by device)."""
-    from xllm_eplb.worker.comm import resolve_backend
-
     host = "127.0.0.1" if cfg.serve.host in ("0.0.0.0", "") else cfg.serve.host
     return (f"xllm-eplb ready ep_size={cfg.eplb.ep_size} "
             f"backend={resolve_backend(cfg.runtime.device, cfg.runtime.backend)} "

@@ -16,9 +16,9 @@ step's expert distribution (multinomial sampling), so each step is a realistic n
     ``.npy [layers, E]``; leading all-zero dense rows are dropped). ``A->B->C`` splits the steps evenly
     between the files; ``mode=switch`` changes distribution at each boundary (blended linearly
     over ``ramp`` steps), ``mode=interp`` interpolates continuously from the first to the last.
-    A name without a suffix is looked up as ``DIR/NAME.json``; ``dir`` defaults to
-    ``../shared/data/sglang_ep_statistics`` (relative to the working directory, then to the
-    repository root). ``layers=N`` keeps the first N MoE layers (0 = all).
+    A name without a suffix is looked up as ``DIR/NAME.json``: ``dir`` in the spec, else the
+    ``data_dir`` :func:`generate` is given (``xllm-eplb simulate --data-dir``, whose default is
+    ``../shared/data/sglang_ep_statistics``). ``layers=N`` keeps the first N MoE layers (0 = all).
 """
 
 from __future__ import annotations
@@ -27,11 +27,9 @@ from pathlib import Path
 
 import numpy as np
 
+from xllm_eplb.eplb.loads import read_loads
 from xllm_eplb.errors import ConfigError, InputFileError
 from xllm_eplb.sim.trace import Trace
-
-DATA_DIR = Path("../shared/data/sglang_ep_statistics")
-_REPO = Path(__file__).resolve().parents[2]
 
 ZIPF_KEYS = dict(layers=8, experts=64, steps=1000, tokens=4096, topk=8, skew=1.0, depth=1.0,
                  drift=0.0, shift_every=0, seed=0)
@@ -129,23 +127,23 @@ def read_static_loads(path: Path) -> np.ndarray:
     """A static load file (SGLang dump, JSON table or ``.npy``; read by
     :func:`xllm_eplb.eplb.loads.read_loads`, leading dense rows dropped) -> float64
     ``[moe_layers, E]``. A later all-zero layer becomes uniform (it has no preference)."""
-    from xllm_eplb.eplb.loads import read_loads
-
     a = read_loads(path).loads.astype(np.float64)
     zero = a.sum(axis=1) == 0
     a[zero] = 1.0
     return a
 
 
-def _resolve(name: str, data_dir: str) -> Path:
+def _resolve(spec: str, name: str, data_dir: str | Path | None) -> Path:
     p = Path(name)
     if p.suffix in (".json", ".npy"):
         return p
-    dirs = [Path(data_dir)] if data_dir else [DATA_DIR, _REPO / DATA_DIR]
-    for d in dirs:
-        if (d / f"{name}.json").is_file():
-            return d / f"{name}.json"
-    raise InputFileError(f"load file {name}.json: not found in {', '.join(map(str, dirs))}")
+    if not data_dir:
+        raise ConfigError(f"--generate {spec!r}: '{name}' has no .json/.npy suffix, so it needs "
+                          f"a folder: dir=PATH in the spec (or simulate --data-dir)")
+    path = Path(data_dir) / f"{name}.json"
+    if not path.is_file():
+        raise InputFileError(f"load file {name}.json: not found in {data_dir}")
+    return path
 
 
 def _mix_weights(steps: int, n: int, mode: str, ramp: int) -> np.ndarray:
@@ -171,7 +169,8 @@ def _mix_weights(steps: int, n: int, mode: str, ramp: int) -> np.ndarray:
     return w
 
 
-def sglang_trace(spec: str, pos: list[str], kv: dict[str, str]) -> Trace:
+def sglang_trace(spec: str, pos: list[str], kv: dict[str, str],
+                 data_dir: str | Path | None = None) -> Trace:
     o = _typed(spec, kv, SGLANG_KEYS)
     if len(pos) != 1:
         raise ConfigError(f"--generate {spec!r}: sglang needs one source chain like "
@@ -179,7 +178,7 @@ def sglang_trace(spec: str, pos: list[str], kv: dict[str, str]) -> Trace:
     if o["mode"] not in ("switch", "interp"):
         raise ConfigError(f"--generate {spec!r}: mode={o['mode']}: must be switch or interp")
     names = [s.strip() for s in pos[0].split("->")]
-    dists = [read_static_loads(_resolve(n, o["dir"])) for n in names]
+    dists = [read_static_loads(_resolve(spec, n, o["dir"] or data_dir)) for n in names]
     shapes = {d.shape for d in dists}
     if len(shapes) != 1:
         raise InputFileError(f"--generate {spec!r}: files differ in shape: "
@@ -199,8 +198,9 @@ def sglang_trace(spec: str, pos: list[str], kv: dict[str, str]) -> Trace:
     return Trace(loads, {"generator": "sglang", "spec": spec, "files": names, **o})
 
 
-def generate(spec: str) -> Trace:
-    """Build a trace from a ``--generate`` spec (see module docstring)."""
+def generate(spec: str, *, data_dir: str | Path | None = None) -> Trace:
+    """Build a trace from a ``--generate`` spec (see module docstring); ``data_dir``: where
+    ``sglang`` source names without a suffix are looked up when the spec has no ``dir=``."""
     kind, pos, kv = parse_spec(spec)
     if kind == "zipf":
         if pos:
@@ -208,5 +208,5 @@ def generate(spec: str) -> Trace:
                               f"only key=value items)")
         return zipf_trace(spec, kv)
     if kind == "sglang":
-        return sglang_trace(spec, pos, kv)
+        return sglang_trace(spec, pos, kv, data_dir)
     raise ConfigError(f"--generate {spec!r}: unknown kind '{kind}' (one of zipf, sglang)")

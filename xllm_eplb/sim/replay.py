@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from xllm_eplb.config import EplbConfig
+from xllm_eplb.eplb import counters as counter_format
 from xllm_eplb.eplb.balance import balancedness
 from xllm_eplb.eplb.info import NO_LAYER
 from xllm_eplb.eplb.manager import EplbManager
@@ -117,7 +118,7 @@ def replay(trace: Trace, cfg: EplbConfig, opts: ReplayOptions | None = None) -> 
             before = workers.placement[info.update_layer_id].copy() \
                 if info.update_layer_id != NO_LAYER else None
             cnt = workers.counters(load)
-            rank_eplb[t] = np.stack([c[:, -1] for c in cnt], axis=1)
+            rank_eplb[t] = np.stack([counter_format.totals(c) for c in cnt], axis=1)
             rank_static[t] = rank_totals(slot_counts(load, static), ep)
             tokens, act = workers.after_forward(info)
             if before is not None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from xllm_eplb.eplb import counters as counter_format
 from xllm_eplb.eplb.info import NO_LAYER, NO_TOKEN, EplbInfo
 
 
@@ -91,7 +92,7 @@ class SimWorkers:
     def counters(self, logical: np.ndarray) -> list[np.ndarray]:
         """This forward's per-rank prefix-sum counters ``[layers, slots]`` for a logical load."""
         per_slot = slot_counts(np.asarray(logical, dtype=np.int64), self.placement)
-        pr = np.cumsum(per_slot.reshape(per_slot.shape[0], self.ep_size, self.slots), axis=2)
+        pr = counter_format.encode(per_slot.reshape(per_slot.shape[0], self.ep_size, self.slots))
         return [pr[:, r, :] for r in range(self.ep_size)]
 
     def after_forward(self, info: EplbInfo) -> tuple[list[int], int]:

@@ -1,6 +1,7 @@
 """Process groups of one worker: backend choice, the EP group and a separate EPLB group.
 
-- backend ``auto`` picks gloo (device=cpu), nccl (cuda) or hccl (npu, via torch_npu);
+- backend ``auto`` picks gloo (device=cpu), nccl (cuda) or hccl (npu, via torch_npu): the rule
+  is ``config.resolve_backend``;
 - the EP group is the default world group (one process per EP rank; dispatch/combine run on it);
 - the EPLB group is a second group over the same ranks (``dist.new_group``) used only for
   expert-weight moves, so P2P transfers never interleave with the MoE all_to_alls.
@@ -19,11 +20,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from xllm_eplb.config import Config
+from xllm_eplb.config import Config, resolve_backend
 from xllm_eplb.errors import ConfigError
-
-BACKEND_FOR_DEVICE = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
-DEVICES_FOR_BACKEND = {"gloo": ("cpu",), "nccl": ("cuda",), "hccl": ("npu",)}
+from xllm_eplb.model.validate import validate_model_config
 
 
 @dataclass
@@ -34,20 +33,6 @@ class CommGroups:
     device: torch.device
     ep_group: object      # the default (world) group
     eplb_group: object    # separate group for weight moves
-
-
-def resolve_backend(device: str, backend: str) -> str:
-    """``backend`` with auto resolved; ConfigError if it cannot drive ``device``."""
-    if device not in BACKEND_FOR_DEVICE:
-        raise ConfigError(f"device={device!r} must be one of {sorted(BACKEND_FOR_DEVICE)}")
-    if backend == "auto":
-        return BACKEND_FOR_DEVICE[device]
-    if backend not in DEVICES_FOR_BACKEND:
-        raise ConfigError(f"backend={backend!r} must be auto, gloo, nccl or hccl")
-    if device not in DEVICES_FOR_BACKEND[backend]:
-        raise ConfigError(f"backend={backend} cannot drive device={device} "
-                          f"(use backend=auto or {BACKEND_FOR_DEVICE[device]})")
-    return backend
 
 
 def check_device(device: str) -> None:
@@ -74,8 +59,6 @@ def device_for_rank(device: str, rank: int) -> torch.device:
 
 def preflight(cfg: Config, world_size: int | None = None) -> str:
     """All user-input checks that must precede any process group. Returns the backend."""
-    from xllm_eplb.model.validate import validate_model_config
-
     rt = cfg.runtime
     backend = resolve_backend(rt.device, rt.backend)
     if world_size is not None and world_size != cfg.eplb.ep_size:

@@ -1,4 +1,4 @@
-"""`EplbExecutor`: the worker side of one rebalance (xLLM's EplbExecutor, spec section 5).
+"""`EplbExecutor`: the worker side of one rebalance (after xLLM's EplbExecutor).
 
 Per forward step, on the worker's main thread::
 
@@ -13,14 +13,16 @@ placement the activation leaves behind. The ready token holds the latest success
 and is read-and-cleared; a failed prepare is logged and never reported (the manager's timeout
 aborts the layer).
 
-Heartbeats in ``stats()`` (wall-clock seconds of ``clock``): ``heartbeat_ts`` = the prepare
-thread's last wake-up (a task or its ``eplb_heartbeat_seconds`` timeout); ``p2p_heartbeat_ts`` =
-the P2P path's last ``after_forward``: an activation's transfer + switch finished, or checked with
-nothing pending (the main thread passes there every step).
+``stats()`` is an :class:`~xllm_eplb.ipc.records.ExecutorStats` (it travels in every
+``ForwardOutput.heartbeat``). Its heartbeats are wall-clock seconds of ``clock``: ``heartbeat_ts``
+= the prepare thread's last wake-up (a task or its ``eplb_heartbeat_seconds`` timeout);
+``p2p_heartbeat_ts`` = the P2P path's last ``after_forward``: an activation's transfer + switch
+finished, or checked with nothing pending (the main thread passes there every step).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import threading
@@ -30,14 +32,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from xllm_eplb.eplb.info import NO_LAYER, NO_TOKEN, EplbInfo
+from xllm_eplb.ipc.records import ExecutorStats
 from xllm_eplb.obs.logs import event
+from xllm_eplb.worker.migration import ModelEplbHooks, MoveStats
 
 log = logging.getLogger(__name__)
-
-STAT_KEYS = ("prepares_ok", "prepares_failed", "activations", "last_prepare_ms",
-             "last_materialize_ms", "last_transfer_ms", "last_activation_ms", "last_total_ms",
-             "p2p_bytes_total", "p2p_ops_total", "slots_changed_total", "last_slots_changed",
-             "last_update_layer", "heartbeat_ts", "p2p_heartbeat_ts")
 
 
 @dataclass
@@ -49,7 +48,8 @@ class _Task:
 
 class EplbExecutor:
     """``hooks``: a :class:`~xllm_eplb.worker.migration.ModelEplbHooks` (or anything with the
-    same four methods). ``clock``: wall clock for the heartbeat timestamp."""
+    same four methods, ``update_expert_weight`` returning a ``MoveStats``). ``clock``: wall
+    clock for the heartbeat timestamp."""
 
     def __init__(self, hooks, cfg, *, clock=time.time):
         self.hooks = hooks
@@ -60,9 +60,7 @@ class EplbExecutor:
         self._ready_token = NO_TOKEN
         self._pending_update = NO_LAYER
         self._deferred: _Task | None = None
-        self._stats = {k: 0 for k in STAT_KEYS}
-        self._stats.update(last_update_layer=NO_LAYER, heartbeat_ts=clock(),
-                           p2p_heartbeat_ts=clock())
+        self._stats = ExecutorStats(heartbeat_ts=clock(), p2p_heartbeat_ts=clock())
         self._since = {"ok": 0, "failed": 0}
         self._buckets_seen = dict(getattr(hooks, "bucket_totals", {}))
         self._closed = False
@@ -96,27 +94,29 @@ class EplbExecutor:
     def after_forward(self) -> None:
         if self._pending_update == NO_LAYER:
             with self._lock:                        # checked: no transfer in flight
-                self._stats["p2p_heartbeat_ts"] = self._clock()
+                self._stats.p2p_heartbeat_ts = self._clock()
             return
         layer, self._pending_update = self._pending_update, NO_LAYER
         st = self.hooks.update_expert_weight(layer)
         with self._lock:
-            s = self._stats
-            s["p2p_heartbeat_ts"] = self._clock()
-            s["activations"] += 1
-            s["last_update_layer"] = layer
-            if isinstance(st, dict):
-                s["last_materialize_ms"] = float(st.get("materialize_ms", 0.0))
-                s["last_transfer_ms"] = float(st.get("transfer_ms", 0.0))
-                s["last_activation_ms"] = float(st.get("activation_ms", 0.0))
-                s["last_total_ms"] = float(st.get("total_ms", 0.0))
-                s["last_slots_changed"] = int(st.get("changed_slots", 0))
-                s["slots_changed_total"] += int(st.get("changed_slots", 0))
-                s["p2p_bytes_total"] += int(st.get("p2p_bytes", 0))
-                s["p2p_ops_total"] += int(st.get("p2p_operations", 0))
+            self._count_move(layer, st)
         if self._deferred is not None:
             self._tasks.put(self._deferred)
             self._deferred = None
+
+    def _count_move(self, layer: int, st: MoveStats) -> None:
+        s = self._stats
+        s.p2p_heartbeat_ts = self._clock()
+        s.activations += 1
+        s.last_update_layer = layer
+        s.last_materialize_ms = st.materialize_ms
+        s.last_transfer_ms = st.transfer_ms
+        s.last_activation_ms = st.activation_ms
+        s.last_total_ms = st.total_ms
+        s.last_slots_changed = st.changed_slots
+        s.slots_changed_total += st.changed_slots
+        s.p2p_bytes_total += st.p2p_bytes
+        s.p2p_ops_total += st.p2p_operations
 
     def consume_ready_token(self) -> int:
         """The latest successful prepare token, exactly once; -1 if none since the last call."""
@@ -124,11 +124,11 @@ class EplbExecutor:
             t, self._ready_token = self._ready_token, NO_TOKEN
             return t
 
-    def stats(self) -> dict:
+    def stats(self) -> ExecutorStats:
+        """A copy of the counters, ``queued`` filled in."""
         with self._lock:
-            out = dict(self._stats)
-        out["queued"] = self._tasks.qsize() + (self._deferred is not None)
-        return out
+            return dataclasses.replace(self._stats, queued=self._tasks.qsize()
+                                       + (self._deferred is not None))
 
     def close(self, timeout: float = 5.0) -> None:
         if self._closed:
@@ -156,7 +156,7 @@ class EplbExecutor:
             if task.layer != NO_LAYER:
                 self._run(task)
             with self._lock:
-                self._stats["heartbeat_ts"] = self._clock()
+                self._stats.heartbeat_ts = self._clock()
             if time.monotonic() >= next_beat:
                 self._heartbeat()
                 next_beat = time.monotonic() + self.heartbeat_s
@@ -173,13 +173,13 @@ class EplbExecutor:
             ok, err = False, f"{type(exc).__name__}: {exc}"
         ms = (time.perf_counter() - t0) * 1e3
         with self._lock:
-            self._stats["last_prepare_ms"] = ms
+            self._stats.last_prepare_ms = ms
             if ok:
                 self._ready_token = task.token
-                self._stats["prepares_ok"] += 1
+                self._stats.prepares_ok += 1
                 self._since["ok"] += 1
             else:
-                self._stats["prepares_failed"] += 1
+                self._stats.prepares_failed += 1
                 self._since["failed"] += 1
         if ok:
             log.info(event("prepare_expert_weight", layer=task.layer, token=task.token,
@@ -193,7 +193,7 @@ class EplbExecutor:
         with self._lock:
             ok, failed = self._since["ok"], self._since["failed"]
             self._since = {"ok": 0, "failed": 0}
-            last = self._stats["last_prepare_ms"]
+            last = self._stats.last_prepare_ms
         log.info(event("EPLB heartbeat executor_thread", tasks_ok_since_last=ok,
                        tasks_failed_since_last=failed, last_prepare_ms=float(last),
                        queued=self._tasks.qsize()))
@@ -218,10 +218,8 @@ class NullExecutor:
     def consume_ready_token(self) -> int:
         return NO_TOKEN
 
-    def stats(self) -> dict:
-        out = {k: 0 for k in STAT_KEYS}
-        out.update(last_update_layer=NO_LAYER, queued=0)
-        return out
+    def stats(self) -> ExecutorStats:
+        return ExecutorStats()              # no thread, no P2P path: heartbeats stay 0
 
     def close(self, timeout: float = 5.0) -> None:
         pass
@@ -233,8 +231,6 @@ def make_executor(model, eplb_group, cfg, *, canary: bool | None = None):
     if not cfg.eplb.enable_eplb:
         log.info(event("EPLB executor", mode="off", thread=False, staging=False))
         return NullExecutor()
-    from xllm_eplb.worker.migration import ModelEplbHooks
-
     ex = EplbExecutor(ModelEplbHooks(model, eplb_group, cfg, canary=canary), cfg)
     log.info(event("EPLB executor", mode="on", thread=True, staging=True))
     return ex

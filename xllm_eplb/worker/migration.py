@@ -1,6 +1,7 @@
 """Model EPLB hooks: prepare, transfer and activate a new placement of one MoE layer in place.
 
-Per rank, per layer move (xLLM's DSV4 path, spec section 8):
+Per rank, per layer move (the order of xLLM's DeepSeek V4 path; the old weights and tables
+serve until step 3):
 
 1. ``prepare_expert_weight(layer, expert_ids)`` — background thread, host-only: the pending
    local slot table, pending ``log2phy``, changed slots, local sources and the P2P plan.
@@ -16,6 +17,7 @@ The forward between 2 and 3 still runs on the old weights and tables.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -41,6 +43,28 @@ log = logging.getLogger(__name__)
 
 class EplbCanaryError(RuntimeError):
     """A slot holds weights of another expert/layer than its table says (a migration bug)."""
+
+
+@dataclass
+class MoveStats:
+    """The numbers of one layer's move on one rank (``update_expert_weight``'s result, also its
+    ``update_expert_weight`` log line). Times in ms, sizes in slots, operations and bytes."""
+
+    layer: int
+    rank: int
+    dispatch_mode: str
+    tensor_count: int
+    changed_slots: int
+    activation_mode: str            # "full" (one whole-tensor copy) or "slots"
+    recv_slots: int
+    send_slots: int
+    p2p_operations: int
+    p2p_bytes: int
+    materialize_ms: float
+    post_ms: float
+    transfer_ms: float              # waiting for the P2P transfer to finish
+    activation_ms: float
+    total_ms: float
 
 
 @dataclass
@@ -217,7 +241,7 @@ class ModelEplbHooks:
                         duration_ms=pending.materialize_ms))
 
     # ---- 3. update (main thread, after the forward) ------------------------------------------
-    def update_expert_weight(self, layer: int) -> dict:
+    def update_expert_weight(self, layer: int) -> MoveStats:
         """Wait for P2P, activate in place, switch the tables; returns the move's numbers."""
         moe = self._layer(layer)
         with self._lock:
@@ -243,17 +267,16 @@ class ModelEplbHooks:
             self.check_canary(layer)
         with self._lock:
             self._pending.pop(layer, None)
-        stats = dict(layer=layer, rank=self.rank, dispatch_mode=self.dispatch_mode,
-                     tensor_count=len(self._names[layer]), changed_slots=len(plan.changed),
-                     activation_mode="full" if pending.full else "slots",
-                     recv_slots=len(plan.recv), send_slots=len(plan.send),
-                     p2p_operations=pending.p2p_ops, p2p_bytes=pending.p2p_bytes,
-                     materialize_ms=pending.materialize_ms, post_ms=pending.post_ms,
-                     transfer_ms=wait_s * 1e3,
-                     activation_ms=activation_ms,
-                     total_ms=pending.materialize_ms + pending.post_ms + wait_s * 1e3
-                     + activation_ms)
-        log.info(event("update_expert_weight", **stats))
+        stats = MoveStats(layer=layer, rank=self.rank, dispatch_mode=self.dispatch_mode,
+                          tensor_count=len(self._names[layer]), changed_slots=len(plan.changed),
+                          activation_mode="full" if pending.full else "slots",
+                          recv_slots=len(plan.recv), send_slots=len(plan.send),
+                          p2p_operations=pending.p2p_ops, p2p_bytes=pending.p2p_bytes,
+                          materialize_ms=pending.materialize_ms, post_ms=pending.post_ms,
+                          transfer_ms=wait_s * 1e3, activation_ms=activation_ms,
+                          total_ms=pending.materialize_ms + pending.post_ms + wait_s * 1e3
+                          + activation_ms)
+        log.info(event("update_expert_weight", **dataclasses.asdict(stats)))
         return stats
 
     def _switch_tables(self, moe, pending: PendingLayer) -> None:

@@ -6,7 +6,8 @@ each stage to the launcher. Loop, one iteration per engine step::
 
     msg = input_ring.get()                       # ForwardInput (every rank reads every step)
     executor.before_forward(msg.eplb_info)       # start P2P of update_layer_id, queue prepare
-    result = model.forward_step(msg.batches[rank], warmup=..., pure_decode=...)
+    result = model.forward_step(msg.batches[rank], warmup=msg.warmup,
+                                pure_decode=msg.pure_decode)   # the engine's step flag
     executor.after_forward()                     # wait P2P, activate in place
     output_ring.put(ForwardOutput(...))          # counters, tokens, sampled, timings
 
@@ -24,10 +25,20 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+import torch.distributed as dist
+
 from xllm_eplb.child import child_exit, child_setup, parent_alive, send_event
 from xllm_eplb.config import Config
 from xllm_eplb.eplb.info import NO_LAYER, NO_TOKEN
+from xllm_eplb.ipc.errors import RingTimeoutError
+from xllm_eplb.ipc.messages import ForwardOutput
+from xllm_eplb.ipc.records import StepTimings, WorkerHeartbeat
+from xllm_eplb.ipc.ring import InputRing, OutputRing
+from xllm_eplb.model.transformer import MoETransformer
 from xllm_eplb.obs.logs import event, setup_logging
+from xllm_eplb.worker import comm
+from xllm_eplb.worker.executor import make_executor
 
 log = logging.getLogger(__name__)
 
@@ -46,13 +57,12 @@ def _setup_logs(cfg: Config, rank: int) -> None:
     root.addHandler(console)
 
 
-def forward_timings(model_timings: dict) -> dict[str, float]:
-    """``StepResult.timings`` -> flat ``ForwardOutput.timings``: the per-MoE-layer list
-    ``expert_cpu_s`` [L_moe] becomes ``xc<l>`` keys (what the engine's telemetry reads)."""
-    out = {k: float(v) for k, v in model_timings.items() if k != "expert_cpu_s"}
-    for i, s in enumerate(model_timings.get("expert_cpu_s", ())):
-        out[f"xc{i}"] = float(s)
-    return out
+def step_timings(model_timings: dict, *, step_s: float, cpu_s: float,
+                 eplb_s: float) -> StepTimings:
+    """The worker's seconds plus the model's per-MoE-layer expert CPU list
+    (``StepResult.timings["expert_cpu_s"]`` [L_moe], required) -> ``ForwardOutput.timings``."""
+    return StepTimings(step_s=step_s, cpu_s=cpu_s, eplb_s=eplb_s,
+                       expert_cpu_s=[float(s) for s in model_timings["expert_cpu_s"]])
 
 
 class Worker:
@@ -64,10 +74,6 @@ class Worker:
         self.device = None
 
     def start(self) -> None:
-        import torch
-
-        from xllm_eplb.ipc.ring import InputRing, OutputRing
-
         torch.set_num_threads(1)
         rid, who = self.cfg.runtime.run_id, f"ep{self.rank}"
         self.inp = InputRing.attach(rid, reader_index=self.rank, timeout=ATTACH_TIMEOUT)
@@ -78,8 +84,6 @@ class Worker:
         send_event(self.events, who, "model")
 
     def _init_dist(self):
-        from xllm_eplb.worker import comm
-
         # NOTE: rendezvous waits for all ranks; 17 processes start slowly on 2 cores.
         g = comm.init_groups(self.cfg, self.rank, self.cfg.eplb.ep_size,
                              timeout_s=max(120.0, self.cfg.runtime.worker_timeout_seconds))
@@ -87,17 +91,12 @@ class Worker:
         return g.ep_group, g.eplb_group
 
     def _build(self, ep_group, eplb_group) -> None:
-        from xllm_eplb.model.transformer import MoETransformer
-        from xllm_eplb.worker.executor import make_executor
-
         self.model = MoETransformer(self.cfg, self.rank, ep_group, device=self.device)
         self.executor = make_executor(self.model, eplb_group, self.cfg)
 
     # --- loop ------------------------------------------------------------------------------
     def next_input(self):
         """Block for the next ForwardInput; None when the launcher is gone."""
-        from xllm_eplb.ipc.errors import RingTimeoutError
-
         while True:
             try:
                 return self.inp.get(timeout=POLL_SECONDS)
@@ -123,8 +122,6 @@ class Worker:
 
     def step(self, msg):
         """One forward; exceptions become ``ForwardOutput.error`` (the run then stops)."""
-        from xllm_eplb.ipc.messages import ForwardOutput
-
         try:
             return self._forward(msg)
         except Exception as e:  # noqa: BLE001 - reported to the engine, then exit
@@ -133,34 +130,24 @@ class Worker:
                                  error=f"rank {self.rank}: {type(e).__name__}: {e}")
 
     def _forward(self, msg):
-        from xllm_eplb.ipc.messages import ForwardOutput
-
         batch, info = msg.batches[self.rank], msg.eplb_info
-        busy = [b for b in msg.batches if not b.is_empty]
-        pure = bool(busy) and all(b.is_pure_decode for b in busy)
         c0, t0 = time.thread_time(), time.perf_counter()
         self.executor.before_forward(info)
         c1 = time.thread_time()
-        res = self.model.forward_step(batch, warmup=msg.warmup, pure_decode=pure)
+        res = self.model.forward_step(batch, warmup=msg.warmup, pure_decode=msg.pure_decode)
         c2 = time.thread_time()
         self.executor.after_forward()
         ready = self.executor.consume_ready_token()
         c3 = time.thread_time()
         act = info.activation_token if info.update_layer_id != NO_LAYER else NO_TOKEN
-        timings = forward_timings(res.timings)
         # eplb_s: main-thread CPU of the executor hooks (the EPLB cost of this step)
-        timings.update(step_s=time.perf_counter() - t0, cpu_s=c3 - c0,
-                       eplb_s=(c1 - c0) + (c3 - c2))
+        timings = step_timings(res.timings, step_s=time.perf_counter() - t0, cpu_s=c3 - c0,
+                               eplb_s=(c1 - c0) + (c3 - c2))
         return ForwardOutput(step=msg.step, rank=self.rank, counters=res.counters,
                              prepared_token=ready,
                              activation_token=act, sampled=res.sampled, timings=timings,
-                             heartbeat=self._heartbeat(), error=None)
-
-    def _heartbeat(self) -> dict:
-        st = self.executor.stats()
-        hb = {k: v for k, v in st.items() if isinstance(v, (int, float))}
-        hb["ts"] = time.time()
-        return hb
+                             heartbeat=WorkerHeartbeat(time.time(), self.executor.stats()),
+                             error=None)
 
     def close(self) -> None:
         """Executor thread, process groups, rings: each closed once, errors ignored."""
@@ -170,8 +157,6 @@ class Worker:
                 self.executor.close()
         t.append(time.perf_counter())
         with contextlib.suppress(Exception):
-            import torch.distributed as dist
-
             if dist.is_initialized():
                 dist.destroy_process_group()
         t.append(time.perf_counter())

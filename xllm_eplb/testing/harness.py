@@ -15,14 +15,11 @@ from dataclasses import replace
 import numpy as np
 
 from xllm_eplb.config import Config
+from xllm_eplb.engine.scheduler import is_pure_decode_step
 from xllm_eplb.model.batch import RankBatch
 from xllm_eplb.model.transformer import MoETransformer, StepResult
-
-
-def step_pure_decode(batches: list[RankBatch]) -> bool:
-    """The engine's step-level flag: some batch non-empty and every non-empty one pure decode."""
-    nonempty = [b for b in batches if not b.is_empty]
-    return bool(nonempty) and all(b.is_pure_decode for b in nonempty)
+from xllm_eplb.testing.dist import run_ranks
+from xllm_eplb.worker.comm import groups_from_world
 
 
 def _np(res: StepResult) -> StepResult:
@@ -40,14 +37,12 @@ def run_steps(model: MoETransformer, steps: list[list[RankBatch]], rank: int,
             for ml, fm in enumerate(model.moe_layers):
                 fm.load_placement(np.asarray(switch[t])[ml])
         out.append(_np(model.forward_step(batches[rank], warmup=t in warmup_steps,
-                                          pure_decode=step_pure_decode(batches),
+                                          pure_decode=is_pure_decode_step(batches),
                                           return_logits=True, return_routing=True)))
     return out
 
 
 def _rank_program(rank: int, world: int, cfgs: list[Config], steps, phy2log, switch, warmup):
-    from xllm_eplb.worker.comm import groups_from_world
-
     groups = groups_from_world(cfgs[0])
     results = []
     for cfg in cfgs:
@@ -64,8 +59,6 @@ def run_sharded(cfgs: Config | list[Config], steps: list[list[RankBatch]], *,
                 warmup_steps: tuple = (), timeout: float = 120.0) -> list[list[dict]]:
     """-> ``out[variant][rank]`` = {"results": [StepResult per step], "bad_tags": per-layer
     canary failures, "kv_requests": open KV entries at the end}."""
-    from xllm_eplb.testing.dist import run_ranks
-
     cfgs = [cfgs] if isinstance(cfgs, Config) else list(cfgs)
     world = cfgs[0].eplb.ep_size
     if any(c.eplb.ep_size != world for c in cfgs):

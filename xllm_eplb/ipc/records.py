@@ -1,0 +1,119 @@
+"""Typed records a worker reports in every ``ForwardOutput``: step timings and its heartbeat.
+
+Each record is a dataclass of plain fields (int, float, str, list[float] or another record).
+``to_dict()`` gives the msgpack map (field name -> value); ``from_dict(d)`` checks it exactly: a
+missing, unknown (e.g. renamed) or wrongly typed field raises :class:`MessageError` naming the
+record and the field, so no reader ever sees a silent 0.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import typing
+from dataclasses import dataclass, field
+
+from xllm_eplb.eplb.info import NO_LAYER
+from xllm_eplb.ipc.errors import MessageError
+
+
+class Record:
+    """Mixin of the typed records: exact ``to_dict`` / ``from_dict`` over the dataclass fields."""
+
+    def to_dict(self) -> dict:
+        return {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self)}
+
+    @classmethod
+    def from_dict(cls, d) -> Record:
+        name = cls.__name__
+        if not isinstance(d, dict):
+            raise MessageError(f"{name}: {type(d).__name__} where a map was expected")
+        hints = _hints(cls)
+        names = [f.name for f in dataclasses.fields(cls)]
+        missing = [n for n in names if n not in d]
+        unknown = sorted(str(k) for k in d if k not in hints)
+        if missing or unknown:
+            raise MessageError(f"{name}: fields missing {missing}, unknown {unknown} "
+                               f"(worker and engine of different builds?)")
+        return cls(**{n: _typed(f"{name}.{n}", d[n], hints[n]) for n in names})
+
+
+@functools.lru_cache(maxsize=None)
+def _hints(cls: type) -> dict:
+    return typing.get_type_hints(cls)
+
+
+def _plain(v):
+    """msgpack-ready value: records -> maps, numpy scalars -> Python numbers."""
+    if isinstance(v, Record):
+        return v.to_dict()
+    if isinstance(v, (list, tuple)):
+        return [_plain(x) for x in v]
+    return v.item() if hasattr(v, "item") and not isinstance(v, (int, float, str)) else v
+
+
+def _typed(where: str, v, typ):
+    if isinstance(typ, type) and issubclass(typ, Record):
+        return typ.from_dict(v)
+    if typ is float and isinstance(v, (int, float)) and not isinstance(v, bool):
+        return float(v)
+    if typ in (int, str) and isinstance(v, typ) and not isinstance(v, bool):
+        return v
+    if typing.get_origin(typ) is list and isinstance(v, list):
+        (item,) = typing.get_args(typ)
+        return [_typed(f"{where}[{i}]", x, item) for i, x in enumerate(v)]
+    raise MessageError(f"field {where}={v!r:.60}: must be {getattr(typ, '__name__', typ)}")
+
+
+@dataclass
+class StepTimings(Record):
+    """One rank's timings of one step, seconds.
+
+    ``step_s``: wall clock of the whole worker step; ``cpu_s``: its main-thread CPU;
+    ``eplb_s``: main-thread CPU of the executor hooks (the EPLB cost of the step);
+    ``expert_cpu_s`` [L_moe]: per MoE layer, the local expert compute thread CPU (the model's
+    ``StepResult.timings["expert_cpu_s"]``; the engine's critical path is built from it).
+    """
+
+    step_s: float = 0.0
+    cpu_s: float = 0.0
+    eplb_s: float = 0.0
+    expert_cpu_s: list[float] = field(default_factory=list)
+
+
+@dataclass
+class ExecutorStats(Record):
+    """The EPLB executor's counters on one rank (``EplbExecutor.stats()``; EPLB off: zeros).
+
+    Heartbeats are wall-clock seconds; 0 means the component does not exist (null executor).
+    """
+
+    # prepares: cumulative counts, the last one's duration
+    prepares_ok: int = 0
+    prepares_failed: int = 0
+    last_prepare_ms: float = 0.0
+    # activations: cumulative
+    activations: int = 0
+    p2p_bytes_total: int = 0
+    p2p_ops_total: int = 0
+    slots_changed_total: int = 0
+    # the last activation (from its MoveStats), ms and slots
+    last_materialize_ms: float = 0.0
+    last_transfer_ms: float = 0.0
+    last_activation_ms: float = 0.0
+    last_total_ms: float = 0.0
+    last_slots_changed: int = 0
+    last_update_layer: int = NO_LAYER       # -1: none yet
+    # heartbeats: the prepare thread's last wake-up; the P2P path's last after_forward
+    heartbeat_ts: float = 0.0
+    p2p_heartbeat_ts: float = 0.0
+    queued: int = 0                         # prepares waiting (queued or deferred)
+
+
+@dataclass
+class WorkerHeartbeat(Record):
+    """``ts``: wall-clock seconds when the worker built the output (0 = no heartbeat);
+    ``executor``: its executor's counters at that moment."""
+
+    ts: float = 0.0
+    executor: ExecutorStats = field(default_factory=ExecutorStats)
