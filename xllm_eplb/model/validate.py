@@ -18,7 +18,7 @@ def validate_model_config(cfg: Config) -> None:
     if m.num_experts_per_tok > m.num_experts:
         raise ConfigError(f"num_experts_per_tok={m.num_experts_per_tok} is larger than "
                           f"num_experts={m.num_experts}")
-    if m.hidden_size % m.num_attention_heads:
+    if not m.model and m.hidden_size % m.num_attention_heads:
         raise ConfigError(f"hidden_size={m.hidden_size} is not divisible by "
                           f"num_attention_heads={m.num_attention_heads}")
     if m.first_k_dense_replace >= m.num_layers:
