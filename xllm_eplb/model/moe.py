@@ -84,8 +84,13 @@ class FusedMoE:
         if p.shape != (self.ep_size * self.slots_per_rank,):
             raise ValueError(f"layer {self.layer_id}: phy2log has shape {p.shape}, expected "
                              f"({self.ep_size * self.slots_per_rank},)")
+        first: dict[int, int] = {}
         for s, e in enumerate(self.local_slice(p).tolist()):
-            w = self.source(self.layer_id, e)
+            if e in first:                  # a second local replica: copy, do not re-read
+                w = {"w13": self.w13[first[e]], "w2": self.w2[first[e]]}
+            else:
+                first[e] = s
+                w = self.source(self.layer_id, e)
             self.w13[s].copy_(w["w13"])
             self.w2[s].copy_(w["w2"])
             self.csum[s] = checksum(self.w13[s], self.w2[s])
