@@ -164,6 +164,7 @@ class HfTokenizer(Tokenizer):
             why = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
             raise TokenizerError(f"{path}: cannot load tokenizer ({why})") from None
         self.size = self.raw.get_vocab_size(with_added_tokens=True)
+        self.num_text_tokens = self.raw.get_vocab_size(with_added_tokens=False)
         self.special = {k: _token_text(f.tok_cfg.get(k)) for k in
                         ("bos_token", "eos_token", "unk_token", "pad_token")}
         self.bos_id = self._special_id("bos_token", f) if self.special["bos_token"] else None
