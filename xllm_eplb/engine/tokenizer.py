@@ -200,6 +200,8 @@ class HfTokenizer(Tokenizer):
         """The rendered prompt (it holds the template's BOS: encode it without special tokens)."""
         if self._compiled is None:
             raise TokenizerError(f"{self.name}: this tokenizer has no chat template")
+        if not messages:
+            raise TokenizerError("messages: empty (a chat needs at least one message)")
         import jinja2
 
         try:
