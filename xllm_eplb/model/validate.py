@@ -14,7 +14,9 @@ def validate_model_config(cfg: Config) -> None:
     if e.ep_size is None or e.ep_size < 2:
         raise ConfigError(f"ep_size={e.ep_size} must be > 1")
     if m.num_experts % e.ep_size:
-        raise ConfigError(f"num_experts={m.num_experts} is not divisible by ep_size={e.ep_size}")
+        where = f"{m.model}/config.json: routed experts " if m.model else ""
+        raise ConfigError(f"{where}num_experts={m.num_experts} is not divisible by "
+                          f"ep_size={e.ep_size} (every EP rank holds E/ep_size experts)")
     if m.num_experts_per_tok > m.num_experts:
         raise ConfigError(f"num_experts_per_tok={m.num_experts_per_tok} is larger than "
                           f"num_experts={m.num_experts}")
