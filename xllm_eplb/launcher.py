@@ -328,8 +328,10 @@ def backend_name(cfg: Config) -> str:
 
 def serve(cfg: Config, digest: str = "") -> int:
     """Run until a signal or a failure; returns the process exit code."""
+    from xllm_eplb.model.resolve import resolve_config
     from xllm_eplb.worker.comm import preflight
 
+    cfg = resolve_config(cfg)  # --model: the checkpoint's architecture fields, before any use
     preflight(cfg)  # device / backend / model checks before anything starts
     cfg = resolve_runtime(cfg)
     try:

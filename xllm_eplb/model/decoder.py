@@ -258,3 +258,13 @@ class Decoder:
         if extra is not None:
             out = out + extra
         return out, cnt, dt, ids, cpu
+
+
+def build_model(cfg: Config, ep_rank: int, ep_group=None, *, device=None):
+    """The worker's model: a :class:`Decoder` of ``cfg.model.model`` when set, else the built-in
+    toy decoder (``transformer.MoETransformer``)."""
+    if cfg.model.model:
+        return Decoder(cfg, ep_rank, ep_group, device=device)
+    from xllm_eplb.model.transformer import MoETransformer
+
+    return MoETransformer(cfg, ep_rank, ep_group, device=device)

@@ -87,10 +87,10 @@ class Worker:
         return g.ep_group, g.eplb_group
 
     def _build(self, ep_group, eplb_group) -> None:
-        from xllm_eplb.model.transformer import MoETransformer
+        from xllm_eplb.model.decoder import build_model
         from xllm_eplb.worker.executor import make_executor
 
-        self.model = MoETransformer(self.cfg, self.rank, ep_group, device=self.device)
+        self.model = build_model(self.cfg, self.rank, ep_group, device=self.device)
         self.executor = make_executor(self.model, eplb_group, self.cfg)
 
     # --- loop ------------------------------------------------------------------------------
