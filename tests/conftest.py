@@ -22,3 +22,13 @@ def shared_data() -> Path:
     if not path.is_dir() or not any(path.glob("*.json")):
         pytest.skip(f"shared load data not found at {path}")
     return path
+
+
+@pytest.fixture(scope="session")
+def hf_ckpts(tmp_path_factory) -> dict:
+    """One tiny seeded checkpoint per family (per-expert keys), built once per session with
+    transformers: family -> folder."""
+    import hf_util
+
+    root = tmp_path_factory.mktemp("hf_ckpts")
+    return {f: hf_util.build(f, root / f, seed=i) for i, f in enumerate(hf_util.FAMILIES)}

@@ -35,7 +35,7 @@ def test_fused_moe_storage_contract():
     table = initial_phy2log(16, D, 1)
     fm = FusedMoE(cfg, 1, 2, table)
     ts = fm.expert_tensors()
-    assert list(ts) == ["w13", "w2", "tag"] and all(t.shape[0] == S for t in ts.values())
+    assert list(ts) == ["w13", "w2", "tag", "csum"] and all(t.shape[0] == S for t in ts.values())
     assert ts["w13"].shape == (S, 32, 32) and ts["w2"].shape == (S, 32, 16)
     assert ts["tag"].dtype == torch.int64 and fm.check_tags() == []
     ptrs = [t.data_ptr() for t in ts.values()] + [fm.log2phy.data_ptr(),
@@ -58,6 +58,9 @@ def test_fused_moe_storage_contract():
     assert (fm.global_phy2log == new).all() and fm.check_tags() == []
     fm.tag[3, 0] = 99                                          # canary catches a bad slot
     assert fm.check_tags() == [3]
+    assert fm.check_checksums() == [] and ts["csum"].dtype == torch.float64
+    fm.w2[1].copy_(fm.w2[2])                                   # weights that no longer match
+    assert fm.check_checksums() == [1]
     # compute adds its thread CPU seconds; take_compute_cpu reads them once
     fm.compute(torch.ones(6, 32, dtype=fm.w13.dtype), torch.tensor([0, 1, 2, 3, 4, 0]))
     assert fm.compute_cpu_s > 0 and fm.take_compute_cpu() > 0 and fm.compute_cpu_s == 0.0

@@ -101,7 +101,11 @@ class ModelConfig:
                             "top-k from a load trace (benchmarks only)", choices=("model", "trace"))
     routing_trace: str = opt("", "trace-driven routing: path of an SGLang dump / .npy / .npz")
     routing_skew: float = opt(1.0, "strength of the token-cluster/expert-gate alignment", lo=0)
-    dtype: str = opt("float32", "parameter dtype", choices=("float32", "float64", "bfloat16"))
+    model: str = opt("", "Hugging Face checkpoint folder (config.json + *.safetensors) of a "
+                     "deepseek_v3 / qwen3_moe / qwen2_moe / mixtral model; its config.json "
+                     "then sets the architecture fields of this section")
+    dtype: str = opt("auto", "parameter dtype (auto: the checkpoint's, float32 without one)",
+                     choices=("auto", "float32", "float64", "bfloat16", "float16"))
     seed: int = opt(0, "weight-initialisation seed (identical on every rank)", lo=0)
     weights: str = opt("", "optional weight file (.pt state dict) to load instead of seeding")
 

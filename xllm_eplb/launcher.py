@@ -305,6 +305,10 @@ def log_name(who: str) -> str:
 
 def serve(cfg: Config, digest: str = "") -> int:
     """Run until a signal or a failure; returns the process exit code."""
+    # NOTE: imported here, not at the top: the checkpoint resolver pulls in torch/safetensors
+    from xllm_eplb.model.resolve import resolve_config
+
+    cfg = resolve_config(cfg)  # --model: the checkpoint's architecture fields, before any use
     preflight(cfg)  # device / backend / model checks before anything starts
     cfg = resolve_runtime(cfg)
     try:

@@ -3,10 +3,15 @@
 Storage contract (the EPLB migration path relies on it):
 
 - ``w13`` [S, 2I, H] (gate rows then up rows), ``w2`` [S, H, I], ``tag`` [S, 2] int64 =
-  (logical expert id, MoE layer id) — allocated once, never reassigned (stable addresses for
+  (logical expert id, MoE layer id), ``csum`` [S] float64 = :func:`checksum` of the slot's
+  weights taken when they were loaded from the checkpoint — allocated once, never reassigned (stable addresses for
   graph capture); weights move by ``copy_`` / ``index_copy_`` into these tensors.
 - ``expert_tensors()`` returns exactly the per-slot tensors that move with an expert
-  (``w13``, ``w2``, ``tag``; first dim S).
+  (``w13``, ``w2``, ``tag``, ``csum``; first dim S). The canary (``check_tags``,
+  ``check_checksums``) compares the tags with ``local_expert_ids`` and the weights with the
+  checksum that travelled with them.
+- ``source(layer, e) -> {"w13", "w2"}``: where :meth:`load_placement` materialises logical
+  expert ``e`` from (the checkpoint reader; default: the seeded toy weights).
 - ``local_expert_ids`` torch int64 [S] (updated in place), ``global_phy2log`` host numpy int64
   [D*S] (mirror of the active global slot table), ``log2phy`` torch int64 [E] (updated in place):
   logical id -> the global physical slot this rank sends that expert's tokens to.
@@ -44,9 +49,10 @@ class FusedMoE:
     """
 
     def __init__(self, cfg: Config, layer_id: int, ep_rank: int, phy2log: np.ndarray,
-                 device: torch.device | str = "cpu"):
+                 device: torch.device | str = "cpu", source=None):
         m = cfg.model
         self.cfg = cfg
+        self.source = source or (lambda layer, e: expert_weights(cfg, layer, e))
         self.layer_id = int(layer_id)
         self.ep_rank = int(ep_rank)
         self.ep_size = int(cfg.eplb.ep_size)
@@ -59,6 +65,7 @@ class FusedMoE:
         self.w13 = torch.empty((S, 2 * inter, H), dtype=dt, device=self.device)
         self.w2 = torch.empty((S, H, inter), dtype=dt, device=self.device)
         self.tag = torch.empty((S, 2), dtype=torch.int64, device=self.device)
+        self.csum = torch.empty(S, dtype=torch.float64, device=self.device)
         self.local_expert_ids = torch.empty(S, dtype=torch.int64, device=self.device)
         self.log2phy = torch.empty(self.num_logical, dtype=torch.int64, device=self.device)
         self.global_phy2log = np.empty(self.ep_size * S, dtype=np.int64)
@@ -77,10 +84,16 @@ class FusedMoE:
         if p.shape != (self.ep_size * self.slots_per_rank,):
             raise ValueError(f"layer {self.layer_id}: phy2log has shape {p.shape}, expected "
                              f"({self.ep_size * self.slots_per_rank},)")
+        first: dict[int, int] = {}
         for s, e in enumerate(self.local_slice(p).tolist()):
-            w = expert_weights(self.cfg, self.layer_id, e)
+            if e in first:                  # a second local replica: copy, do not re-read
+                w = {"w13": self.w13[first[e]], "w2": self.w2[first[e]]}
+            else:
+                first[e] = s
+                w = self.source(self.layer_id, e)
             self.w13[s].copy_(w["w13"])
             self.w2[s].copy_(w["w2"])
+            self.csum[s] = checksum(self.w13[s], self.w2[s])
             self.tag[s, 0] = e
             self.tag[s, 1] = self.layer_id
         self.activate_table(p)
@@ -98,13 +111,19 @@ class FusedMoE:
 
     def expert_tensors(self) -> dict[str, torch.Tensor]:
         """The per-slot tensors that move with an expert: name -> tensor [S, ...]."""
-        return {"w13": self.w13, "w2": self.w2, "tag": self.tag}
+        return {"w13": self.w13, "w2": self.w2, "tag": self.tag, "csum": self.csum}
 
     def check_tags(self) -> list[int]:
         """Canary: local slots whose tag is not (local_expert_ids[s], layer_id); [] if all good."""
         want = torch.stack([self.local_expert_ids,
                             torch.full_like(self.local_expert_ids, self.layer_id)], dim=1)
         return torch.nonzero((self.tag != want).any(dim=1)).flatten().tolist()
+
+    def check_checksums(self) -> list[int]:
+        """Canary for real weights: local slots whose weights no longer match the checksum
+        that was taken at load and moved with them; [] if all good."""
+        return [s for s in range(self.slots_per_rank)
+                if float(checksum(self.w13[s], self.w2[s])) != float(self.csum[s])]
 
     # ---- compute ---------------------------------------------------------------------------
     def route(self, topk_ids: torch.Tensor) -> torch.Tensor:
@@ -155,6 +174,14 @@ class FusedMoE:
         return out.index_add_(0, slots, counted.to(torch.int64))
 
 
+def checksum(w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """Identity of one expert's weights: float64 scalar (sum |w13| + sum w2^2 + a position-
+    weighted sum, so swapped or shifted experts differ)."""
+    a, b = w13.to(torch.float64), w2.to(torch.float64)
+    ramp = torch.arange(1, a.shape[-1] + 1, dtype=torch.float64, device=a.device)
+    return a.abs().sum() + b.pow(2).sum() + (a * ramp).sum() * 1e-3
+
+
 def expert_ffn(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
     """SwiGLU FFN: x [N, H], w13 [2I, H], w2 [H, I] -> [N, H]."""
     h = x @ w13.t()
@@ -168,8 +195,10 @@ class LogicalMoE:
     ``w13`` [E, 2inter, H], ``w2`` [E, H, I]; same weights as any FusedMoE slot holding the expert.
     """
 
-    def __init__(self, cfg: Config, layer_id: int, device: torch.device | str = "cpu"):
-        ws = [expert_weights(cfg, layer_id, e) for e in range(cfg.model.num_experts)]
+    def __init__(self, cfg: Config, layer_id: int, device: torch.device | str = "cpu",
+                 source=None):
+        src = source or (lambda layer, e: expert_weights(cfg, layer, e))
+        ws = [src(layer_id, e) for e in range(cfg.model.num_experts)]
         self.layer_id = layer_id
         self.num_logical = cfg.model.num_experts
         self.w13 = torch.stack([w["w13"] for w in ws]).to(device)

@@ -125,3 +125,49 @@ class Router:
         ids = np.argsort(-score, axis=1, kind="stable")[:, : self.k]
         w = torch.full((T, self.k), 1.0 / self.k, dtype=xn.dtype, device=xn.device)
         return torch.as_tensor(ids, dtype=torch.int64, device=xn.device), w
+
+
+class FamilyRouter(Router):
+    """Router of a checkpoint's MoE layer (``routing_mode=model``), as its family computes it:
+
+    - softmax (mixtral, qwen2_moe, qwen3_moe): fp32 softmax of ``x @ gate^T`` -> top-k ->
+      renormalised if ``norm_topk_prob`` (mixtral: always);
+    - sigmoid (deepseek_v3), all fp32: ``s = sigmoid(x @ gate^T)``; ``c = s + bias``; group
+      score = sum of the top-2 ``c`` per group, keep ``topk_group`` groups (others -inf); top-k
+      of ``c``; weights = the unbiased ``s`` of the chosen experts, divided by (sum + 1e-20) if
+      ``norm_topk_prob``, times ``routed_scaling_factor``.
+
+    Trace mode is inherited unchanged. Weights come back in x's dtype.
+    """
+
+    def __init__(self, cfg: Config, spec, moe_layer: int, gate: torch.Tensor,
+                 bias: torch.Tensor | None, probs: np.ndarray | None = None):
+        super().__init__(cfg, moe_layer, gate, bias, probs)
+        self.spec = spec
+
+    def __call__(self, xn: torch.Tensor, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.mode == "trace":
+            return self._trace(xn, keys)
+        s = self.spec
+        if s.scoring == "sigmoid":
+            return self._grouped_sigmoid(xn)
+        probs = torch.softmax(torch.nn.functional.linear(xn, self.gate).float(), dim=-1)
+        w, ids = torch.topk(probs, self.k, dim=-1)
+        if s.norm_topk_prob:
+            w = w / w.sum(dim=-1, keepdim=True)
+        return ids, w.to(xn.dtype)
+
+    def _grouped_sigmoid(self, xn: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        s, E = self.spec, self.num_experts
+        scores = torch.nn.functional.linear(xn.float(), self.gate.float()).sigmoid()
+        choice = scores + self.bias.float()
+        if s.n_group > 1 and s.topk_group < s.n_group:
+            g = choice.view(-1, s.n_group, E // s.n_group).topk(2, dim=-1)[0].sum(dim=-1)
+            keep = torch.zeros_like(g).scatter_(1, torch.topk(g, s.topk_group, dim=-1)[1], 1.0)
+            mask = keep.bool().unsqueeze(-1).expand(-1, s.n_group, E // s.n_group).reshape(-1, E)
+            choice = choice.masked_fill(~mask, float("-inf"))
+        ids = torch.topk(choice, self.k, dim=-1)[1]
+        w = scores.gather(1, ids)
+        if s.norm_topk_prob:
+            w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
+        return ids, (w * s.routed_scaling_factor).to(xn.dtype)

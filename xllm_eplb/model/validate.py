@@ -13,11 +13,12 @@ def validate_model_config(cfg: Config) -> None:
     m, e = cfg.model, cfg.eplb
     err = layout_error(m.num_experts, e.ep_size, e.redundant_experts_num)
     if err:
-        raise ConfigError(err)
+        where = f"{m.model}/config.json: " if m.model else ""
+        raise ConfigError(where + err)
     if m.num_experts_per_tok > m.num_experts:
         raise ConfigError(f"num_experts_per_tok={m.num_experts_per_tok} is larger than "
                           f"num_experts={m.num_experts}")
-    if m.hidden_size % m.num_attention_heads:
+    if not m.model and m.hidden_size % m.num_attention_heads:
         raise ConfigError(f"hidden_size={m.hidden_size} is not divisible by "
                           f"num_attention_heads={m.num_attention_heads}")
     if m.first_k_dense_replace >= m.num_layers:

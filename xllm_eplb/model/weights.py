@@ -32,10 +32,12 @@ from xllm_eplb.config import Config
 from xllm_eplb.errors import InputFileError
 from xllm_eplb.model import topics
 
-DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
+          "float16": torch.float16, "auto": torch.float32}
 
 
 def torch_dtype(cfg: Config) -> torch.dtype:
+    """``cfg.model.dtype`` as a torch dtype (``auto`` unresolved: float32)."""
     return DTYPES[cfg.model.dtype]
 
 

@@ -286,7 +286,8 @@ class ModelEplbHooks:
         moe.global_phy2log[:] = pending.new_global
 
     def check_canary(self, layer: int) -> None:
-        """Raise :class:`EplbCanaryError` unless every local slot's tag is (id, layer)."""
+        """Raise :class:`EplbCanaryError` unless every local slot's tag is (id, layer) and its
+        weights match the checksum taken when they were loaded (it moves with them)."""
         moe = self._layer(layer)
         want = torch.stack([moe.local_expert_ids,
                             torch.full_like(moe.local_expert_ids, moe.layer_id)], dim=1)
@@ -297,3 +298,10 @@ class ModelEplbHooks:
                 f"EPLB canary: layer {layer} rank {self.rank} slot {s} holds tag "
                 f"{moe.tag[s].tolist()}, expected [{int(moe.local_expert_ids[s])}, "
                 f"{moe.layer_id}] ({len(bad)} bad slots)")
+        check = getattr(moe, "check_checksums", None)
+        bad = check() if check is not None else []
+        if bad:
+            raise EplbCanaryError(
+                f"EPLB canary: layer {layer} rank {self.rank} slot {bad[0]} holds weights whose "
+                f"checksum differs from the one taken at load for expert "
+                f"{int(moe.local_expert_ids[bad[0]])} ({len(bad)} bad slots)")

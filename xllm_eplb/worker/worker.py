@@ -35,7 +35,7 @@ from xllm_eplb.ipc.errors import RingTimeoutError
 from xllm_eplb.ipc.messages import ForwardOutput
 from xllm_eplb.ipc.records import StepTimings, WorkerHeartbeat
 from xllm_eplb.ipc.ring import InputRing, OutputRing
-from xllm_eplb.model.transformer import MoETransformer
+from xllm_eplb.model.decoder import build_model
 from xllm_eplb.obs.logs import event, setup_logging
 from xllm_eplb.worker import comm
 from xllm_eplb.worker.executor import make_executor
@@ -91,7 +91,7 @@ class Worker:
         return g.ep_group, g.eplb_group
 
     def _build(self, ep_group, eplb_group) -> None:
-        self.model = MoETransformer(self.cfg, self.rank, ep_group, device=self.device)
+        self.model = build_model(self.cfg, self.rank, ep_group, device=self.device)
         self.executor = make_executor(self.model, eplb_group, self.cfg)
 
     # --- loop ------------------------------------------------------------------------------

@@ -1,0 +1,170 @@
+#!/usr/bin/env python3
+"""Speed against transformers: HF ``generate`` vs our single-process forward vs the engine at EP2.
+
+All three run the same generated checkpoint (``make_checkpoint``, deepseek_v3, fp32), the same
+batch of 32 equal-length prompts drawn by the synthetic workload's topic sampler, and greedy
+decoding of ``--new`` tokens with EOS ignored, on this machine in this run:
+
+- ``hf``: ``AutoModelForCausalLM`` (fp32, eager attention, eager experts), ``generate``;
+- ``single``: ``Decoder.reference`` (every expert local, no dispatch), one prefill step then
+  ``new - 1`` decode steps over all 32 rows;
+- ``engine_ep2``: ``xllm-eplb serve --model DIR --ep-size 2`` (EPLB on), 32 concurrent
+  ``/v1/completions`` by token ids; timed from the first request to the last answer.
+
+tokens/s = 32 * new / wall seconds (prompt tokens are not counted). Ratios against ``hf`` are
+reported, and whether each path's greedy tokens equal ``hf``'s. ``hf`` and ``single`` run with
+``--threads`` torch threads (default 1: on a shared 2-core machine 2 threads made HF 50x
+slower, measured). Configs: ``tiny`` (the default
+checkpoint: 4 layers, 64 experts top-4, hidden 64) and ``compute`` (hidden 1024, 4 layers, 16
+experts top-2; skipped by ``--quick``). Targets (issue 12): single >= 1.0x hf; engine_ep2 >=
+0.9x hf at ``compute`` and >= 0.5x at ``tiny``.
+
+    python scripts/bench_hf.py [--quick] [--json PATH] [--new 32] [--configs tiny compute]
+
+Needs the HF-checkpoint engine (``--model``); without it only ``hf`` is measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from hf_util import Server, engine_serves_checkpoints, hf_greedy, hf_model, write_json  # noqa: E402
+
+from xllm_eplb.engine.workload import TopicPrompts, zipf_probs  # noqa: E402
+from xllm_eplb.model.checkpoint import make_checkpoint  # noqa: E402
+
+BATCH = 32
+CONFIGS = {
+    "tiny": {},
+    "compute": dict(hidden_size=1024, num_layers=4, num_experts=16, top_k=2,
+                    moe_intermediate_size=512, intermediate_size=2048, num_heads=16,
+                    q_lora_rank=384, kv_lora_rank=256, qk_nope_head_dim=64,
+                    qk_rope_head_dim=32, v_head_dim=64),
+}
+
+
+def make_prompts(model_dir: Path, n: int, length: int, seed: int = 0) -> list[list[int]]:
+    """``n`` prompts of ``length`` ids, topics by the workload's Zipf(1.2) mix."""
+    tp = TopicPrompts.for_checkpoint(str(model_dir))
+    rng = np.random.default_rng(seed)
+    p = zipf_probs(tp.num_topics, 1.2)
+    return [tp.prompt(int(rng.choice(tp.num_topics, p=p)), length, rng) for _ in range(n)]
+
+
+def bench_hf(model_dir: Path, prompts, new: int) -> tuple[float, list[list[int]]]:
+    model = hf_model(model_dir)
+    hf_greedy(model, prompts[:2], 2)                          # warm-up
+    t0 = time.perf_counter()
+    out = hf_greedy(model, prompts, new)
+    return time.perf_counter() - t0, out
+
+
+def bench_single(model_dir: Path, prompts, new: int) -> tuple[float, list[list[int]]]:
+    from xllm_eplb.flags import config_from_dict
+    from xllm_eplb.model.batch import RankBatch, SeqRow
+    from xllm_eplb.model.decoder import Decoder
+
+    P = len(prompts[0])
+    cfg = config_from_dict({"model": str(model_dir), "dtype": "float32",
+                            "max_batch_size": len(prompts),
+                            "max_prefill_tokens": len(prompts) * P})
+    model = Decoder.reference(cfg)
+
+    def run(rows_prompts) -> list[list[int]]:
+        ids = list(range(len(rows_prompts)))
+        res = model.forward_step(RankBatch([SeqRow(i, p, 0, True) for i, p in
+                                            zip(ids, rows_prompts, strict=True)]),
+                                 pure_decode=False)
+        out = [[res.sampled[i]] for i in ids]
+        for t in range(new - 1):
+            rows = [SeqRow(i, [out[i][-1]], P + t, False) for i in ids]
+            res = model.forward_step(RankBatch(rows), pure_decode=True)
+            for i in ids:
+                out[i].append(res.sampled[i])
+        model.release(ids)
+        return out
+
+    run(prompts[:2])                                          # warm-up
+    t0 = time.perf_counter()
+    out = run(prompts)
+    return time.perf_counter() - t0, out
+
+
+def bench_engine(model_dir: Path, prompts, new: int, log_dir: Path):
+    P = len(prompts[0])
+    srv = Server(model_dir, 2, ["--enable_eplb=true", "--eplb_update_interval=2",
+                                "--dtype=float32", f"--max_batch_size={len(prompts)}",
+                                f"--max_prefill_tokens={len(prompts) * P}"], log_dir)
+    try:
+        srv.complete_all(prompts[:4], 2)                      # warm-up
+        t0 = time.perf_counter()
+        out = srv.complete_all(prompts, new)
+        return time.perf_counter() - t0, out
+    finally:
+        srv.stop()
+
+
+def run_config(name: str, sizes: dict, new: int, prompt_len: int, work: Path) -> dict:
+    model_dir = make_checkpoint("deepseek_v3", work / name, **sizes)
+    prompts = make_prompts(model_dir, BATCH, prompt_len)
+    tokens = BATCH * new
+    res: dict = {"config": name, "sizes": sizes, "batch": BATCH, "new_tokens": new,
+                 "prompt_len": prompt_len}
+    dt, ref = bench_hf(model_dir, prompts, new)
+    res["hf"] = {"seconds": dt, "tokens_per_s": tokens / dt}
+    paths = {"single": lambda: bench_single(model_dir, prompts, new),
+             "engine_ep2": lambda: bench_engine(model_dir, prompts, new, work / f"{name}-logs")}
+    for path, fn in paths.items():
+        if not engine_serves_checkpoints():
+            res[path] = {"skipped": "this checkout has no --model (HF-checkpoint engine)"}
+            continue
+        dt, out = fn()
+        res[path] = {"seconds": dt, "tokens_per_s": tokens / dt,
+                     "vs_hf": (tokens / dt) / res["hf"]["tokens_per_s"],
+                     "tokens_equal_hf": out == ref}
+    return res
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="tiny config only, 8 new tokens")
+    ap.add_argument("--json", type=Path, help="write the results here")
+    ap.add_argument("--new", type=int, default=32, help="greedy tokens per prompt")
+    ap.add_argument("--prompt-len", type=int, default=16)
+    ap.add_argument("--configs", nargs="+", choices=sorted(CONFIGS), default=list(CONFIGS))
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch threads of hf and single (each engine worker uses its own)")
+    args = ap.parse_args()
+    import torch
+
+    torch.manual_seed(0)
+    torch.set_num_threads(args.threads)
+    configs = ["tiny"] if args.quick else args.configs
+    new = 8 if args.quick else args.new
+    out = {"torch_threads": torch.get_num_threads(), "results": []}
+    with tempfile.TemporaryDirectory(prefix="bench_hf_") as tmp:
+        for name in configs:
+            r = run_config(name, CONFIGS[name], new, args.prompt_len, Path(tmp))
+            out["results"].append(r)
+            line = [f"{name}: hf {r['hf']['tokens_per_s']:.0f} tok/s"]
+            for path in ("single", "engine_ep2"):
+                v = r[path]
+                line.append(f"{path} skipped" if "skipped" in v else
+                            f"{path} {v['tokens_per_s']:.0f} tok/s ({v['vs_hf']:.2f}x, "
+                            f"tokens {'==' if v['tokens_equal_hf'] else '!='} hf)")
+            print("; ".join(line), flush=True)
+    write_json(args.json, out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,155 @@
+#!/usr/bin/env python3
+"""Peak RSS of a rank loading a checkpoint whose experts are >= 80% of its bytes.
+
+A deepseek_v3 checkpoint with wide experts (``make_checkpoint``: hidden 256, 32 experts of width
+1024, 4 layers, 1 dense; routed experts ~96% of the bytes) is served with
+``xllm-eplb serve --model DIR --ep-size EP`` (EPLB off, then on). Once the server is ready
+(every rank has loaded), each worker's peak RSS (``VmHWM`` of ``/proc/PID/status``) is compared
+with the budget of issue 12::
+
+    1.3 x (non-expert weight bytes + its slots' expert bytes) + process baseline
+
+- non-expert bytes: every tensor of the file that is not a routed expert (each rank holds the
+  embedding, attention, norms, dense and shared MLPs, routers and LM head);
+- slots' expert bytes: ``(E / EP + redundant) * MoE layers * bytes of one expert``;
+- process baseline: the peak RSS of a process that imports the same stack (torch, the worker,
+  the model code) and joins a one-rank gloo group, but loads no weights (``--baseline``).
+
+The KV cache is preallocated per rank; the run keeps it small (``--max_batch_size=1``,
+``max_position_embeddings`` 256) and reports its size. With EPLB on, the staging buffers of
+live migration are extra and shown in the same table. Also reported: the whole file's bytes, so
+"no rank holds the whole model" is visible.
+
+    python scripts/bench_memory.py [--quick] [--json PATH] [--ep 4]
+
+Needs the HF-checkpoint engine (``--model``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from hf_util import Server, engine_serves_checkpoints, write_json  # noqa: E402
+
+from xllm_eplb.model.checkpoint import make_checkpoint  # noqa: E402
+
+SIZES = dict(hidden_size=256, num_experts=32, top_k=2, moe_intermediate_size=1024,
+             intermediate_size=512, num_layers=4, max_position_embeddings=256)
+QUICK_SIZES = dict(SIZES, moe_intermediate_size=512, num_experts=16)
+
+
+def vm_hwm(pid: int) -> int:
+    """Peak resident set of a process, bytes."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no VmHWM for pid {pid}")
+
+
+def baseline_child() -> None:
+    """Import what a worker imports, join a one-rank gloo group, print the peak RSS."""
+    import os
+
+    import torch
+    import torch.distributed as dist
+    from hf_util import free_port
+
+    import xllm_eplb.model.decoder  # noqa: F401
+    import xllm_eplb.worker.worker  # noqa: F401
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    dist.barrier()
+    print(vm_hwm(os.getpid()))
+    dist.destroy_process_group()
+
+
+def file_bytes(model_dir: Path) -> tuple[int, int, dict]:
+    """(non-expert bytes, total bytes, one expert's bytes per MoE layer)."""
+    from safetensors import safe_open
+
+    sizes = {"F32": 4, "BF16": 2, "F16": 2, "F64": 8}
+    total = expert = 0
+    per_expert: dict[int, int] = {}
+    with safe_open(str(model_dir / "model.safetensors"), "pt") as f:
+        for k in f.keys():
+            s = f.get_slice(k)
+            n = math.prod(s.get_shape()) * sizes[s.get_dtype()]
+            total += n
+            if ".experts." in k:
+                expert += n
+                if ".experts.0." in k:
+                    layer = int(k.split(".")[2])
+                    per_expert[layer] = per_expert.get(layer, 0) + n
+    return total - expert, total, per_expert
+
+
+def measure(model_dir: Path, ep: int, eplb: bool, log_dir: Path) -> list[int]:
+    flags = ["--dtype=float32", "--max_batch_size=1", "--max_prefill_tokens=64",
+             f"--enable_eplb={'true' if eplb else 'false'}", "--eplb_update_interval=1000"]
+    srv = Server(model_dir, ep, flags, log_dir)
+    try:
+        srv.complete([1, 2, 3, 4], 4)                       # one real request through every rank
+        return [vm_hwm(pid) for pid in srv.worker_pids()]
+    finally:
+        srv.stop()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="narrower experts, EPLB off only")
+    ap.add_argument("--json", type=Path, help="write the results here")
+    ap.add_argument("--ep", type=int, default=4)
+    ap.add_argument("--redundant", type=int, default=1, help="redundant slots per rank (the "
+                    "engine's default redundant_experts_num)")
+    ap.add_argument("--baseline", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.baseline:
+        baseline_child()
+        return 0
+    if not engine_serves_checkpoints():
+        print("skipped: this checkout has no --model (HF-checkpoint engine)")
+        return 0
+    sizes = QUICK_SIZES if args.quick else SIZES
+    with tempfile.TemporaryDirectory(prefix="bench_memory_") as tmp:
+        model_dir = make_checkpoint("deepseek_v3", Path(tmp) / "ckpt", **sizes)
+        non_expert, total, per_expert = file_bytes(model_dir)
+        slots = sizes["num_experts"] // args.ep + args.redundant
+        slot_bytes = slots * sum(per_expert.values())
+        base = int(subprocess.run([sys.executable, __file__, "--baseline"], check=True,
+                                  capture_output=True, text=True).stdout.split()[-1])
+        budget = 1.3 * (non_expert + slot_bytes) + base
+        rows = []
+        for eplb in ([False] if args.quick else [False, True]):
+            peaks = measure(model_dir, args.ep, eplb, Path(tmp) / f"logs-{eplb}")
+            rows.append({"eplb": eplb, "peak_rss_bytes": peaks, "max_peak": max(peaks),
+                         "max_peak_over_budget": max(peaks) / budget,
+                         "within_budget": max(peaks) <= budget})
+    mib = 1 << 20
+    out = {"sizes": sizes, "ep": args.ep, "slots_per_rank": slots, "file_bytes": total,
+           "expert_share_of_file": 1 - non_expert / total, "non_expert_bytes": non_expert,
+           "slot_expert_bytes": slot_bytes, "baseline_bytes": base, "budget_bytes": budget,
+           "runs": rows}
+    print(f"file {total / mib:.1f} MiB (experts {100 * out['expert_share_of_file']:.1f}%); "
+          f"rank: non-expert {non_expert / mib:.1f} MiB + {slots} slots x "
+          f"{len(per_expert)} layers = {slot_bytes / mib:.1f} MiB; baseline {base / mib:.1f} MiB;"
+          f" budget 1.3 x weights + baseline = {budget / mib:.1f} MiB")
+    for r in rows:
+        print(f"EPLB {'on ' if r['eplb'] else 'off'}: peak RSS per rank "
+              f"{[round(p / mib, 1) for p in r['peak_rss_bytes']]} MiB; max / budget = "
+              f"{r['max_peak_over_budget']:.2f} ({'within' if r['within_budget'] else 'OVER'})")
+    write_json(args.json, out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

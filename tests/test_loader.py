@@ -1,0 +1,147 @@
+"""Checkpoint loading: both expert layouts, sharded index files, dtypes, and every bad input
+(one line naming the file / tensor / field and the rule)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import replace
+
+import hf_util
+import numpy as np
+import pytest
+import torch
+from hf_parity_util import PROMPTS, cfg_for, one_thread
+from safetensors.torch import load_file, save_file
+
+from xllm_eplb.errors import ConfigError, InputFileError
+from xllm_eplb.model.batch import RankBatch, SeqRow
+from xllm_eplb.model.decoder import Decoder
+from xllm_eplb.model.resolve import resolve_config
+
+
+def prefill_logits(path, **model):
+    cfg = cfg_for(path)
+    cfg = replace(cfg, model=replace(cfg.model, **model))
+    with one_thread():
+        m = Decoder.reference(cfg)
+        res = m.forward_step(RankBatch([SeqRow(i, p, 0, True) for i, p in enumerate(PROMPTS)]),
+                             return_logits=True)
+    return m, res.logits.numpy()
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "deepseek_v3"])
+def test_fused_expert_layout_and_sharded_index(family, hf_ckpts, tmp_path):
+    seed = hf_util.FAMILIES.index(family)               # same weights as the session fixture
+    fused = hf_util.build(family, tmp_path / "fused", fused=True, seed=seed)
+    keys = set(load_file(next(fused.glob("*.safetensors"))))
+    assert any(k.endswith("experts.gate_up_proj") for k in keys)
+    _, want = prefill_logits(hf_ckpts[family])
+    m, got = prefill_logits(fused)
+    assert np.array_equal(got, want)
+    assert any(r.endswith("gate_up_proj[3]") for r in m.reader.reads)   # row reads only
+    tf = hf_util.hf_model(hf_ckpts[family])
+    tf.save_pretrained(tmp_path / "sharded", max_shard_size="60KB")
+    files = sorted((tmp_path / "sharded").glob("*.safetensors"))
+    assert len(files) > 2 and (tmp_path / "sharded" / "model.safetensors.index.json").is_file()
+    _, got = prefill_logits(tmp_path / "sharded")
+    assert np.array_equal(got, want)
+
+
+def test_dtypes(hf_ckpts, tmp_path):
+    path = hf_ckpts["qwen2_moe"]
+    _, f32 = prefill_logits(path)
+    m64, f64 = prefill_logits(path, dtype="float64")
+    assert m64.top["embed"].dtype == torch.float64
+    assert np.abs(f64 - f32).max() < 1e-5 * np.abs(f64).max()
+    for dt in ("bfloat16", "float16"):
+        m, lg = prefill_logits(path, dtype=dt)
+        assert m.top["embed"].dtype == getattr(torch, dt) and np.isfinite(lg).all()
+        assert (lg.argmax(-1) == f32.argmax(-1)).mean() >= 0.5
+    bf = hf_util.build("mixtral", tmp_path / "bf16", dtype=torch.bfloat16)
+    auto = cfg_for(bf)
+    auto = replace(auto, model=replace(auto.model, dtype="auto"))
+    assert resolve_config(auto).model.dtype == "bfloat16"           # dtype from config.json
+    m, _ = prefill_logits(bf, dtype="auto")
+    assert m.top["embed"].dtype == torch.bfloat16
+    assert m.routers[0].gate.dtype == torch.bfloat16
+
+
+def _copy(hf_ckpts, tmp_path, family="qwen3_moe"):
+    dst = tmp_path / family
+    shutil.copytree(hf_ckpts[family], dst)
+    return dst
+
+
+def _edit_config(path, **kv):
+    p = path / "config.json"
+    d = json.loads(p.read_text())
+    d.update(kv)
+    p.write_text(json.dumps(d))
+
+
+def _one_line(exc_info):
+    msg = str(exc_info.value)
+    assert "\n" not in msg
+    return msg
+
+
+def test_bad_folders_and_configs(hf_ckpts, tmp_path):
+    with pytest.raises(InputFileError, match="not a folder") as ei:
+        Decoder.reference(cfg_for(tmp_path / "nope"))
+    _one_line(ei)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(InputFileError, match=r"empty/config.json: missing"):
+        Decoder.reference(cfg_for(tmp_path / "empty"))
+    p = _copy(hf_ckpts, tmp_path)
+    (p / "config.json").write_text("{not json")
+    with pytest.raises(InputFileError, match=r"config.json: cannot read as JSON"):
+        Decoder.reference(cfg_for(p))
+    p = _copy(hf_ckpts, tmp_path / "a")
+    _edit_config(p, model_type="llama")
+    with pytest.raises(InputFileError, match=r"'model_type'='llama' is not supported; supported "
+                       r"model_types: deepseek_v3, mixtral, qwen2_moe, qwen3_moe"):
+        Decoder.reference(cfg_for(p))
+    p = _copy(hf_ckpts, tmp_path / "b")
+    _edit_config(p, num_experts_per_tok=0)
+    with pytest.raises(InputFileError, match=r"'num_experts_per_tok'=0 must be an integer >= 1"):
+        Decoder.reference(cfg_for(p))
+    p = _copy(hf_ckpts, tmp_path / "c", "deepseek_v3")
+    with pytest.raises(ConfigError, match=r"config.json: routed experts num_experts=16 is not "
+                       r"divisible by ep_size=3"):
+        Decoder.reference(cfg_for(p, ep_size=3))
+
+
+def test_bad_tensors(hf_ckpts, tmp_path):
+    p = _copy(hf_ckpts, tmp_path / "a")
+    _edit_config(p, moe_intermediate_size=40)
+    with pytest.raises(InputFileError, match=r"model.safetensors: tensor "
+                       r"'model.layers.0.mlp.experts.0.gate_proj.weight' has shape \[32, 64\], "
+                       r"config.json needs \[40, 64\]"):
+        Decoder.reference(cfg_for(p))
+    p = _copy(hf_ckpts, tmp_path / "b")
+    sd = load_file(p / "model.safetensors")
+    del sd["model.layers.2.mlp.experts.5.down_proj.weight"]
+    save_file(sd, p / "model.safetensors")
+    with pytest.raises(InputFileError, match=r"missing tensor "
+                       r"'model.layers.2.mlp.experts.5.down_proj.weight'"):
+        Decoder.reference(cfg_for(p))
+    p = _copy(hf_ckpts, tmp_path / "c")
+    raw = (p / "model.safetensors").read_bytes()
+    (p / "model.safetensors").write_bytes(raw[:8] + b"\x00garbage" + raw[16:])
+    with pytest.raises(InputFileError, match=r"model.safetensors: corrupt safetensors header") \
+            as ei:
+        Decoder.reference(cfg_for(p))
+    _one_line(ei)
+    n = int.from_bytes(raw[:8], "little")
+    (p / "model.safetensors").write_bytes(raw[:8 + n + 100])        # truncated data
+    with pytest.raises(InputFileError, match=r"corrupt safetensors header entry for tensor"):
+        Decoder.reference(cfg_for(p))
+    (p / "model.safetensors").unlink()
+    with pytest.raises(InputFileError, match=r"no \*.safetensors file"):
+        Decoder.reference(cfg_for(p))
+    (p / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {"lm_head.weight": "model-00001-of-00002.safetensors"}}))
+    with pytest.raises(InputFileError, match=r"index.json: names file "
+                       r"'model-00001-of-00002.safetensors', which is missing"):
+        Decoder.reference(cfg_for(p))

@@ -1,0 +1,127 @@
+"""Batched causal attention over a preallocated per-rank KV cache.
+
+:class:`KVCache` holds ``k [slots, layers, cap, kv_heads, k_dim]`` and ``v [slots, layers, cap,
+kv_heads, v_dim]``; a request gets a slot at its first forward and frees it on release. Both
+axes grow by doubling when a request or a position does not fit (rare, amortised; no per-step
+concatenation).
+
+:class:`AttnBatch` is one step's layout, built once and shared by every layer: the requests
+padded to ``[R, n_max]`` query rows and ``P = max(start_pos + n)`` key positions, with a boolean
+mask ``[R, 1, n_max, P]`` (causal and in-length; padded query rows see position 0 only, their
+output is dropped). :func:`attend` writes this layer's new keys/values into the cache and runs
+``scaled_dot_product_attention`` for all requests at once.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+class KVCache:
+    """Per-rank KV storage; ``slot_of``: req_id -> slot, ``lengths``: req_id -> positions held."""
+
+    def __init__(self, layers: int, kv_heads: int, k_dim: int, v_dim: int, max_pos: int,
+                 dtype: torch.dtype, device: torch.device, slots: int = 8, cap: int = 64):
+        self.layers, self.kv_heads, self.k_dim, self.v_dim = layers, kv_heads, k_dim, v_dim
+        self.max_pos, self.dtype, self.device = max_pos, dtype, device
+        self.slot_of: dict[int, int] = {}
+        self.lengths: dict[int, int] = {}
+        self.k = self.v = None
+        self._alloc(max(1, slots), min(max(1, cap), max_pos))
+
+    def _alloc(self, slots: int, cap: int) -> None:
+        def grow(old, dim):
+            new = torch.zeros((slots, self.layers, cap, self.kv_heads, dim), dtype=self.dtype,
+                              device=self.device)
+            if old is not None:
+                new[:old.shape[0], :, :old.shape[2]] = old
+            return new
+        self.k, self.v = grow(self.k, self.k_dim), grow(self.v, self.v_dim)
+        self.free = sorted(set(range(slots)) - set(self.slot_of.values()))
+
+    def length(self, req_id: int) -> int:
+        return self.lengths.get(int(req_id), 0)
+
+    def reserve(self, req_ids: list[int], ends: list[int]) -> list[int]:
+        """Slots of ``req_ids`` (new ones assigned), with room for positions < ``ends``."""
+        need_new = sum(1 for r in set(req_ids) if r not in self.slot_of)
+        slots, cap = self.k.shape[0], self.k.shape[2]
+        while len(self.free) < need_new:
+            slots *= 2
+            self._alloc(slots, cap)
+            need_new -= 0
+        top = max(ends, default=0)
+        if top > cap:
+            while cap < top:
+                cap *= 2
+            self._alloc(self.k.shape[0], min(cap, self.max_pos))
+        out = []
+        for r in req_ids:
+            if r not in self.slot_of:
+                self.slot_of[r] = self.free.pop(0)
+                self.lengths[r] = 0
+            out.append(self.slot_of[r])
+        return out
+
+    def advance(self, req_ids: list[int], ends: list[int]) -> None:
+        for r, e in zip(req_ids, ends, strict=True):
+            self.lengths[r] = e
+
+    def release(self, req_id: int) -> None:
+        r = int(req_id)
+        s = self.slot_of.pop(r, None)
+        self.lengths.pop(r, None)
+        if s is not None:
+            self.free.append(s)
+            self.free.sort()
+
+    def __len__(self) -> int:
+        return len(self.slot_of)
+
+
+class AttnBatch:
+    """Layout of one step's real tokens: ``spans`` [(start, n)] per request in row order,
+    ``starts`` the cached positions before the step, ``slots`` the requests' cache slots."""
+
+    def __init__(self, spans: list[tuple[int, int]], starts: list[int], slots: list[int],
+                 device: torch.device):
+        R = len(spans)
+        self.R = R
+        self.n_max = max((n for _, n in spans), default=1)
+        self.P = max((p + n for (_, n), p in zip(spans, starts, strict=True)), default=1)
+        rows = [r for r, (_, n) in enumerate(spans) for _ in range(n)]
+        cols = [j for _, n in spans for j in range(n)]
+        pos = [p + j for (_, n), p in zip(spans, starts, strict=True) for j in range(n)]
+        self.tok_row = torch.tensor(rows, dtype=torch.int64, device=device)
+        self.tok_col = torch.tensor(cols, dtype=torch.int64, device=device)
+        self.tok_pos = torch.tensor(pos, dtype=torch.int64, device=device)
+        self.row_slot = torch.tensor(slots, dtype=torch.int64, device=device)
+        self.tok_slot = self.row_slot[self.tok_row]
+        start = torch.tensor(starts, dtype=torch.int64, device=device)[:, None, None]
+        n = torch.tensor([n for _, n in spans], dtype=torch.int64, device=device)[:, None, None]
+        j = torch.arange(self.n_max, device=device)[None, :, None]
+        kp = torch.arange(self.P, device=device)[None, None, :]
+        real = j < n
+        mask = (kp <= start + j) & real
+        mask = mask | (~real & (kp == 0))
+        self.mask = mask[:, None]                                  # [R, 1, n_max, P]
+
+
+def attend(cache: KVCache, ab: AttnBatch, layer: int, q: torch.Tensor, k: torch.Tensor,
+           v: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [T, h, dk], k [T, kvh, dk], v [T, kvh, dv] of the step's real tokens -> [T, h, dv].
+
+    Writes k, v at (slot, position) of each token, then attends over every cached position."""
+    cache.k[ab.tok_slot, layer, ab.tok_pos] = k.to(cache.dtype)
+    cache.v[ab.tok_slot, layer, ab.tok_pos] = v.to(cache.dtype)
+    K = cache.k[ab.row_slot, layer, :ab.P].transpose(1, 2)        # [R, kvh, P, dk]
+    V = cache.v[ab.row_slot, layer, :ab.P].transpose(1, 2)
+    h = q.shape[1]
+    if K.shape[1] != h:
+        rep = h // K.shape[1]
+        K, V = K.repeat_interleave(rep, dim=1), V.repeat_interleave(rep, dim=1)
+    Q = q.new_zeros((ab.R, ab.n_max, h, q.shape[2]))
+    Q[ab.tok_row, ab.tok_col] = q
+    o = F.scaled_dot_product_attention(Q.transpose(1, 2), K, V, attn_mask=ab.mask, scale=scale)
+    return o.transpose(1, 2)[ab.tok_row, ab.tok_col]              # [T, h, dv]

@@ -1,0 +1,270 @@
+"""``Decoder``: one EP rank's model of a Hugging Face MoE checkpoint (``cfg.model.model``).
+
+One code path for every family of :mod:`spec`: embeddings -> per layer (RMSNorm, GQA or MLA
+attention over the rank's preallocated KV cache, RMSNorm, dense SwiGLU or MoE) -> RMSNorm ->
+LM head. Attention is data-parallel (each rank attends over its own requests, all at once);
+routed experts are sharded over the EP group as :class:`FusedMoE` slots, filled from the
+checkpoint for this rank's physical slots only; shared experts run locally.
+
+The worker-facing API is the toy model's: ``forward_step(batch, *, warmup, pure_decode,
+return_logits, return_routing) -> StepResult`` with per-layer slot counters (prefix sums,
+``eplb.counters.encode``) that exclude graph-mode padding / filler rows and, with
+``eplb_use_decode_only_load``, prefill rows. ``Decoder.reference(cfg)`` is the single-process
+model (every logical expert local, no dispatch; counters per logical expert).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+import torch
+
+from xllm_eplb.config import Config
+from xllm_eplb.eplb import counters as ctr
+from xllm_eplb.eplb.placement import initial_phy2log
+from xllm_eplb.model import blocks
+from xllm_eplb.model import dispatch as dsp
+from xllm_eplb.model.attention import AttnBatch, KVCache
+from xllm_eplb.model.batch import RankBatch
+from xllm_eplb.model.layers import sample
+from xllm_eplb.model.loader import CheckpointReader, check_experts, expert_weights
+from xllm_eplb.model.moe import FusedMoE, LogicalMoE
+from xllm_eplb.model.params import load_params
+from xllm_eplb.model.resolve import resolve_config
+from xllm_eplb.model.routing import FamilyRouter, load_trace, trace_probs
+from xllm_eplb.model.spec import parse_spec
+from xllm_eplb.model.transformer import StepResult, graph_bucket
+from xllm_eplb.model.validate import validate_model_config, validate_phy2log
+from xllm_eplb.model.weights import torch_dtype
+
+log = logging.getLogger(__name__)
+
+
+class Decoder:
+    """One EP rank's model of the checkpoint ``cfg.model.model``. ``phy2log``: int64
+    [L_moe, D*S] initial placement (default: xLLM's initial layout)."""
+
+    def __init__(self, cfg: Config, ep_rank: int, ep_group=None, phy2log: np.ndarray | None = None,
+                 *, device: str | torch.device | None = None, _reference: bool = False):
+        self.spec = spec = parse_spec(cfg.model.model)
+        cfg = resolve_config(cfg, spec)
+        validate_model_config(cfg)
+        self.cfg, self.ep_rank, self.ep_group = cfg, int(ep_rank), ep_group
+        self.reference_mode = _reference
+        self.device = torch.device(device or ("cpu" if cfg.runtime.device == "cpu"
+                                              else cfg.runtime.device))
+        self.dtype = torch_dtype(cfg)
+        self.reader = CheckpointReader(cfg.model.model)
+        check_experts(spec, self.reader)
+        self.top, self.layers = load_params(spec, self.reader, self.dtype, self.device)
+        self.num_layers, self.num_moe_layers = spec.num_layers, len(spec.moe_layers)
+        self.moe_index = {i: ml for ml, i in enumerate(spec.moe_layers)}
+        self.rotary = blocks.Rotary(spec, blocks.rope_dim(spec))
+        self.attn = blocks.attention_fn(spec)
+        m = cfg.model
+        probs = (trace_probs(load_trace(m.routing_trace), self.num_moe_layers, m.num_experts)
+                 if m.routing_mode == "trace" else None)
+        self.routers = [FamilyRouter(cfg, spec, ml, self.layers[i]["gate"],
+                                     self.layers[i].get("gate_bias"),
+                                     None if probs is None else probs[ml])
+                        for ml, i in enumerate(spec.moe_layers)]
+        self.moe_layers: list[FusedMoE] = []
+        self.logical_layers: list[LogicalMoE] = []
+        if _reference:
+            self.logical_layers = [LogicalMoE(cfg, ml, self.device, source=self._source)
+                                   for ml in range(self.num_moe_layers)]
+        else:
+            self.moe_layers = self._sharded(cfg, phy2log)
+        kvh, kd, vd = blocks.kv_dims(spec)
+        self.kv = KVCache(spec.num_layers, kvh, kd, vd, m.max_position_embeddings, self.dtype,
+                          self.device, slots=cfg.runtime.max_batch_size)
+        self.fused_failure = dsp.fused_precondition_failure(
+            cfg.runtime.device, m.dtype, cfg.runtime.enable_graph, True)
+        self._fallback_logged = False
+
+    @classmethod
+    def reference(cls, cfg: Config, device: str | None = None) -> "Decoder":
+        """Single-process reference model (every logical expert local, no dispatch)."""
+        return cls(cfg, 0, None, None, device=device, _reference=True)
+
+    def _source(self, ml: int, e: int) -> dict:
+        """Logical expert e of MoE layer ml, read from the checkpoint (mmap, on demand)."""
+        return expert_weights(self.spec, self.reader, self.spec.moe_layers[ml], e, self.dtype)
+
+    def _sharded(self, cfg: Config, phy2log) -> list[FusedMoE]:
+        import torch.distributed as dist
+
+        if phy2log is None:
+            base = initial_phy2log(cfg.model.num_experts, cfg.eplb.ep_size,
+                                   cfg.eplb.redundant_experts_num)
+            phy2log = np.tile(base, (self.num_moe_layers, 1))
+        phy2log = validate_phy2log(cfg, phy2log)
+        if not dist.is_initialized():
+            raise RuntimeError("a sharded Decoder needs an initialised EP process group "
+                               "(worker.comm.init_groups); for one process use "
+                               "Decoder.reference(cfg)")
+        return [FusedMoE(cfg, ml, self.ep_rank, phy2log[ml], self.device, source=self._source)
+                for ml in range(self.num_moe_layers)]
+
+    @property
+    def slots_per_rank(self) -> int:
+        return self.cfg.slots_per_rank
+
+    def release(self, req_ids) -> None:
+        """Free the KV cache slots of finished requests."""
+        for r in req_ids:
+            self.kv.release(int(r))
+
+    def dispatch_mode(self, pure_decode: bool) -> str:
+        e = self.cfg.eplb
+        mode, why = dsp.resolve_dispatch_mode(e.expert_parallel_degree, e.enable_fused_mc2,
+                                              pure_decode=pure_decode,
+                                              precondition_failure=self.fused_failure)
+        if why and not self._fallback_logged:
+            self._fallback_logged = True
+            log.warning("EPLB dispatch fallback requested=fused used=plain reason=%s",
+                        why.replace(" ", "_"))
+        return mode
+
+    # ---- forward ---------------------------------------------------------------------------
+    def _inputs(self, batch: RankBatch):
+        """Flatten rows -> tokens [T], positions [T], trace keys [T, 3], counted [T], spans,
+        the number of real tokens, and the attention layout of the real ones."""
+        toks, pos, keys, counted, spans = [], [], [], [], []
+        decode_only = self.cfg.eplb.eplb_use_decode_only_load
+        for r in batch.rows:
+            n = len(r.token_ids)
+            if n == 0:
+                raise ValueError(f"request {r.req_id}: empty token_ids")
+            have = self.kv.length(r.req_id)
+            if r.start_pos != have:
+                raise ValueError(f"request {r.req_id}: start_pos={r.start_pos} but the KV cache "
+                                 f"holds {have} positions")
+            if r.start_pos + n > self.cfg.model.max_position_embeddings:
+                raise ValueError(f"request {r.req_id}: {r.start_pos + n} positions exceed "
+                                 f"max_position_embeddings={self.cfg.model.max_position_embeddings}")
+            spans.append((len(toks), n))
+            toks += list(r.token_ids)
+            pos += list(range(r.start_pos, r.start_pos + n))
+            keys += [(r.req_id, r.start_pos + j, t) for j, t in enumerate(r.token_ids)]
+            counted += [not (decode_only and r.is_prefill)] * n
+        n_real = len(toks)
+        ids = [r.req_id for r in batch.rows]
+        ends = [r.start_pos + len(r.token_ids) for r in batch.rows]
+        slots = self.kv.reserve(ids, ends)
+        ab = AttnBatch(spans, [r.start_pos for r in batch.rows], slots, self.device) \
+            if batch.rows else None
+        if self.cfg.runtime.enable_graph and (batch.is_empty or batch.is_pure_decode):
+            # NOTE: graph mode pads decode batches to a bucket; an empty rank runs one filler
+            # row. Padding/filler rows are routed and dispatched but never counted.
+            n_pad = graph_bucket(n_real, self.cfg.runtime.max_batch_size) - n_real
+            toks += [0] * n_pad
+            pos += [0] * n_pad
+            keys += [(-1, j, 0) for j in range(n_pad)]
+            counted += [False] * n_pad
+        d = self.device
+        return (torch.tensor(toks, dtype=torch.int64, device=d),
+                torch.tensor(pos, dtype=torch.int64, device=d),
+                torch.tensor(keys, dtype=torch.int64, device=d).reshape(-1, 3),
+                torch.tensor(counted, dtype=torch.bool, device=d), spans, n_real, ab)
+
+    def forward_step(self, batch: RankBatch, *, warmup: bool = False,
+                     pure_decode: bool | None = None, return_logits: bool = False,
+                     return_routing: bool = False) -> StepResult:
+        """Run one step of this rank's rows (see the module docstring). A warm-up forward
+        keeps no KV cache and is flagged in the result."""
+        t0 = time.perf_counter()
+        self.release(batch.release)
+        mode = dsp.PLAIN if self.reference_mode else self.dispatch_mode(bool(pure_decode))
+        toks, pos, keys, counted, spans, n_real, ab = self._inputs(batch)
+        spec = self.spec
+        h = self.top["embed"][toks]
+        cs = self.rotary.tables(pos[:n_real], self.dtype)
+        stats = dsp.CommStats()
+        moe_s, counter_s, counts, routed, expert_cpu = 0.0, 0.0, [], [], []
+        for i, p in enumerate(self.layers):
+            x = blocks.rms_norm(h, p["in_norm"], spec.rms_norm_eps)
+            if n_real:
+                a = self.attn(spec, p, x[:n_real], cs, self.kv, ab, i)
+                h = torch.cat([h[:n_real] + a, h[n_real:]]) if h.shape[0] > n_real else h + a
+            x = blocks.rms_norm(h, p["post_norm"], spec.rms_norm_eps)
+            if i not in self.moe_index:
+                h = h + blocks.mlp(x, p["mlp_w13"], p["mlp_w2"])
+                continue
+            tm = time.perf_counter()
+            y, cnt, dt_cnt, ids, cpu = self._moe(self.moe_index[i], p, x, keys, counted, mode,
+                                                 stats)
+            if return_routing:
+                routed.append(ids.cpu().numpy())
+            moe_s += time.perf_counter() - tm
+            counter_s += dt_cnt
+            expert_cpu.append(cpu)
+            counts.append(cnt)
+            h = h + y
+        self.kv.advance([r.req_id for r in batch.rows],
+                        [r.start_pos + len(r.token_ids) for r in batch.rows])
+        last = [s + n - 1 for s, n in spans]
+        hn = blocks.rms_norm(h[last], self.top["norm"], spec.rms_norm_eps)
+        logits = torch.nn.functional.linear(hn, self.top["lm_head"]).to(torch.float64).cpu()
+        sampled = {r.req_id: sample(logits[j], r.temperature, r.seed, r.start_pos + len(r.token_ids))
+                   for j, r in enumerate(batch.rows)}
+        if warmup:
+            self.release([r.req_id for r in batch.rows])
+        tc = time.perf_counter()
+        prefix = ctr.encode(torch.stack(counts))
+        counter_s += time.perf_counter() - tc
+        timings = {"total_s": time.perf_counter() - t0, "moe_s": moe_s,
+                   "comm_wait_s": stats.wait_s, "counter_s": counter_s,
+                   "expert_cpu_s": expert_cpu}
+        return StepResult(sampled, prefix, logits if return_logits else None, warmup, mode,
+                          timings, routed if return_routing else None,
+                          counted.cpu().numpy() if return_routing else None)
+
+    def _shared(self, p: dict, x: torch.Tensor):
+        if "shared_w13" not in p:
+            return None
+
+        def shared():
+            y = blocks.mlp(x, p["shared_w13"], p["shared_w2"])
+            if "shared_gate" in p:
+                y = torch.sigmoid(torch.nn.functional.linear(x, p["shared_gate"])) * y
+            return y
+        return shared
+
+    def _moe(self, ml: int, p: dict, x, keys, counted, mode, stats):
+        """One MoE layer: route, dispatch/compute/combine, weight, add the shared expert.
+        -> (output [T, H], slot loads int64 [S] (reference: [E]), seconds spent counting,
+        logical top-k ids [T, k], thread CPU seconds of the local expert compute)."""
+        ids, w = self.routers[ml](x, keys)
+        shared = self._shared(p, x)
+        if self.reference_mode:
+            c0 = time.thread_time()
+            y = self.logical_layers[ml].forward(x, ids)
+            cpu = time.thread_time() - c0
+            tc = time.perf_counter()
+            cnt = torch.bincount(ids[counted].reshape(-1), minlength=self.cfg.model.num_experts)
+            dt = time.perf_counter() - tc
+            extra = shared() if shared else None
+        else:
+            fm = self.moe_layers[ml]
+            fm.compute_cpu_s = 0.0
+            y, cnt, extra = dsp.moe_dispatch(fm, x, fm.route(ids), counted, self.ep_group, mode,
+                                             stats, overlap=shared)
+            dt = stats.extra.pop("count_s", 0.0)
+            cpu = fm.take_compute_cpu()
+        out = (w.unsqueeze(-1) * y).sum(dim=1)
+        if extra is not None:
+            out = out + extra
+        return out, cnt, dt, ids, cpu
+
+
+def build_model(cfg: Config, ep_rank: int, ep_group=None, *, device=None):
+    """The worker's model: a :class:`Decoder` of ``cfg.model.model`` when set, else the built-in
+    toy decoder (``transformer.MoETransformer``)."""
+    if cfg.model.model:
+        return Decoder(cfg, ep_rank, ep_group, device=device)
+    from xllm_eplb.model.transformer import MoETransformer
+
+    return MoETransformer(cfg, ep_rank, ep_group, device=device)

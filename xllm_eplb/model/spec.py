@@ -1,0 +1,243 @@
+"""``ModelSpec``: the architecture of a Hugging Face MoE checkpoint, read from its config.json.
+
+One typed record for the four supported families (``deepseek_v3``, ``qwen3_moe``, ``qwen2_moe``,
+``mixtral``). Both spellings of the config found on disk are accepted: RoPE as
+``rope_parameters{rope_theta, rope_type, ...}`` (transformers 5.x) or ``rope_theta`` +
+``rope_scaling{type|rope_type, ...}`` (hub / 4.x), and the expert count as ``num_experts``,
+``num_local_experts`` or ``n_routed_experts``. Hub-only DeepSeek fields (``scoring_func``,
+``topk_method``, ``moe_layer_freq``, ``ep_size``) are ignored, as transformers ignores them.
+
+Every bad value raises :class:`InputFileError` naming config.json, the field and the rule.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from xllm_eplb.errors import InputFileError
+
+FAMILIES = ("deepseek_v3", "mixtral", "qwen2_moe", "qwen3_moe")
+DTYPES = ("float32", "float64", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class MLASpec:
+    """DeepSeek multi-head latent attention dims (``q_lora_rank`` None = plain ``q_proj``)."""
+
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope_interleave: bool
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Architecture of one checkpoint. ``moe_layers``: decoder layer indices with routed
+    experts (ascending); the others run a dense SwiGLU MLP of width ``intermediate_size``.
+    ``rope_scaling``: None or a dict with ``rope_type`` and its parameters."""
+
+    family: str
+    hidden_size: int
+    num_layers: int
+    vocab_size: int
+    max_position_embeddings: int
+    rms_norm_eps: float
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float
+    rope_scaling: dict | None
+    tie_word_embeddings: bool
+    num_experts: int
+    top_k: int
+    moe_intermediate_size: int
+    intermediate_size: int
+    moe_layers: tuple[int, ...]
+    scoring: str                       # softmax | sigmoid
+    norm_topk_prob: bool
+    routed_scaling_factor: float = 1.0
+    n_group: int = 1
+    topk_group: int = 1
+    shared_intermediate_size: int = 0  # 0 = no shared expert
+    shared_expert_gate: bool = False   # qwen2_moe: sigmoid(gate(x)) * shared(x)
+    attn_bias: bool = False            # bias on q/k/v (and o for qwen3 / deepseek)
+    o_bias: bool = False
+    qk_norm: bool = False              # qwen3: per-head RMSNorm of q and k before RoPE
+    mla: MLASpec | None = None
+    dtype: str = "float32"
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def first_dense(self) -> int:
+        """Dense (non-MoE) decoder layers: what ``cfg.model.first_k_dense_replace`` reports."""
+        return self.num_layers - len(self.moe_layers)
+
+
+class _Cfg:
+    """Typed access to config.json with errors naming the file and the field."""
+
+    def __init__(self, path: Path, d: dict):
+        self.path, self.d = path, d
+
+    def err(self, name: str, value, rule: str) -> InputFileError:
+        return InputFileError(f"{self.path}: field {name!r}={value!r} {rule}")
+
+    def has(self, name: str) -> bool:
+        return self.d.get(name) is not None
+
+    def int(self, name: str, default=None, *, lo: int = 1, names: tuple = ()) -> int:
+        for n in (name, *names):
+            if self.d.get(n) is not None:
+                name = n
+                break
+        v = self.d.get(name)
+        v = default if v is None else v
+        if v is None:
+            raise InputFileError(f"{self.path}: missing field {name!r} (an integer >= {lo})")
+        if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+            raise self.err(name, v, f"must be an integer >= {lo}")
+        return v
+
+    def float(self, name: str, default=None) -> float:
+        v = self.d.get(name, default)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+            raise self.err(name, v, "must be a positive number")
+        return float(v)
+
+    def bool(self, name: str, default: bool) -> bool:
+        v = self.d.get(name, default)
+        if v is None:
+            return default
+        if not isinstance(v, bool):
+            raise self.err(name, v, "must be true or false")
+        return v
+
+
+def read_config_json(folder: Path) -> dict:
+    path = folder / "config.json"
+    if not folder.is_dir():
+        raise InputFileError(f"--model={folder}: not a folder (a Hugging Face checkpoint folder "
+                             f"with config.json and *.safetensors)")
+    if not path.is_file():
+        raise InputFileError(f"{path}: missing (a checkpoint folder needs config.json)")
+    try:
+        d = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise InputFileError(f"{path}: cannot read as JSON ({exc})") from None
+    if not isinstance(d, dict):
+        raise InputFileError(f"{path}: holds a {type(d).__name__}, expected a JSON object")
+    return d
+
+
+def _rope(c: _Cfg) -> tuple[float, dict | None]:
+    """(theta, scaling or None) from either spelling."""
+    rp = c.d.get("rope_parameters")
+    if isinstance(rp, dict):
+        theta = rp.get("rope_theta", c.d.get("rope_theta", 10000.0))
+        scaling = dict(rp)
+    else:
+        theta = c.d.get("rope_theta", 10000.0)
+        scaling = dict(c.d.get("rope_scaling") or {})
+    kind = scaling.pop("rope_type", None) or scaling.pop("type", None) or "default"
+    scaling.pop("type", None)
+    scaling.pop("rope_theta", None)
+    if kind not in ("default", "yarn"):
+        raise c.err("rope_type", kind, "is not supported (default or yarn)")
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or theta <= 0:
+        raise c.err("rope_theta", theta, "must be a positive number")
+    return float(theta), (dict(scaling, rope_type="yarn") if kind == "yarn" else None)
+
+
+def _dtype(c: _Cfg) -> str:
+    v = c.d.get("dtype") or c.d.get("torch_dtype") or "float32"
+    return v if v in DTYPES else "float32"
+
+
+def _sparse_layers(c: _Cfg, n_layers: int) -> tuple[int, ...]:
+    """qwen2_moe / qwen3_moe: layer i is MoE iff i not in mlp_only_layers and
+    (i + 1) % decoder_sparse_step == 0."""
+    step = c.int("decoder_sparse_step", 1)
+    only = c.d.get("mlp_only_layers") or []
+    if not isinstance(only, list) or not all(isinstance(i, int) for i in only):
+        raise c.err("mlp_only_layers", only, "must be a list of layer indices")
+    return tuple(i for i in range(n_layers) if i not in only and (i + 1) % step == 0)
+
+
+def parse_spec(folder: str | Path) -> ModelSpec:
+    """Read and validate ``folder/config.json`` -> :class:`ModelSpec`."""
+    folder = Path(folder)
+    d = read_config_json(folder)
+    c = _Cfg(folder / "config.json", d)
+    fam = d.get("model_type")
+    if fam not in FAMILIES:
+        raise c.err("model_type", fam, f"is not supported; supported model_types: "
+                    f"{', '.join(FAMILIES)}")
+    H, L = c.int("hidden_size"), c.int("num_hidden_layers")
+    heads = c.int("num_attention_heads")
+    theta, scaling = _rope(c)
+    E = c.int("n_routed_experts", names=("num_experts", "num_local_experts")) \
+        if fam == "deepseek_v3" else c.int("num_experts", names=("num_local_experts",
+                                                                 "n_routed_experts"))
+    common = dict(family=fam, hidden_size=H, num_layers=L, vocab_size=c.int("vocab_size"),
+                  max_position_embeddings=c.int("max_position_embeddings", 2048),
+                  rms_norm_eps=c.float("rms_norm_eps", 1e-6), num_heads=heads,
+                  rope_theta=theta, rope_scaling=scaling,
+                  tie_word_embeddings=c.bool("tie_word_embeddings", False), num_experts=E,
+                  top_k=c.int("num_experts_per_tok"), dtype=_dtype(c))
+    if common["top_k"] > E:
+        raise c.err("num_experts_per_tok", common["top_k"], f"must be <= the {E} experts")
+    if fam == "deepseek_v3":
+        return _deepseek(c, common)
+    kv = c.int("num_key_value_heads", heads)
+    if heads % kv:
+        raise c.err("num_key_value_heads", kv, f"must divide num_attention_heads={heads}")
+    hd = c.int("head_dim", H // heads if H % heads == 0 else None)
+    if fam == "mixtral":
+        return ModelSpec(**common, num_kv_heads=kv, head_dim=hd,
+                         moe_intermediate_size=c.int("intermediate_size"),
+                         intermediate_size=c.int("intermediate_size"),
+                         moe_layers=tuple(range(L)), scoring="softmax", norm_topk_prob=True)
+    qwen = dict(num_kv_heads=kv, head_dim=hd, moe_intermediate_size=c.int("moe_intermediate_size"),
+                intermediate_size=c.int("intermediate_size"), moe_layers=_sparse_layers(c, L),
+                scoring="softmax", norm_topk_prob=c.bool("norm_topk_prob", False))
+    if fam == "qwen2_moe":
+        return ModelSpec(**common, **qwen, attn_bias=c.bool("qkv_bias", True),
+                         shared_intermediate_size=c.int("shared_expert_intermediate_size", 0,
+                                                        lo=0),
+                         shared_expert_gate=True)
+    bias = c.bool("attention_bias", False)
+    return ModelSpec(**common, **qwen, attn_bias=bias, o_bias=bias, qk_norm=True)
+
+
+def _deepseek(c: _Cfg, common: dict) -> ModelSpec:
+    L, E = common["num_layers"], common["num_experts"]
+    ng, tg = c.int("n_group", 1), c.int("topk_group", 1)
+    if E % ng:
+        raise c.err("n_group", ng, f"must divide the {E} routed experts")
+    if tg > ng:
+        raise c.err("topk_group", tg, f"must be <= n_group={ng}")
+    if E // ng < 2 and ng > 1:
+        raise c.err("n_group", ng, "leaves fewer than 2 experts per group (group score = top-2)")
+    first = c.int("first_k_dense_replace", 0, lo=0)
+    inter = c.int("moe_intermediate_size")
+    q_lora = c.d.get("q_lora_rank")
+    mla = MLASpec(q_lora_rank=None if q_lora is None else c.int("q_lora_rank"),
+                  kv_lora_rank=c.int("kv_lora_rank"), qk_nope_head_dim=c.int("qk_nope_head_dim"),
+                  qk_rope_head_dim=c.int("qk_rope_head_dim"), v_head_dim=c.int("v_head_dim"),
+                  rope_interleave=c.bool("rope_interleave", True))
+    if mla.qk_rope_head_dim % 2:
+        raise c.err("qk_rope_head_dim", mla.qk_rope_head_dim, "must be even")
+    bias = c.bool("attention_bias", False)
+    return ModelSpec(**common, num_kv_heads=common["num_heads"],
+                     head_dim=mla.qk_nope_head_dim + mla.qk_rope_head_dim,
+                     moe_intermediate_size=inter, intermediate_size=c.int("intermediate_size"),
+                     moe_layers=tuple(range(min(first, L), L)), scoring="sigmoid",
+                     norm_topk_prob=c.bool("norm_topk_prob", True),
+                     routed_scaling_factor=c.float("routed_scaling_factor", 1.0),
+                     n_group=ng, topk_group=tg,
+                     shared_intermediate_size=inter * c.int("n_shared_experts", 0, lo=0),
+                     attn_bias=bias, o_bias=bias, mla=mla)
