@@ -105,6 +105,7 @@ def reference(path, steps):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_every_family_every_mode_on_four_ranks(hf_ckpts, tmp_path):
     from xllm_eplb.testing.dist import run_ranks

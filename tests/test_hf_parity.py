@@ -38,7 +38,7 @@ SWITCH_STEPS = (8, 16, 24)         # live placement changes between decode steps
 
 
 def _family_on_rank(rank, world, path):
-    from test_migration_util import placement_sequence
+    from migration_util import placement_sequence
 
     from xllm_eplb.worker.comm import groups_from_world
     from xllm_eplb.worker.migration import ModelEplbHooks
@@ -97,6 +97,7 @@ def _all_families(rank, world, paths):
     return {f: _family_on_rank(rank, world, p) for f, p in paths.items()}
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("world", [2, 4])
 def test_expert_parallel_matches_transformers_across_live_moves(world, hf_ckpts):

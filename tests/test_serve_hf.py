@@ -22,6 +22,7 @@ def _tokens(s):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("family", ["deepseek_v3", "qwen2_moe"])
 def test_serve_checkpoint_rebalances_with_transformers_tokens(family, hf_ckpts,

@@ -13,7 +13,7 @@ def validate_model_config(cfg: Config) -> None:
     m, e = cfg.model, cfg.eplb
     err = layout_error(m.num_experts, e.ep_size, e.redundant_experts_num)
     if err:
-        where = f"{m.model}/config.json: " if m.model else ""
+        where = f"{m.model}/config.json: routed experts " if m.model else ""
         raise ConfigError(where + err)
     if m.num_experts_per_tok > m.num_experts:
         raise ConfigError(f"num_experts_per_tok={m.num_experts_per_tok} is larger than "
