@@ -141,12 +141,17 @@ REQUESTS = [
     {"prompt_token_ids": [256, 3, 19, 35, 51, 67, 83], "max_tokens": 12, "temperature": 0.0},
     {"prompt": "sampled with a seed", "max_tokens": 12, "temperature": 0.8, "seed": 7},
     {"prompt": "zzzz", "max_tokens": 12, "temperature": 1.0, "seed": 123},
+    {"prompt": "nucleus", "max_tokens": 12, "temperature": 1.0, "seed": 9, "top_p": 0.7,
+     "top_k": 20},
 ]
+for _b in REQUESTS:
+    _b["return_token_ids"] = True
 
 
 def _reference_tokens(argv: list[str]) -> list[list[int]]:
     """Same requests through the single-process reference model (every expert local)."""
-    from xllm_eplb.engine.api import ApiLimits, parse_completion
+    from xllm_eplb.engine.protocol import ApiLimits, ServedModel, parse_completion
+    from xllm_eplb.engine.tokenizer import ByteTokenizer
     from xllm_eplb.flags import load_config
     from xllm_eplb.model.batch import RankBatch, SeqRow
     from xllm_eplb.model.transformer import MoETransformer
@@ -154,13 +159,14 @@ def _reference_tokens(argv: list[str]) -> list[list[int]]:
     cfg, _ = load_config(argv)
     model = MoETransformer.reference(cfg)
     lim = ApiLimits(cfg.model.vocab_size, 512, cfg.model.max_position_embeddings)
+    served = ServedModel("xllm-eplb", ByteTokenizer(), lim)
     outs = []
     for i, body in enumerate(REQUESTS):
-        r = parse_completion(body, lim)
-        toks, pos, seq = [], 0, list(r.prompt)
+        r = parse_completion(body, served)
+        toks, pos, seq = [], 0, list(r.prompts[0])
         while len(toks) < r.max_tokens:
             res = model.forward_step(RankBatch([SeqRow(i, seq, pos, pos == 0, r.temperature,
-                                                       r.seed)]))
+                                                       r.seeds[0], r.top_p, r.top_k)]))
             pos += len(seq)
             seq = [res.sampled[i]]
             toks.append(res.sampled[i])
