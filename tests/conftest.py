@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from serve_util import Server
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -22,3 +23,20 @@ def shared_data() -> Path:
     if not path.is_dir() or not any(path.glob("*.json")):
         pytest.skip(f"shared load data not found at {path}")
     return path
+
+
+@pytest.fixture
+def start_server(tmp_path):
+    """``start(*flags) -> Server``: real `xllm-eplb serve` runs, killed and swept after the test."""
+    servers: list[Server] = []
+
+    def start(*args: str) -> Server:
+        d = tmp_path / f"s{len(servers)}"
+        d.mkdir()
+        s = Server(d, list(args))
+        servers.append(s)
+        return s
+
+    yield start
+    for s in servers:
+        s.kill()

@@ -6,73 +6,21 @@ from __future__ import annotations
 
 import http.client
 import json
-import threading
 import time
 
 import openai
 import pytest
+from api_util import ChatByteTokenizer, start_api
 
-from xllm_eplb.engine.api import ApiBackend, ApiLimits, ApiServer, ServedModel
-from xllm_eplb.engine.scheduler import Scheduler
+from xllm_eplb.engine.api import ApiServer
 from xllm_eplb.engine.tokenizer import ByteTokenizer
-from xllm_eplb.flags import config_from_dict
 
 pytestmark = pytest.mark.slow
 
 
-class ChatByteTokenizer(ByteTokenizer):
-    """The byte tokenizer plus a tiny chat template (what a checkpoint's template does:
-    messages -> one prompt string ending in the assistant's turn)."""
-
-    def apply_chat_template(self, messages, *, add_generation_prompt=True):
-        text = "".join(f"<{m['role']}>{m['content']}\n" for m in messages)
-        return "\x01" + text + ("<assistant>" if add_generation_prompt else "")
-
-
-class _ReferenceLoop:
-    """Step loop over one DP rank running the reference model (same weights as the workers)."""
-
-    def __init__(self, cfg):
-        from xllm_eplb.model.transformer import MoETransformer
-
-        self.model = MoETransformer.reference(cfg)
-        self.sched = Scheduler(1, 4, cfg.runtime.max_prefill_tokens)
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self.run, daemon=True)
-        self.cancelled = []
-
-    def run(self):
-        while not self.stop.is_set():
-            self.sched.pull(timeout=0.05)
-            self.cancelled += self.sched.reap_cancelled()
-            if self.sched.has_work:
-                batch = self.sched.schedule()[0]
-                if not batch.rows:          # only a release (a cancelled request's KV cache)
-                    self.model.release(batch.release)
-                    continue
-                self.sched.update(self.model.forward_step(batch).sampled)
-                time.sleep(0.01)     # a step takes a while (cancellation tests need that)
-
-
-def _start(tokenizer):
-    cfg = config_from_dict({"ep_size": 4, "max_prefill_tokens": 64,
-                            "max_position_embeddings": 96})
-    loop = _ReferenceLoop(cfg)
-    lim = ApiLimits(cfg.model.vocab_size, 64, 96, request_timeout_seconds=30)
-    backend = ApiBackend(submit=loop.sched.submit, cancel=loop.sched.cancel,
-                         status=lambda: {"policy": "balanced"},
-                         metrics=lambda: b"xllm_eplb_up 1\n",
-                         health=lambda: (True, {"status": "serving"}),
-                         served=ServedModel("tiny", tokenizer, lim, created=1))
-    api = ApiServer("127.0.0.1", 0, backend)
-    api.start()
-    loop.thread.start()
-    return api, loop
-
-
 @pytest.fixture(scope="module")
 def server():
-    api, loop = _start(ChatByteTokenizer())
+    api, loop = start_api(ChatByteTokenizer())
     yield api, loop
     loop.stop.set()
     api.close()
@@ -217,7 +165,7 @@ def test_openai_client_gets_bad_request_errors(client, kw, param):
 
 
 def test_unknown_model_is_a_404_and_chat_without_template_a_400():
-    api, loop = _start(ByteTokenizer())
+    api, loop = start_api(ByteTokenizer())
     try:
         c = openai.OpenAI(base_url=f"http://127.0.0.1:{api.port}/v1", api_key="x",
                           max_retries=0, timeout=30)
@@ -237,7 +185,7 @@ def test_text_prompt_without_tokenizer_files_is_a_400_token_ids_still_served():
     class NoText(ByteTokenizer):
         has_text = False
 
-    api, loop = _start(NoText())
+    api, loop = start_api(NoText())
     try:
         st, err, _ = _call(api.port, "POST", "/v1/completions", {"prompt": "hi"})
         assert st == 400 and err["error"]["code"] == "no_tokenizer"

@@ -18,95 +18,9 @@ from pathlib import Path
 import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from serve_util import ROOT, Server, shm_objects
 
-ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="needs POSIX shm")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _shm_objects(run_id: str) -> list[str]:
-    return [n for n in os.listdir("/dev/shm") if f"xllm_eplb_{run_id}_" in n]
-
-
-class Server:
-    """One `xllm-eplb serve` process group with its logs and every process it started."""
-
-    def __init__(self, tmp: Path, args: list[str]):
-        self.port = _free_port()
-        self.run_id = f"p{self.port}"
-        self.log_dir = tmp / "logs"
-        self.out, self.err = tmp / "stdout.txt", tmp / "stderr.txt"
-        cmd = [sys.executable, "-m", "xllm_eplb", "serve", "--ep-size", "4", "--config",
-               str(ROOT / "configs" / "eplb.yaml"), "--port", str(self.port),
-               "--log_dir", str(self.log_dir), *args]
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self.out.open("w"),
-                                     stderr=self.err.open("w"), start_new_session=True)
-        self.pids: set[int] = {self.proc.pid}
-        self.url = f"http://127.0.0.1:{self.port}"
-
-    def note_children(self) -> None:
-        try:
-            self.pids |= {c.pid for c in psutil.Process(self.proc.pid).children(recursive=True)}
-        except psutil.NoSuchProcess:
-            pass
-
-    def wait_ready(self, timeout: float = 120.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if "xllm-eplb ready" in self.out.read_text():
-                self.note_children()
-                return
-            if self.proc.poll() is not None:
-                break
-            time.sleep(0.3)
-        raise AssertionError(f"no ready line: rc={self.proc.poll()}\n{self.err.read_text()[-3000:]}")
-
-    def alive(self) -> list[int]:
-        out = []
-        for p in self.pids:
-            try:
-                if psutil.Process(p).status() != psutil.STATUS_ZOMBIE:
-                    out.append(p)
-            except psutil.NoSuchProcess:
-                pass
-        return out
-
-    def kill(self) -> None:
-        self.note_children()
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        for p in self.alive():
-            try:
-                os.kill(p, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        self.proc.wait(10)
-        from xllm_eplb.ipc.objects import clean
-
-        clean(self.run_id)
-
-
-@pytest.fixture
-def start_server(tmp_path):
-    servers: list[Server] = []
-
-    def start(*args: str) -> Server:
-        d = tmp_path / f"s{len(servers)}"
-        d.mkdir()
-        s = Server(d, list(args))
-        servers.append(s)
-        return s
-
-    yield start
-    for s in servers:
-        s.kill()
 
 
 def _get(url: str):
@@ -225,7 +139,7 @@ def test_serve_rebalances_keeps_tokens_identical_and_stops_cleanly(start_server)
     assert s.proc.wait(15) == 0
     assert time.monotonic() - t0 < 10
     time.sleep(0.3)
-    assert s.alive() == [] and _shm_objects(s.run_id) == []
+    assert s.alive() == [] and shm_objects(s.run_id) == []
 
 
 @pytest.mark.timeout(90)
@@ -241,7 +155,7 @@ def test_killed_worker_stops_the_run_naming_the_rank(start_server):
     err = s.err.read_text()
     assert "rank 2" in err and "SIGKILL" in err
     time.sleep(0.3)
-    assert s.alive() == [] and _shm_objects(s.run_id) == []
+    assert s.alive() == [] and shm_objects(s.run_id) == []
 
 
 @pytest.mark.timeout(90)
@@ -255,20 +169,20 @@ def test_sigterm_to_the_whole_process_group_is_a_clean_stop(start_server):
     assert rc == 0 and time.monotonic() - t0 < 10, s.err.read_text()[-2000:]
     assert "died during serving" not in s.err.read_text()
     time.sleep(0.3)
-    assert s.alive() == [] and _shm_objects(s.run_id) == []
+    assert s.alive() == [] and shm_objects(s.run_id) == []
 
 
 @pytest.mark.timeout(90)
 def test_killed_launcher_takes_its_children_and_shm_with_it(start_server):
     s = start_server("--workload=none", "--enable_eplb=false")
     s.wait_ready()
-    assert _shm_objects(s.run_id)
+    assert shm_objects(s.run_id)
     s.proc.kill()                                   # SIGKILL: no handler, no cleanup
     s.proc.wait(5)
     deadline = time.monotonic() + 10
-    while (s.alive() or _shm_objects(s.run_id)) and time.monotonic() < deadline:
+    while (s.alive() or shm_objects(s.run_id)) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert s.alive() == [] and _shm_objects(s.run_id) == []
+    assert s.alive() == [] and shm_objects(s.run_id) == []
 
 
 @pytest.mark.timeout(30)
@@ -284,4 +198,4 @@ def test_port_in_use_fails_before_any_worker_starts(tmp_path):
     assert p.returncode == 2, p.stderr
     assert f"--port={port}" in p.stderr and "xllm-eplb ready" not in p.stdout
     assert not (tmp_path / "logs" / "rank0.log").exists()
-    assert _shm_objects(f"p{port}") == []
+    assert shm_objects(f"p{port}") == []
