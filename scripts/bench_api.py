@@ -12,7 +12,12 @@ the delta of ``xllm_eplb_step_duration_seconds`` (sum/count) scraped from ``/met
 it; overhead = client-side latency - step time. Reported: P50/P90 latency, mean step time,
 P50 overhead, and the ratio current/baseline of the P50 overhead.
 
+On the current server only (the OpenAI API): ``--clients`` (default 200) concurrent streaming
+clients on loopback, each asking for a few tokens, must all complete with no error; and the same
+seeded sampled requests streamed and not streamed must give identical tokens.
+
     python scripts/bench_api.py [--quick] [--json PATH] [--baseline-rev REV] [--requests N]
+        [--clients N]
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ def free_port() -> int:
 
 def unpack_rev(rev: str, dest: Path) -> Path:
     """``git archive REV xllm_eplb`` into ``dest``; returns ``dest``."""
+    dest.mkdir(parents=True, exist_ok=True)
     tar = dest / "src.tar"
     subprocess.run(["git", "archive", "-o", str(tar), rev, "xllm_eplb"], cwd=ROOT, check=True)
     with tarfile.open(tar) as t:
@@ -128,16 +134,56 @@ def measure(port: int, n: int, warm: int) -> dict:
             "p90_overhead_ms": 1e3 * float(np.percentile(over, 90))}
 
 
-def run_one(name: str, src: Path, tmp: Path, n: int, warm: int) -> dict:
+def concurrent_clients(port: int, clients: int) -> dict:
+    """``clients`` streaming requests in flight at once; all must complete."""
+    sys.path.insert(0, str(ROOT))
+    from xllm_eplb.commands.bench import make_prompts, run_bench
+
+    res = run_bench(f"http://127.0.0.1:{port}", make_prompts(clients, 8, 16, 1.2, 0), 4,
+                    clients, timeout=300)
+    out = {k: res[k] for k in ("requests", "ok", "errors", "first_error", "seconds",
+                               "ttft_p50_s", "ttft_p99_s", "e2e_p99_s")}
+    out["all_complete"] = res["ok"] == clients and all(len(o) == 4 for o in res["outputs"])
+    return out
+
+
+def stream_matches(port: int, n: int = 8) -> bool:
+    """Seeded sampled requests: streamed token ids == non-streamed token ids."""
+    sys.path.insert(0, str(ROOT))
+    from xllm_eplb.commands.bench import stream_one
+
+    same = True
+    for i in range(n):
+        body = {"prompt": f"request {i}", "max_tokens": 16, "temperature": 1.0, "seed": i,
+                "ignore_eos": True, "return_token_ids": True}
+        c = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        c.request("POST", "/v1/completions", body=json.dumps(body).encode(),
+                  headers={"Content-Type": "application/json"})
+        full = json.loads(c.getresponse().read())["choices"][0]["token_ids"]
+        c.close()
+        streamed = stream_one("127.0.0.1", port, dict(body, stream=True), 60)["ids"]
+        same &= streamed == full
+    return same
+
+
+def run_one(name: str, src: Path, tmp: Path, n: int, warm: int, clients: int = 0) -> dict:
     s = Server(src, tmp / f"logs_{name}")
     try:
         s.wait_ready()
         res = measure(s.port, n, warm)
+        if clients:
+            res["streaming_equals_non_streaming"] = stream_matches(s.port)
+            res["concurrent"] = concurrent_clients(s.port, clients)
     finally:
         s.stop()
     print(f"{name:9s} requests={res['requests']} p50_ttft_ms={res['p50_ttft_ms']:.2f} "
           f"mean_step_ms={res['mean_step_ms']:.2f} p50_overhead_ms={res['p50_overhead_ms']:.2f} "
           f"p90_overhead_ms={res['p90_overhead_ms']:.2f}", flush=True)
+    if "concurrent" in res:
+        c = res["concurrent"]
+        print(f"{name:9s} streaming_equals_non_streaming={res['streaming_equals_non_streaming']} "
+              f"clients={c['requests']} ok={c['ok']} errors={c['errors']} "
+              f"all_complete={c['all_complete']} seconds={c['seconds']:.2f}", flush=True)
     return res
 
 
@@ -146,6 +192,8 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="40 requests per server (~1 min)")
     ap.add_argument("--json", type=Path, help="write the results here")
     ap.add_argument("--requests", type=int, default=None, help="measured requests per server")
+    ap.add_argument("--clients", type=int, default=200,
+                    help="concurrent streaming clients on the current server (0 = skip)")
     ap.add_argument("--baseline-rev", default=None,
                     help="git revision to compare with (e.g. the stdlib server af629c8); "
                          "omitted: only this checkout")
@@ -159,7 +207,7 @@ def main() -> None:
             base = unpack_rev(args.baseline_rev, tmp / "baseline_src")
             out["baseline_rev"] = args.baseline_rev
             out["baseline"] = run_one("baseline", base, tmp, n, warm)
-        out["current"] = run_one("current", ROOT, tmp, n, warm)
+        out["current"] = run_one("current", ROOT, tmp, n, warm, args.clients)
     if "baseline" in out:
         out["overhead_ratio"] = out["current"]["p50_overhead_ms"] / max(
             out["baseline"]["p50_overhead_ms"], 1e-9)

@@ -144,8 +144,10 @@ def test_serve_rebalances_keeps_tokens_identical_and_stops_cleanly(start_server)
 
 @pytest.mark.timeout(90)
 def test_killed_worker_stops_the_run_naming_the_rank(start_server):
-    s = start_server("--workload=none", "--enable_eplb=false")
+    # steps in flight when the rank dies: every survivor fails its all-to-all
+    s = start_server("--workload_rate=20", "--enable_eplb=false")
     s.wait_ready()
+    time.sleep(1.0)
     victim = next(p for p in psutil.Process(s.proc.pid).children()
                   if "ep2" in " ".join(p.cmdline()))
     t0 = time.monotonic()
@@ -154,6 +156,10 @@ def test_killed_worker_stops_the_run_naming_the_rank(start_server):
     assert rc != 0 and time.monotonic() - t0 < 10
     err = s.err.read_text()
     assert "rank 2" in err and "SIGKILL" in err
+    # one summary line on the console; the survivors' tracebacks only in their rank logs
+    assert [ln for ln in err.splitlines() if ln.startswith("error:")] == [
+        next(ln for ln in err.splitlines() if "died during serving" in ln)], err[-3000:]
+    assert "Traceback" not in err and "worker step failed" not in err, err[-3000:]
     time.sleep(0.3)
     assert s.alive() == [] and shm_objects(s.run_id) == []
 

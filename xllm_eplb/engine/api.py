@@ -323,6 +323,8 @@ class ApiServer:
     def __init__(self, host: str, port: int, backend: ApiBackend):
         import uvicorn
 
+        # uvicorn's own start/stop lines are noise next to the engine's
+        logging.getLogger("uvicorn.error").setLevel(logging.WARNING)
         self.sock = _bind(host, port)
         self.port = self.sock.getsockname()[1]
         config = uvicorn.Config(create_app(backend), log_config=None, access_log=False,

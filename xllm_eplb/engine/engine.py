@@ -32,7 +32,7 @@ from xllm_eplb.engine.tokenizer import BOS_ID
 from xllm_eplb.eplb.info import NO_TOKEN, EplbInfo
 from xllm_eplb.launcher import backend_name
 from xllm_eplb.model.batch import RankBatch, SeqRow
-from xllm_eplb.obs.logs import event, setup_logging
+from xllm_eplb.obs.logs import FILE_ONLY, event, setup_logging
 from xllm_eplb.obs.metrics import EngineMetrics
 
 log = logging.getLogger(__name__)
@@ -386,7 +386,8 @@ def engine_main(cfg: Config, events, parent_pid: int) -> None:
     except SystemExit as e:
         code = 0 if stop["early"] else int(e.code or 0)
     except WorkerFault as e:
-        log.error(event("engine worker fault", error=str(e)))
+        # the launcher prints the one summary line (with this reason when the engine stops)
+        log.error(event("engine worker fault", error=str(e)), extra=FILE_ONLY)
         send_event(events, "engine", "error", str(e))
     except Exception as e:  # noqa: BLE001
         log.exception(event("engine failed", error=repr(e)))
