@@ -6,11 +6,15 @@ STAMP   := $(VENV)/.installed
 TORCH   ?= torch==2.13.0
 EP_SIZE ?= 16
 SERVE_ARGS ?= --ep-size $(EP_SIZE) --config configs/eplb.yaml --enable_eplb=true --eplb_update_interval=20
+# the default checkpoint `make serve` serves: generated once, then reused from the cache
+CKPT_ARCH ?= deepseek_v3
+CKPT_DIR  ?= .cache/checkpoints/$(CKPT_ARCH)-tiny
+CKPT_ARGS ?=
 
-.PHONY: help install test serve lint clean
+.PHONY: help install test serve checkpoint lint clean
 
 help:  ## show this help
-	@grep -E '^[a-z]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-8s %s\n", $$1, $$2}'
+	@grep -E '^[a-z]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -24,8 +28,15 @@ install: $(STAMP)  ## create .venv: torch==2.13.0 first, then the project with [
 test: install  ## run the whole test suite
 	$(BIN)/python -m pytest tests
 
-serve: install  ## run the 16-rank example on the tiny CPU model with the built-in workload
-	$(BIN)/xllm-eplb serve $(SERVE_ARGS)
+CKPT_SRC := $(wildcard xllm_eplb/model/checkpoint*.py)
+
+$(CKPT_DIR)/config.json: $(CKPT_SRC) | $(STAMP)
+	$(BIN)/xllm-eplb make-checkpoint --arch $(CKPT_ARCH) --out $(CKPT_DIR) --force $(CKPT_ARGS)
+
+checkpoint: $(CKPT_DIR)/config.json  ## generate the default tiny checkpoint once (into CKPT_DIR)
+
+serve: install $(CKPT_DIR)/config.json  ## serve the generated checkpoint at 16 EP ranks with the built-in workload
+	$(BIN)/xllm-eplb serve --model $(CKPT_DIR) $(SERVE_ARGS)
 
 lint: install  ## ruff check
 	$(BIN)/ruff check xllm_eplb tests scripts

@@ -27,6 +27,8 @@ SUBCOMMANDS = {
     "config": ("config", "config", "Show or validate the resolved configuration."),
     "shm": ("shm", "shm", "List or clean this project's shared-memory objects."),
     "bench": ("bench", "bench", "Drive a running server and report throughput and latency."),
+    "make-checkpoint": ("make_checkpoint", "make_checkpoint",
+                        "Write a tiny Hugging Face-format MoE checkpoint."),
 }
 
 

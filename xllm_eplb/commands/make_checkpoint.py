@@ -1,0 +1,73 @@
+"""``xllm-eplb make-checkpoint``: write a tiny Hugging Face-format MoE checkpoint.
+
+Example::
+
+    xllm-eplb make-checkpoint --arch deepseek_v3 --out .cache/checkpoints/deepseek_v3-tiny
+    xllm-eplb serve --model .cache/checkpoints/deepseek_v3-tiny --ep-size 4
+
+The folder (``config.json``, ``model.safetensors``, ``generation_config.json``,
+``tokenizer.json``, ``tokenizer_config.json``, ``xllm_eplb_topics.json``) loads in transformers'
+``AutoModelForCausalLM`` / ``AutoTokenizer`` as it is; its routers carry a deliberate topic skew
+(see :mod:`xllm_eplb.model.checkpoint`). A non-empty ``--out`` is refused unless ``--force``.
+Prints one line: the folder, family, sizes and bytes written.
+"""
+
+from __future__ import annotations
+
+import click
+
+from xllm_eplb.cli import handle_user_errors
+
+ARCHS = ("deepseek_v3", "qwen3_moe", "qwen2_moe", "mixtral")
+DTYPES = ("float32", "bfloat16", "float16", "float64")
+
+# option name -> (CheckpointSpec field, type, help)
+SIZE_OPTIONS = {
+    "--num-layers": ("num_layers", int, "decoder layers (default 4)"),
+    "--dense-layers": ("first_k_dense", int, "leading dense layers (default 1; mixtral 0)"),
+    "--num-experts": ("num_experts", int, "routed experts per MoE layer (default 64)"),
+    "--top-k": ("top_k", int, "experts per token (default 4)"),
+    "--shared-experts": ("n_shared_experts", int, "shared experts, deepseek_v3/qwen2_moe "
+                         "(default 1)"),
+    "--hidden-size": ("hidden_size", int, "model width (default 64)"),
+    "--moe-intermediate-size": ("moe_intermediate_size", int, "expert FFN width (default 32)"),
+    "--intermediate-size": ("intermediate_size", int, "dense FFN width (default 128)"),
+    "--num-heads": ("num_heads", int, "attention heads (default 4)"),
+    "--num-kv-heads": ("num_kv_heads", int, "key/value heads (default heads/2; deepseek: heads)"),
+    "--vocab-size": ("vocab_size", int, "vocabulary incl. 4 special tokens (default 512)"),
+    "--max-position-embeddings": ("max_position_embeddings", int, "longest sequence "
+                                  "(default 1024)"),
+    "--routing-skew": ("routing_skew", float, "topic/router alignment strength, 0 = none "
+                       "(default 1.0)"),
+}
+
+
+def _size_options(fn):
+    for flag, (field, typ, help_) in reversed(SIZE_OPTIONS.items()):
+        fn = click.option(flag, field, type=typ, default=None, help=help_)(fn)
+    return fn
+
+
+@click.command("make-checkpoint")
+@click.option("--arch", type=click.Choice(ARCHS), default="deepseek_v3", show_default=True,
+              help="model family")
+@click.option("--out", required=True, help="output folder (created if missing)")
+@click.option("--seed", type=int, default=0, show_default=True, help="weight seed")
+@click.option("--dtype", type=click.Choice(DTYPES), default="float32", show_default=True,
+              help="tensor dtype (the router bias stays float32)")
+@click.option("--tie-word-embeddings", is_flag=True, help="no lm_head.weight: tied to the "
+              "embedding")
+@click.option("--force", is_flag=True, help="write into a non-empty folder")
+@_size_options
+@handle_user_errors
+def make_checkpoint(arch, out, seed, dtype, tie_word_embeddings, force, **sizes) -> None:
+    """Write a tiny HF-format MoE checkpoint with a skewed, drifting-workload-ready router."""
+    from xllm_eplb.model.checkpoint import make_checkpoint as make
+
+    given = {k: v for k, v in sizes.items() if v is not None}
+    p = make(arch, out, force=force, seed=seed, dtype=dtype,
+             tie_word_embeddings=tie_word_embeddings, **given)
+    total = sum(f.stat().st_size for f in p.iterdir() if f.is_file())
+    shown = " ".join(f"{k}={v}" for k, v in sorted(given.items()))
+    click.echo(f"wrote {p} arch={arch} seed={seed} dtype={dtype} {shown}".rstrip()
+               + f" bytes={total}")
