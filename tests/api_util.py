@@ -46,12 +46,16 @@ class ReferenceLoop:
                 time.sleep(0.01)     # a step takes a while (cancellation tests need that)
 
 
-def start_api(tokenizer, max_batch_size: int = 4):
-    """An API server on a free loopback port in front of a :class:`ReferenceLoop`."""
-    cfg = config_from_dict({"ep_size": 4, "max_prefill_tokens": 64,
-                            "max_position_embeddings": 96})
+def start_api(tokenizer, max_batch_size: int = 4, vocab_size: int | None = None,
+              context: int = 96, max_prompt: int = 64):
+    """An API server on a free loopback port in front of a :class:`ReferenceLoop`
+    (``vocab_size``: the toy model's, e.g. a checkpoint tokenizer's size)."""
+    flat = {"ep_size": 4, "max_prefill_tokens": max_prompt, "max_position_embeddings": context}
+    if vocab_size is not None:
+        flat["vocab_size"] = vocab_size
+    cfg = config_from_dict(flat)
     loop = ReferenceLoop(cfg, max_batch_size)
-    lim = ApiLimits(cfg.model.vocab_size, 64, 96, request_timeout_seconds=30)
+    lim = ApiLimits(cfg.model.vocab_size, max_prompt, context, request_timeout_seconds=30)
     backend = ApiBackend(submit=loop.sched.submit, cancel=loop.sched.cancel,
                          status=lambda: {"policy": "balanced"},
                          metrics=lambda: b"xllm_eplb_up 1\n",

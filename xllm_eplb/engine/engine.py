@@ -280,12 +280,13 @@ def _attach_rings(cfg: Config):
 
 def _api(cfg: Config, engine_ref: dict):
     from xllm_eplb.engine.api import ApiBackend, ApiLimits, ApiServer, ServedModel
-    from xllm_eplb.engine.tokenizer import ByteTokenizer
+    from xllm_eplb.engine.tokenizer import load_tokenizer
 
     m, rt = cfg.model, cfg.runtime
     limits = ApiLimits(m.vocab_size, rt.max_prefill_tokens, m.max_position_embeddings)
-    served = ServedModel(cfg.serve.served_model_name, ByteTokenizer(), limits,
-                         created=int(time.time()))
+    # the checkpoint's tokenizer (--model, once that option exists), else the byte tokenizer
+    tok = load_tokenizer(getattr(m, "model", "") or None)
+    served = ServedModel(cfg.serve.served_model_name, tok, limits, created=int(time.time()))
 
     def eng():
         return engine_ref.get("engine")
