@@ -42,7 +42,7 @@ def _call(port, method, path, body=None, raw=None, headers=None):
     payload = r.read()
     c.close()
     ctype = r.getheader("Content-Type", "")
-    return r.status, (json.loads(payload) if "json" in ctype else payload), r
+    return r.status, (json.loads(payload) if "json" in ctype and payload else payload), r
 
 
 def test_completion_text_and_token_ids_match_the_reference_model(server):
@@ -100,6 +100,24 @@ def test_streaming_reassembles_to_the_non_streamed_text(client):
     assert text == full.text
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
     assert chunks[-1].usage.completion_tokens == 20 and not chunks[-1].choices
+
+
+def test_streaming_several_choices_and_zero_tokens(client):
+    kw = dict(model="tiny", prompt=["p one", "p two"], max_tokens=6, n=2, temperature=1.0,
+              seed=2, extra_body={"ignore_eos": True})
+    full = client.completions.create(**kw)
+    texts = {k: "" for k in range(4)}
+    ends = {}
+    for c in client.completions.create(stream=True, **kw):
+        for ch in c.choices:
+            texts[ch.index] += ch.text
+            if ch.finish_reason:
+                ends[ch.index] = ch.finish_reason
+    assert texts == {c.index: c.text for c in full.choices}
+    assert ends == {k: "length" for k in range(4)}
+    z = client.completions.create(model="tiny", prompt="x", max_tokens=0)
+    assert z.choices[0].text == "" and z.choices[0].finish_reason == "length"
+    assert z.usage.completion_tokens == 0
 
 
 def test_stop_strings_and_stop_token_ids(client):
@@ -234,6 +252,8 @@ def test_malformed_json_unknown_routes_and_methods(server):
     assert st == 404 and "nope" in err["error"]["message"]
     assert _call(api.port, "POST", "/metrics", {})[0] == 405
     st, err, r = _call(api.port, "GET", "/v1/completions")
+    assert st == 405 and r.getheader("Allow") == "POST"
+    st, _, r = _call(api.port, "HEAD", "/v1/chat/completions")
     assert st == 405 and r.getheader("Allow") == "POST"
     # regression: other methods got http.server's HTML 501 page, not a JSON 405/404
     st, err, r = _call(api.port, "DELETE", "/health")
