@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from serve_util import Server
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -32,3 +33,20 @@ def hf_ckpts(tmp_path_factory) -> dict:
 
     root = tmp_path_factory.mktemp("hf_ckpts")
     return {f: hf_util.build(f, root / f, seed=i) for i, f in enumerate(hf_util.FAMILIES)}
+
+
+@pytest.fixture
+def start_server(tmp_path):
+    """``start(*flags) -> Server``: real `xllm-eplb serve` runs, killed and swept after the test."""
+    servers: list[Server] = []
+
+    def start(*args: str) -> Server:
+        d = tmp_path / f"s{len(servers)}"
+        d.mkdir()
+        s = Server(d, list(args))
+        servers.append(s)
+        return s
+
+    yield start
+    for s in servers:
+        s.kill()

@@ -40,6 +40,19 @@ def test_every_metric_is_prefixed_and_parses():
         assert want in names
 
 
+def test_counters_that_start_at_zero_are_exported_from_the_start():
+    """Regression: a labelled counter had no sample until its first increment, so dashboards
+    showed "No data" instead of 0."""
+    text = EngineMetrics(2, 3).render().decode()
+    for line in ('xllm_eplb_ring_full_total{ring="input"} 0.0',
+                 'xllm_eplb_requests_total{result="cancelled"} 0.0',
+                 'xllm_eplb_steps_total{kind="decode"} 0.0',
+                 'xllm_eplb_rebalance_layers_total{result="timed_out"} 0.0',
+                 'xllm_eplb_rank_tokens_total{rank="1"} 0.0',
+                 'xllm_eplb_p2p_bytes_total{direction="sent"} 0.0'):
+        assert line in text.splitlines(), line
+
+
 def test_per_layer_series_only_behind_the_flag():
     assert "xllm_eplb_layer_balancedness_ratio" not in metric_names(EngineMetrics(4, 3).registry)
     m = EngineMetrics(4, 3, per_layer=True)

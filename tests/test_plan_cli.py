@@ -1,6 +1,7 @@
 """`xllm-eplb plan` through a real subprocess: outputs, --previous, report/plot, bad inputs."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +18,8 @@ DATA = REPO.parent / "shared" / "data" / "sglang_ep_statistics"
 
 def run(*args, cwd):
     return subprocess.run([PY, "-m", "xllm_eplb", "plan", *map(str, args)], cwd=cwd,
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=120,
+                          preexec_fn=lambda: os.umask(0o022))
 
 
 def loads_file(tmp_path, layers=3, experts=16, dense=1, name="loads.json"):
@@ -45,6 +47,9 @@ def test_plan_with_previous_report_and_plot(tmp_path):
     text = rep.read_text()
     assert "balancedness" in text and "peak/ideal" in text and text.count("\n| ") >= 4
     assert png.stat().st_size > 1000
+    # ordinary file modes (regression: mkstemp left every output 0600); the child's umask 022
+    for f in (out, rep, png):
+        assert f.stat().st_mode & 0o777 == 0o644, (f, oct(f.stat().st_mode))
     out2 = tmp_path / "p2.json"
     r = run("--load", lf, "--ep-size", 4, "--policy", "incremental", "--previous", out,
             "--moe-layers", "1:3", "--output", out2, cwd=tmp_path)

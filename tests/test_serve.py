@@ -18,96 +18,10 @@ from pathlib import Path
 import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from serve_util import ROOT, Server, shm_objects
 
-ROOT = Path(__file__).resolve().parents[1]
 pytestmark = [pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="needs POSIX shm"),
               pytest.mark.slow]   # starts other processes (make test-fast skips it)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _shm_objects(run_id: str) -> list[str]:
-    return [n for n in os.listdir("/dev/shm") if f"xllm_eplb_{run_id}_" in n]
-
-
-class Server:
-    """One `xllm-eplb serve` process group with its logs and every process it started."""
-
-    def __init__(self, tmp: Path, args: list[str]):
-        self.port = _free_port()
-        self.run_id = f"p{self.port}"
-        self.log_dir = tmp / "logs"
-        self.out, self.err = tmp / "stdout.txt", tmp / "stderr.txt"
-        cmd = [sys.executable, "-m", "xllm_eplb", "serve", "--ep-size", "4", "--config",
-               str(ROOT / "configs" / "eplb.yaml"), "--port", str(self.port),
-               "--log_dir", str(self.log_dir), *args]
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self.out.open("w"),
-                                     stderr=self.err.open("w"), start_new_session=True)
-        self.pids: set[int] = {self.proc.pid}
-        self.url = f"http://127.0.0.1:{self.port}"
-
-    def note_children(self) -> None:
-        try:
-            self.pids |= {c.pid for c in psutil.Process(self.proc.pid).children(recursive=True)}
-        except psutil.NoSuchProcess:
-            pass
-
-    def wait_ready(self, timeout: float = 120.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if "xllm-eplb ready" in self.out.read_text():
-                self.note_children()
-                return
-            if self.proc.poll() is not None:
-                break
-            time.sleep(0.3)
-        raise AssertionError(f"no ready line: rc={self.proc.poll()}\n{self.err.read_text()[-3000:]}")
-
-    def alive(self) -> list[int]:
-        out = []
-        for p in self.pids:
-            try:
-                if psutil.Process(p).status() != psutil.STATUS_ZOMBIE:
-                    out.append(p)
-            except psutil.NoSuchProcess:
-                pass
-        return out
-
-    def kill(self) -> None:
-        self.note_children()
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        for p in self.alive():
-            try:
-                os.kill(p, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        self.proc.wait(10)
-        from xllm_eplb.ipc.objects import clean
-
-        clean(self.run_id)
-
-
-@pytest.fixture
-def start_server(tmp_path):
-    servers: list[Server] = []
-
-    def start(*args: str) -> Server:
-        d = tmp_path / f"s{len(servers)}"
-        d.mkdir()
-        s = Server(d, list(args))
-        servers.append(s)
-        return s
-
-    yield start
-    for s in servers:
-        s.kill()
 
 
 def _get(url: str):
@@ -142,12 +56,17 @@ REQUESTS = [
     {"prompt_token_ids": [256, 3, 19, 35, 51, 67, 83], "max_tokens": 12, "temperature": 0.0},
     {"prompt": "sampled with a seed", "max_tokens": 12, "temperature": 0.8, "seed": 7},
     {"prompt": "zzzz", "max_tokens": 12, "temperature": 1.0, "seed": 123},
+    {"prompt": "nucleus", "max_tokens": 12, "temperature": 1.0, "seed": 9, "top_p": 0.7,
+     "top_k": 20},
 ]
+for _b in REQUESTS:
+    _b["return_token_ids"] = True
 
 
 def _reference_tokens(argv: list[str]) -> list[list[int]]:
     """Same requests through the single-process reference model (every expert local)."""
-    from xllm_eplb.engine.api import ApiLimits, parse_completion
+    from xllm_eplb.engine.protocol import ApiLimits, ServedModel, parse_completion
+    from xllm_eplb.engine.tokenizer import ByteTokenizer
     from xllm_eplb.flags import load_config
     from xllm_eplb.model.batch import RankBatch, SeqRow
     from xllm_eplb.model.transformer import MoETransformer
@@ -155,13 +74,14 @@ def _reference_tokens(argv: list[str]) -> list[list[int]]:
     cfg, _ = load_config(argv)
     model = MoETransformer.reference(cfg)
     lim = ApiLimits(cfg.model.vocab_size, 512, cfg.model.max_position_embeddings)
+    served = ServedModel("xllm-eplb", ByteTokenizer(), lim)
     outs = []
     for i, body in enumerate(REQUESTS):
-        r = parse_completion(body, lim)
-        toks, pos, seq = [], 0, list(r.prompt)
+        r = parse_completion(body, served)
+        toks, pos, seq = [], 0, list(r.prompts[0])
         while len(toks) < r.max_tokens:
             res = model.forward_step(RankBatch([SeqRow(i, seq, pos, pos == 0, r.temperature,
-                                                       r.seed)]))
+                                                       r.seeds[0], r.top_p, r.top_k)]))
             pos += len(seq)
             seq = [res.sampled[i]]
             toks.append(res.sampled[i])
@@ -220,13 +140,15 @@ def test_serve_rebalances_keeps_tokens_identical_and_stops_cleanly(start_server)
     assert s.proc.wait(15) == 0
     assert time.monotonic() - t0 < 10
     time.sleep(0.3)
-    assert s.alive() == [] and _shm_objects(s.run_id) == []
+    assert s.alive() == [] and shm_objects(s.run_id) == []
 
 
 @pytest.mark.timeout(90)
 def test_killed_worker_stops_the_run_naming_the_rank(start_server):
-    s = start_server("--workload=none", "--enable_eplb=false")
+    # steps in flight when the rank dies: every survivor fails its all-to-all
+    s = start_server("--workload_rate=20", "--enable_eplb=false")
     s.wait_ready()
+    time.sleep(1.0)
     victim = next(p for p in psutil.Process(s.proc.pid).children()
                   if "ep2" in " ".join(p.cmdline()))
     t0 = time.monotonic()
@@ -235,8 +157,12 @@ def test_killed_worker_stops_the_run_naming_the_rank(start_server):
     assert rc != 0 and time.monotonic() - t0 < 10
     err = s.err.read_text()
     assert "rank 2" in err and "SIGKILL" in err
+    # one summary line on the console; the survivors' tracebacks only in their rank logs
+    assert [ln for ln in err.splitlines() if ln.startswith("error:")] == [
+        next(ln for ln in err.splitlines() if "died during serving" in ln)], err[-3000:]
+    assert "Traceback" not in err and "worker step failed" not in err, err[-3000:]
     time.sleep(0.3)
-    assert s.alive() == [] and _shm_objects(s.run_id) == []
+    assert s.alive() == [] and shm_objects(s.run_id) == []
 
 
 @pytest.mark.timeout(90)
@@ -250,20 +176,20 @@ def test_sigterm_to_the_whole_process_group_is_a_clean_stop(start_server):
     assert rc == 0 and time.monotonic() - t0 < 10, s.err.read_text()[-2000:]
     assert "died during serving" not in s.err.read_text()
     time.sleep(0.3)
-    assert s.alive() == [] and _shm_objects(s.run_id) == []
+    assert s.alive() == [] and shm_objects(s.run_id) == []
 
 
 @pytest.mark.timeout(90)
 def test_killed_launcher_takes_its_children_and_shm_with_it(start_server):
     s = start_server("--workload=none", "--enable_eplb=false")
     s.wait_ready()
-    assert _shm_objects(s.run_id)
+    assert shm_objects(s.run_id)
     s.proc.kill()                                   # SIGKILL: no handler, no cleanup
     s.proc.wait(5)
     deadline = time.monotonic() + 10
-    while (s.alive() or _shm_objects(s.run_id)) and time.monotonic() < deadline:
+    while (s.alive() or shm_objects(s.run_id)) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert s.alive() == [] and _shm_objects(s.run_id) == []
+    assert s.alive() == [] and shm_objects(s.run_id) == []
 
 
 @pytest.mark.timeout(30)
@@ -279,4 +205,4 @@ def test_port_in_use_fails_before_any_worker_starts(tmp_path):
     assert p.returncode == 2, p.stderr
     assert f"--port={port}" in p.stderr and "xllm-eplb ready" not in p.stdout
     assert not (tmp_path / "logs" / "rank0.log").exists()
-    assert _shm_objects(f"p{port}") == []
+    assert shm_objects(f"p{port}") == []

@@ -84,6 +84,19 @@ def test_plain_progress_prints_one_line_per_completed_stage(capsys):
     p.close()
 
 
+def test_tty_progress_draws_each_row_once(capsys):
+    """Regression: the live `rich` display redrew its rows around the engine's own log lines
+    (`EPLB manager start`, `engine ready`) on a terminal."""
+    p = Progress(2, tty=True)
+    for who in ("ep0", "ep1"):
+        p.update(who, "model")
+    p.update("engine", "ready")
+    p.close()
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 2 and err[0].startswith("xllm-eplb start stage=model ranks=2/2")
+    assert err[1].startswith("xllm-eplb start engine=ready")
+
+
 def test_serve_digest_lists_non_defaults():
     from xllm_eplb.commands.serve import digest
 

@@ -145,6 +145,13 @@ class ServeConfig:
                  choices=("debug", "info", "warning", "error"))
     enable_per_layer_metrics: bool = opt(False, "export per-layer Prometheus series")
     shutdown_timeout_seconds: float = opt(10.0, "graceful stop before SIGKILL", unit="s", lo=0)
+    served_model_name: str = opt("xllm-eplb", "model name of the OpenAI API (/v1/models; a "
+                                 "request's 'model' must match it)")
+    stall_seconds: float = opt(10.0, "a step running longer than this is a stall: /health "
+                               "answers 503 and worker_up of the silent ranks drops to 0",
+                               unit="s", lo=0, lo_open=True)
+    max_waiting_requests: int = opt(1024, "requests waiting for a batch slot beyond which the "
+                                    "API answers 503 (overloaded)", lo=1)
     workload: str = opt("none", "built-in request generator", choices=("none", "synthetic"))
     workload_rate: float = opt(8.0, "synthetic workload: requests per second", lo=0,
                                lo_open=True)

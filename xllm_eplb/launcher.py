@@ -31,15 +31,16 @@ from pathlib import Path
 
 from xllm_eplb.config import Config
 from xllm_eplb.engine.engine import engine_main
-from xllm_eplb.errors import UserError
 from xllm_eplb.ipc.errors import SegmentBusyError
 from xllm_eplb.ipc.objects import sweep_run
 from xllm_eplb.ipc.ring import InputRing, OutputRing
 from xllm_eplb.ipc.shm import resolve_run_id
 from xllm_eplb.obs.logs import event, setup_logging
 from xllm_eplb.obs.progress import Progress, ready_line
-from xllm_eplb.worker.comm import preflight
+from xllm_eplb.preflight import StartupError, check_port, check_serve
 from xllm_eplb.worker.worker import worker_main
+
+__all__ = ["Launcher", "Progress", "RunShm", "StartupError", "check_port", "ready_line", "serve"]
 
 log = logging.getLogger(__name__)
 
@@ -48,33 +49,16 @@ CHILD_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREA
              "TORCH_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 
-class StartupError(UserError):
-    """Serving could not start (port taken, child failed during start-up)."""
-
-
-# --- launcher ---------------------------------------------------------------------------------
-
-def check_port(host: str, port: int) -> int:
-    """Bind-test ``host:port`` before anything starts; returns the port (a free one for 0)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-        except OSError as e:
-            raise StartupError(f"--port={port}: cannot listen on {host}:{port} ({e.strerror}); "
-                               f"stop the other server or pick another --port") from None
-        return s.getsockname()[1]
-
-
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def resolve_runtime(cfg: Config) -> Config:
+def resolve_runtime(cfg: Config, port: int | None = None) -> Config:
     """Fill what the run decides at start: HTTP port (for 0), rendezvous port, run id."""
-    port = check_port(cfg.serve.host, cfg.serve.port)
+    if port is None:
+        port = check_port(cfg.serve.host, cfg.serve.port)
     mport = cfg.runtime.master_port or free_port()
     rt = dataclasses.replace(cfg.runtime, master_port=mport,
                              run_id=resolve_run_id(cfg.runtime.run_id, port))
@@ -119,6 +103,7 @@ class Launcher:
         self.shm = None
         self.progress = progress
         self.t0 = time.monotonic()
+        self.errors: dict[str, str] = {}      # who -> the error a child reported last
 
     # --- signals ---------------------------------------------------------------------------
     def _on_signal(self, signum, frame) -> None:
@@ -170,6 +155,8 @@ class Launcher:
         return ev
 
     def _report_stage(self, who: str, stage: str, detail: str) -> None:
+        if stage == "error":
+            self.errors[who] = detail
         if self.progress is not None:
             self.progress.update(who, stage)
         log.debug(event("launcher stage", proc=who, stage=stage, detail=detail,
@@ -188,7 +175,8 @@ class Launcher:
     def death_message(self, who: str, during: str = "serving") -> str:
         p = self.procs[who]
         name = f"rank {who[2:]}" if who.startswith("ep") else who
-        return (f"{name} (pid {p.pid}) died during {during}: {describe_exit(p.exitcode)}; "
+        why = f" ({self.errors[who]})" if who in self.errors else ""
+        return (f"{name} (pid {p.pid}) died during {during}: {describe_exit(p.exitcode)}{why}; "
                 f"see {Path(self.cfg.serve.log_dir) / log_name(who)}")
 
     def supervise(self) -> int:
@@ -303,16 +291,25 @@ def log_name(who: str) -> str:
     return f"rank{who[2:]}.log" if who.startswith("ep") else f"{who}.log"
 
 
+def _killed(killed: list[str], code: int, cfg: Config) -> int:
+    """A stop that had to SIGKILL a child is a failure (exit 1) naming it."""
+    if not killed:
+        return code
+    names = ", ".join(f"rank {w[2:]}" if w.startswith("ep") else w for w in killed)
+    print(f"error: {names} did not stop within --shutdown_timeout_seconds="
+          f"{cfg.serve.shutdown_timeout_seconds:g} and was killed (SIGKILL)", file=sys.stderr,
+          flush=True)
+    return code or 1
+
+
 def serve(cfg: Config, digest: str = "") -> int:
     """Run until a signal or a failure; returns the process exit code."""
     # NOTE: imported here, not at the top: the checkpoint resolver pulls in torch/safetensors
     from xllm_eplb.model.resolve import resolve_config
 
     cfg = resolve_config(cfg)  # --model: the checkpoint's architecture fields, before any use
-    preflight(cfg)  # device / backend / model checks before anything starts
-    cfg = resolve_runtime(cfg)
+    cfg = resolve_runtime(cfg, check_serve(cfg))   # every check before anything starts
     try:
-        Path(cfg.serve.log_dir).mkdir(parents=True, exist_ok=True)
         setup_logging("launcher", cfg.serve.v, str(Path(cfg.serve.log_dir) / "launcher.log"))
     except OSError as e:
         raise StartupError(f"--log_dir={cfg.serve.log_dir}: cannot create or write the log "
@@ -334,10 +331,10 @@ def serve(cfg: Config, digest: str = "") -> int:
             progress.close()
         print(ready_line(cfg), flush=True)
         code = launcher.supervise()
-        launcher.stop(graceful=(code == 0))
+        code = _killed(launcher.stop(graceful=(code == 0)), code, cfg)
     except KeyboardInterrupt:
         code = 0 if launcher.stop_signal else 130
-        launcher.stop(graceful=True)
+        code = _killed(launcher.stop(graceful=True), code, cfg)
     except BaseException:
         launcher.stop(graceful=False)
         raise

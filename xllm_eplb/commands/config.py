@@ -115,7 +115,11 @@ def show(cfg: Config, sources: dict[str, str]) -> None:
 
 @config_command("validate")
 def validate_cmd(cfg: Config) -> None:
-    """Exit 0 with 'configuration is valid' (as for serve: --ep_size required) or 2."""
+    """Run every check serve runs before it starts (flags, device, model and weight files,
+    host, port, log folder); exit 0 with 'configuration is valid' or 2 naming the flag."""
+    from xllm_eplb.preflight import check_serve
+
+    check_serve(cfg)
     click.echo(f"configuration is valid (ep_size={cfg.eplb.ep_size}, "
                f"policy={cfg.eplb.eplb_policy_kind})")
 

@@ -36,6 +36,9 @@ def write_atomic(path: str | Path, text: str) -> None:
     try:
         with os.fdopen(fd, "w") as f:
             f.write(text)
+        mask = os.umask(0)
+        os.umask(mask)
+        os.chmod(tmp, 0o666 & ~mask)      # mkstemp makes 0600; an output is an ordinary file
         os.replace(tmp, p)
     finally:
         if os.path.exists(tmp):

@@ -14,8 +14,10 @@ from __future__ import annotations
 import logging
 import sys
 
+import click
+
 from xllm_eplb.cli import config_command
-from xllm_eplb.config import FIELDS, as_flat_dict, format_value
+from xllm_eplb.config import FIELDS, SECTIONS, as_flat_dict, format_value
 from xllm_eplb.obs.logs import event
 
 log = logging.getLogger(__name__)
@@ -28,7 +30,25 @@ def digest(cfg) -> str:
                     if v != FIELDS[k].default)
 
 
-@config_command("serve", help="Run the engine and one worker per EP rank "
+class ServeHelp(click.Command):
+    """``serve --help`` also lists every configuration flag, by config section, with its
+    default (the same metadata as docs/configuration.md)."""
+
+    def format_epilog(self, ctx, formatter) -> None:
+        super().format_epilog(ctx, formatter)
+        for sec in SECTIONS:
+            rows = []
+            for spec in FIELDS.values():
+                if spec.section != sec:
+                    continue
+                default = "required" if spec.default is None else format_value(spec.default)
+                unit = f" [{spec.unit}]" if spec.unit else ""
+                rows.append((f"--{spec.name}", f"{spec.help}{unit} (default: {default})"))
+            with formatter.section(f"Configuration flags: {sec}"):
+                formatter.write_dl(rows)
+
+
+@config_command("serve", cls=ServeHelp, help="Run the engine and one worker per EP rank "
                 "(prints a ready line; stop with Ctrl-C or SIGTERM).")
 def serve(cfg) -> None:
     from xllm_eplb.launcher import serve as run_serve

@@ -1,253 +1,345 @@
-"""HTTP API of the engine (stdlib ``ThreadingHTTPServer``, loopback by default).
+"""HTTP API of the engine: an OpenAI-compatible FastAPI app served by uvicorn on its own thread
+(loopback by default); the engine's step loop keeps its own thread.
 
-Routes: ``POST /v1/completions``, ``GET /health``, ``GET /metrics`` (Prometheus text),
-``GET /eplb/status`` (JSON). Bad input gets a 4xx with ``{"error": {"message", "type",
-"param"}}``; a handler error never stops the server.
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
+``GET /health``, ``GET /metrics`` (Prometheus text), ``GET /eplb/status`` and
+``GET /openapi.json``. Every error is JSON in the OpenAI shape
+``{"error": {"message", "type", "param", "code"}}``: 400 bad input, 404 unknown route or model,
+405 wrong method (with ``Allow``), 413 body too large, 503 not serving / stalled / overloaded,
+504 timed out. Request schema and validation: :mod:`~xllm_eplb.engine.protocol`; choices and
+response shapes: :mod:`~xllm_eplb.engine.choices`; token hand-over and SSE:
+:mod:`~xllm_eplb.engine.streaming`.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
+import socket
 import threading
+import time
 from dataclasses import dataclass
 from http import HTTPStatus
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Callable
+from typing import Callable
 
-from xllm_eplb.engine import tokenizer
+from fastapi import FastAPI
+from fastapi import Request as HttpRequest
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException
+
+from xllm_eplb.engine import choices as ch
+from xllm_eplb.engine.protocol import (
+    ApiError,
+    ApiLimits,
+    ChatCompletionRequest,
+    CompletionRequest,
+    Plan,
+    ServedModel,
+    parse_chat,
+    parse_completion,
+    request_schema,
+)
 from xllm_eplb.engine.scheduler import Request
+from xllm_eplb.engine.streaming import EventStream, TokenBridge, sse, until_disconnect
+
+__all__ = ["ApiBackend", "ApiError", "ApiLimits", "ApiServer", "ServedModel", "create_app"]
 
 log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 1 << 20
 PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
-
-
-class ApiError(Exception):
-    """A request the API refuses: HTTP status, message naming the field and rule."""
-
-    def __init__(self, status: int, message: str, param: str = ""):
-        super().__init__(message)
-        self.status, self.message, self.param = status, message, param
-
-
-@dataclass
-class ApiLimits:
-    """What a request may ask for (from the config)."""
-
-    vocab_size: int
-    max_prompt_tokens: int
-    max_position_embeddings: int
-    request_timeout_seconds: float = 600.0
+_TYPES = {400: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error",
+          413: "invalid_request_error", 503: "service_unavailable", 504: "timeout"}
 
 
 @dataclass
 class ApiBackend:
-    """What the handlers call; the engine provides these (all thread-safe)."""
+    """What the handlers call; the engine provides these (all thread-safe).
+
+    ``health() -> (serving, info)``; ``admit() -> None or a reason to refuse new work (503)``.
+    """
 
     submit: Callable[[Request], Request]
+    cancel: Callable[[int], None]
     status: Callable[[], dict]
     metrics: Callable[[], bytes]
     health: Callable[[], tuple[bool, dict]]
-    limits: ApiLimits
+    served: ServedModel
+    admit: Callable[[], str | None] = lambda: None
 
 
-# --- request parsing (pure) -----------------------------------------------------------------
-
-def _int_field(body: dict, name: str, default: int, lo: int) -> int:
-    v = body.get(name, default)
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise ApiError(400, f"'{name}' must be an integer, got {v!r}", name)
-    if v < lo:
-        raise ApiError(400, f"'{name}'={v}: must be >= {lo}", name)
-    return v
+def error_body(status: int, message: str, param: str = "", code: str | None = None) -> dict:
+    etype = _TYPES.get(status) or HTTPStatus(status).phrase.lower().replace(" ", "_")
+    return {"error": {"message": message, "type": etype, "param": param or None, "code": code}}
 
 
-def _float_field(body: dict, name: str, default: float, lo: float) -> float:
-    v = body.get(name, default)
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v:
-        raise ApiError(400, f"'{name}' must be a number, got {v!r}", name)
-    if v < lo:
-        raise ApiError(400, f"'{name}'={v}: must be >= {lo}", name)
-    return float(v)
+def _error(e: ApiError) -> JSONResponse:
+    return JSONResponse(error_body(e.status, e.message, e.param, e.code), e.status, e.headers)
 
 
-def _prompt_ids(body: dict, lim: ApiLimits) -> list[int]:
-    has_text, has_ids = "prompt" in body, "prompt_token_ids" in body
-    if has_text == has_ids:
-        raise ApiError(400, "give exactly one of 'prompt' (text) or 'prompt_token_ids'",
-                       "prompt")
-    if has_text:
-        if not isinstance(body["prompt"], str):
-            raise ApiError(400, "'prompt' must be a string", "prompt")
-        return tokenizer.encode(body["prompt"])
-    ids = body["prompt_token_ids"]
-    if not isinstance(ids, list) or not ids or not all(
-            isinstance(i, int) and not isinstance(i, bool) and 0 <= i < lim.vocab_size
-            for i in ids):
-        raise ApiError(400, f"'prompt_token_ids' must be a non-empty list of integers in "
-                       f"[0, {lim.vocab_size})", "prompt_token_ids")
-    return list(ids)
+async def read_json(request: HttpRequest) -> object:
+    """The body as JSON: 413 over :data:`MAX_BODY_BYTES` (header or streamed), 400 malformed
+    (NaN/Infinity included) or nested too deep for the decoder."""
+    try:
+        declared = int(request.headers.get("content-length", "0"))
+    except ValueError:
+        raise ApiError(400, "bad Content-Length header") from None
+    if declared > MAX_BODY_BYTES:
+        raise ApiError(413, f"body of {declared} bytes: must be <= {MAX_BODY_BYTES}")
+    raw = bytearray()
+    async for part in request.stream():
+        raw += part
+        if len(raw) > MAX_BODY_BYTES:
+            raise ApiError(413, f"body over {MAX_BODY_BYTES} bytes")
+    try:
+        return json.loads(raw, parse_constant=_no_constant)
+    except RecursionError:
+        raise ApiError(400, "malformed JSON body: nested too deep") from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ApiError(400, f"malformed JSON body: {e}") from None
 
 
-def parse_completion(body: Any, lim: ApiLimits) -> Request:
-    """A decoded JSON body -> a :class:`Request`, or :class:`ApiError` naming the field."""
-    if not isinstance(body, dict):
-        raise ApiError(400, "request body must be a JSON object")
-    ids = _prompt_ids(body, lim)
-    max_tokens = _int_field(body, "max_tokens", 16, 0)
-    temperature = _float_field(body, "temperature", 0.0, 0.0)
-    seed = _int_field(body, "seed", 0, 0)
-    if len(ids) > lim.max_prompt_tokens:
-        raise ApiError(400, f"prompt has {len(ids)} tokens: must be <= --max_prefill_tokens="
-                       f"{lim.max_prompt_tokens}", "prompt")
-    if len(ids) + max_tokens > lim.max_position_embeddings:
-        raise ApiError(400, f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) must be "
-                       f"<= --max_position_embeddings={lim.max_position_embeddings}",
-                       "max_tokens")
-    return Request(prompt=ids, max_tokens=max_tokens, temperature=temperature,
-                   seed=seed % (1 << 63), stop_at_eos=not bool(body.get("ignore_eos", False)))
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not valid JSON")
 
 
-def completion_response(req: Request) -> dict:
-    return {
-        "id": f"cmpl-{req.req_id}", "object": "text_completion", "model": "xllm-eplb",
-        "choices": [{"index": 0, "text": tokenizer.decode(req.output),
-                     "token_ids": list(req.output), "finish_reason": req.finish_reason}],
-        "usage": {"prompt_tokens": len(req.prompt), "completion_tokens": len(req.output),
-                  "total_tokens": len(req.prompt) + len(req.output)},
-    }
+class _Run:
+    """One HTTP request's choices in the engine: submit, follow, cancel."""
+
+    def __init__(self, backend: ApiBackend, plan: Plan):
+        self.backend, self.plan = backend, plan
+        tok = backend.served.tokenizer
+        self.bridge = TokenBridge(asyncio.get_running_loop())
+        self.reqs = ch.make_requests(plan, tok, self.bridge)
+        self.bridge.attach(self.reqs)
+        self.choices = [ch.Choice(k, r.prompt, tok, plan.stop) for k, r in enumerate(self.reqs)]
+        self.open = len(self.reqs)
+        self.rid = ch.new_id(plan.kind)
+
+    def submit(self) -> None:
+        for r in self.reqs:
+            self.backend.submit(r)
+
+    async def next_event(self) -> None:
+        k, ids, reason = await self.bridge.get()
+        self._apply(k, ids, reason)
+
+    def _apply(self, k: int, ids: list[int], reason: str) -> None:
+        if reason == "error":
+            raise ApiError(503, f"request failed: {self.reqs[k].error}")
+        self.choices[k].add(ids, reason)
+        if reason:
+            self.open -= 1
+
+    def cancel(self, why: str) -> None:
+        left = [r for r in self.reqs if not r.done.is_set()]
+        for r in left:
+            self.backend.cancel(r.req_id)
+        if left:
+            log.info("api request cancelled id=%s choices=%d reason=%s", self.rid, len(left), why)
 
 
-# --- HTTP plumbing --------------------------------------------------------------------------
-
-class _Handler(BaseHTTPRequestHandler):
-    server_version = "xllm-eplb"
-    protocol_version = "HTTP/1.1"
-    backend: ApiBackend  # set on the subclass built by make_server
-
-    def log_message(self, fmt, *args):  # noqa: D401 - route access logs to debug level
-        log.debug("http %s %s", self.address_string(), fmt % args)
-
-    def _send(self, status: int, body: bytes, ctype: str) -> None:
-        self.send_response(status)
-        self.send_header("Content-Type", ctype)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def _json(self, status: int, obj: dict) -> None:
-        self._send(status, json.dumps(obj).encode(), "application/json")
-
-    def _error(self, e: ApiError) -> None:
-        etype = HTTPStatus(e.status).phrase.lower().replace(" ", "_")
-        self._json(e.status, {"error": {"message": e.message, "type": etype,
-                                        "param": e.param or None}})
-
-    def _guard(self, fn) -> None:
-        try:
-            fn()
-        except ApiError as e:
-            self._error(e)
-        except Exception as e:  # noqa: BLE001 - keep serving; report as 500
-            log.exception("http handler failed path=%s", self.path)
-            self._error(ApiError(500, f"internal error: {type(e).__name__}: {e}"))
-
-    def do_GET(self):  # noqa: N802
-        self._guard(self._get)
-
-    def do_POST(self):  # noqa: N802
-        self._guard(self._post)
-
-    def _other_method(self):
-        """PUT, DELETE, PATCH, OPTIONS: 405 on a known route, 404 elsewhere (always JSON)."""
-        self.close_connection = True          # the body, if any, is never read
-        path = self.path.split("?", 1)[0]
-        if path in _ROUTES:
-            raise ApiError(405, f"use {_ROUTES[path]} for {path}")
-        raise ApiError(404, f"no route {self.command} {path}")
-
-    def do_PUT(self):  # noqa: N802
-        self._guard(self._other_method)
-
-    do_DELETE = do_PATCH = do_OPTIONS = do_PUT  # noqa: N815
-
-    def _get(self):
-        b, path = self.backend, self.path.split("?", 1)[0]
-        if path == "/metrics":
-            self._send(200, b.metrics(), PROMETHEUS_TEXT)
-        elif path == "/health":
-            ok, info = b.health()
-            self._json(200 if ok else 503, info)
-        elif path == "/eplb/status":
-            self._json(200, b.status())
-        elif path == "/v1/completions":
-            raise ApiError(405, "use POST for /v1/completions")
-        else:
-            raise ApiError(404, f"no route GET {path}")
-
-    def _read_json(self) -> Any:
-        try:
-            n = int(self.headers.get("Content-Length", "0"))
-        except ValueError:
-            raise ApiError(400, "bad Content-Length header") from None
-        if n > MAX_BODY_BYTES:
-            self.close_connection = True
-            raise ApiError(413, f"body of {n} bytes: must be <= {MAX_BODY_BYTES}")
-        raw = self.rfile.read(n) if n > 0 else b""
-        try:
-            return json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ApiError(400, f"malformed JSON body: {e}") from None
-
-    def _post(self):
-        path = self.path.split("?", 1)[0]
-        if path != "/v1/completions":
-            self.close_connection = True      # the body, if any, is never read
-            if path in _ROUTES:
-                raise ApiError(405, f"use {_ROUTES[path]} for {path}")
-            raise ApiError(404, f"no route POST {path}")
-        req = parse_completion(self._read_json(), self.backend.limits)
-        ok, info = self.backend.health()
-        if not ok:
-            raise ApiError(503, f"engine not serving: {info.get('status')}")
-        req = self.backend.submit(req)
-        if not req.done.wait(self.backend.limits.request_timeout_seconds):
-            raise ApiError(504, f"request {req.req_id} not finished within "
-                           f"{self.backend.limits.request_timeout_seconds:g}s")
-        if req.finish_reason == "error":
-            raise ApiError(503, f"request {req.req_id} failed: {req.error}")
-        self._json(200, completion_response(req))
+def _guard_admission(backend: ApiBackend) -> None:
+    ok, info = backend.health()
+    if not ok:
+        raise ApiError(503, f"engine not serving: {info.get('status')}", code=info.get("status"))
+    why = backend.admit()
+    if why:
+        raise ApiError(503, why, code="overloaded")
 
 
-_ROUTES = {"/metrics": "GET", "/health": "GET", "/eplb/status": "GET",
-           "/v1/completions": "POST"}
+async def _complete(request: HttpRequest, run: _Run) -> dict:
+    """Non-streamed: wait for every choice, or cancel when the client goes or time runs out."""
+    timeout = run.backend.served.limits.request_timeout_seconds
+    gone = asyncio.ensure_future(until_disconnect(request.receive))
+    work = asyncio.ensure_future(_all_events(run))
+    try:
+        done, _ = await asyncio.wait({work, gone}, timeout=timeout,
+                                     return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        work.cancel()
+    if work in done:
+        work.result()            # ApiError of a failed choice
+        return ch.response(run.plan, run.choices, run.rid, run.backend.served.name)
+    if gone in done:
+        run.cancel("client disconnected")
+        raise asyncio.CancelledError
+    run.cancel("timeout")
+    raise ApiError(504, f"request not finished within {timeout:g}s")
 
 
-class _Server(ThreadingHTTPServer):
-    allow_reuse_address = True
-    request_queue_size = 1024   # listen backlog: many clients connect at once (default 5)
-    daemon_threads = True
+async def _all_events(run: _Run) -> None:
+    while run.open:
+        await run.next_event()
+
+
+async def _stream(run: _Run):
+    """Streamed: SSE chunks as tokens arrive, then the usage chunk (if asked) and [DONE]."""
+    created, name, plan = int(time.time()), run.backend.served.name, run.plan
+    first = [True] * len(run.choices)
+    closed = [False] * len(run.choices)
+    try:
+        while True:
+            for k, c in enumerate(run.choices):
+                if closed[k]:
+                    continue
+                obj = ch.chunk(plan, c, run.rid, created, name, first=first[k])
+                if obj is not None:
+                    first[k] = False
+                    closed[k] = c.finish_reason is not None
+                    yield sse(obj)
+            if not run.open:
+                break
+            try:
+                await run.next_event()
+                for ev in run.bridge.drain():
+                    run._apply(*ev)
+            except ApiError as e:
+                yield sse(error_body(e.status, e.message, e.param, e.code))
+                return
+        if plan.include_usage:
+            yield sse(ch.usage_chunk(plan, run.choices, run.rid, created, name))
+        yield sse("[DONE]")
+    finally:
+        run.cancel("client disconnected")
+
+
+async def _serve(request: HttpRequest, backend: ApiBackend, parse) -> Response:
+    body = await read_json(request)
+    plan = parse(body, backend.served)
+    _guard_admission(backend)
+    run = _Run(backend, plan)
+    run.submit()
+    if plan.stream:
+        return EventStream(_stream(run))
+    try:
+        return JSONResponse(await _complete(request, run))
+    except asyncio.CancelledError:
+        return Response(status_code=499)   # the client has gone; nobody reads this
+
+
+def _routes(app: FastAPI, backend: ApiBackend) -> None:
+    @app.post("/v1/completions", openapi_extra=request_schema(CompletionRequest))
+    async def completions(request: HttpRequest):
+        """OpenAI text completions (text, token-id or batched prompts; ``stream``)."""
+        return await _serve(request, backend, parse_completion)
+
+    @app.post("/v1/chat/completions", openapi_extra=request_schema(ChatCompletionRequest))
+    async def chat_completions(request: HttpRequest):
+        """OpenAI chat completions through the checkpoint's chat template."""
+        return await _serve(request, backend, parse_chat)
+
+    @app.get("/v1/models")
+    async def models():
+        s = backend.served
+        return {"object": "list", "data": [{
+            "id": s.name, "object": "model", "created": s.created, "owned_by": "xllm-eplb",
+            "max_model_len": s.limits.max_position_embeddings}]}
+
+    @app.get("/health")
+    async def health():
+        ok, info = backend.health()
+        return JSONResponse(info, 200 if ok else 503)
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(backend.metrics(), media_type=PROMETHEUS_TEXT)
+
+    @app.get("/eplb/status")
+    async def eplb_status():
+        return backend.status()
+
+
+def _handlers(app: FastAPI) -> None:
+    @app.exception_handler(ApiError)
+    async def api_error(request, e: ApiError):
+        return _error(e)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request, e: HTTPException):
+        path, method = request.url.path, request.method
+        if e.status_code == 405:
+            allow = [m for m in (e.headers or {}).get("Allow", "").split(", ") if m != "HEAD"]
+            return _error(ApiError(405, f"use {' or '.join(allow)} for {path}",
+                                   headers=e.headers))
+        if e.status_code == 404:
+            return _error(ApiError(404, f"no route {method} {path}"))
+        return _error(ApiError(e.status_code, str(e.detail), headers=e.headers))
+
+    @app.exception_handler(Exception)
+    async def internal(request, e: Exception):
+        log.exception("api handler failed path=%s", request.url.path)
+        return JSONResponse(error_body(500, f"internal error: {type(e).__name__}: {e}"), 500)
+
+
+def create_app(backend: ApiBackend) -> FastAPI:
+    app = FastAPI(title="xllm-eplb", docs_url=None, redoc_url=None,
+                  description="OpenAI-compatible API of the xllm-eplb engine")
+    _routes(app, backend)
+    _handlers(app)
+    _openapi_defs(app)
+    return app
+
+
+def _openapi_defs(app: FastAPI) -> None:
+    """Put the request models' nested definitions into ``components.schemas``."""
+    base = app.openapi
+
+    def openapi():
+        if app.openapi_schema is None:
+            doc = base()
+            comps = doc.setdefault("components", {}).setdefault("schemas", {})
+            for model in (CompletionRequest, ChatCompletionRequest):
+                defs = model.model_json_schema(
+                    ref_template="#/components/schemas/{model}").get("$defs", {})
+                comps.update(defs)
+            for path in doc.get("paths", {}).values():
+                for op in path.values():
+                    op.get("requestBody", {}).get("content", {}).get(
+                        "application/json", {}).get("schema", {}).pop("$defs", None)
+        return app.openapi_schema
+    app.openapi = openapi
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    """Listening socket on ``host:port`` (OSError if taken or unresolvable)."""
+    fam = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(fam, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+        sock.listen(2048)   # many clients connect at once
+    except OSError:
+        sock.close()
+        raise
+    return sock
 
 
 class ApiServer:
     """The bound server; :meth:`start` serves on a daemon thread, :meth:`close` stops it."""
 
     def __init__(self, host: str, port: int, backend: ApiBackend):
-        handler = type("Handler", (_Handler,), {"backend": backend})
-        self.httpd = _Server((host, port), handler)  # OSError if the port is taken
-        self.httpd.daemon_threads = True
-        self.port = self.httpd.server_address[1]
+        import uvicorn
+
+        # uvicorn's own start/stop lines are noise next to the engine's
+        logging.getLogger("uvicorn.error").setLevel(logging.WARNING)
+        self.sock = _bind(host, port)
+        self.port = self.sock.getsockname()[1]
+        config = uvicorn.Config(create_app(backend), log_config=None, access_log=False,
+                                lifespan="off", loop="asyncio", http="h11",
+                                timeout_keep_alive=30, backlog=2048)
+        self.server = uvicorn.Server(config)
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self.httpd.serve_forever, name="http",
-                                        kwargs={"poll_interval": 0.5}, daemon=True)
+        self._thread = threading.Thread(target=self.server.run, name="http",
+                                        kwargs={"sockets": [self.sock]}, daemon=True)
         self._thread.start()
 
     def close(self) -> None:
         if self._thread is not None:
-            self.httpd.shutdown()
+            self.server.should_exit = True
             self._thread.join(timeout=5)
-        self.httpd.server_close()
+        self.sock.close()

@@ -25,18 +25,19 @@ from pathlib import Path
 from xllm_eplb import __version__
 from xllm_eplb.child import child_exit, child_setup, parent_alive, send_event
 from xllm_eplb.config import Config, resolve_backend
+from xllm_eplb.engine.health import StepWatch
 from xllm_eplb.engine.scheduler import Request, Scheduler, is_pure_decode_step
 from xllm_eplb.engine.telemetry import Telemetry
 from xllm_eplb.engine.tokenizer import BOS_ID
 from xllm_eplb.engine.workload import SyntheticWorkload
 from xllm_eplb.eplb.info import NO_TOKEN, EplbInfo
 from xllm_eplb.eplb.manager_stats import ManagerStats
-from xllm_eplb.ipc.errors import IpcError
+from xllm_eplb.ipc.errors import IpcError, RingTimeoutError
 from xllm_eplb.ipc.messages import ForwardInput
 from xllm_eplb.ipc.objects import sweep_run
 from xllm_eplb.ipc.ring import InputRing, OutputRing
 from xllm_eplb.model.batch import RankBatch, SeqRow
-from xllm_eplb.obs.logs import event, setup_logging
+from xllm_eplb.obs.logs import FILE_ONLY, event, setup_logging
 from xllm_eplb.obs.metrics import EngineMetrics
 
 log = logging.getLogger(__name__)
@@ -86,6 +87,7 @@ class Engine:
             policy=cfg.eplb.eplb_policy_kind)
         self.metrics.enabled.set(1 if manager is not None else 0)
         self.tele = Telemetry(self.metrics, cfg.num_moe_layers, self.D)
+        self.watch = StepWatch(self.D, cfg.serve.stall_seconds)
         self.step_no = 0
         self.state = "starting"
         self.stopping = False
@@ -103,11 +105,13 @@ class Engine:
         msg = ForwardInput(self.step_no, batches, info, warmup=warmup, pure_decode=pure)
         timeout = timeout or self.cfg.runtime.worker_timeout_seconds
         t0 = time.perf_counter()
+        self.watch.begin()
         self.inp.put(msg, timeout=timeout)
         if time.perf_counter() - t0 > 0.01:
             self.metrics.ring_full.labels("input").inc()
         outs = [self._get(r, timeout) for r in range(self.D)]
         seconds = time.perf_counter() - t0
+        self.watch.end()
         self._ring_occupancy()
         if self.manager is not None and not warmup:
             c0 = time.thread_time()
@@ -127,9 +131,20 @@ class Engine:
     def _get(self, rank: int, timeout: float):
         try:
             out = self.outs[rank].get(timeout=timeout)
+        except RingTimeoutError:
+            # NOTE: every rank blocks in the all-to-all behind a silent one: name the ranks
+            # that did not read this step's input (or did not answer), not the first waited on.
+            silent = self.watch.waiting_on(self.inp, self.outs) or [rank]
+            for r in silent:
+                self.metrics.worker_up.labels(str(r)).set(0)
+            names = ", ".join(map(str, silent))
+            raise WorkerFault(f"rank {names}: stopped answering: no output for step "
+                              f"{self.step_no} within --worker_timeout_seconds={timeout:g}"
+                              ) from None
         except IpcError as e:
             self.metrics.worker_up.labels(str(rank)).set(0)
             raise WorkerFault(f"rank {rank}: no output for step {self.step_no}: {e}") from None
+        self.watch.answer(rank)
         if out.error:
             raise WorkerFault(out.error)
         if out.step != self.step_no or out.rank != rank:
@@ -156,6 +171,7 @@ class Engine:
         last_health = 0.0
         while not self.stopping:
             self.sched.pull(timeout=IDLE_WAIT)
+            self._cancelled(self.sched.reap_cancelled())
             if time.monotonic() - last_health > 1.0:
                 last_health = time.monotonic()
                 self._refresh()
@@ -166,6 +182,13 @@ class Engine:
             for o in outs:
                 sampled.update(o.sampled)
             self.tele.on_requests(self.sched.update(sampled))
+
+    def _cancelled(self, reqs: list[Request]) -> None:
+        for r in reqs:
+            log.info(event("engine request cancelled", req=r.req_id, source=r.source,
+                           tokens=len(r.output), reason="client gone"))
+        if reqs:
+            self.tele.on_requests(reqs)
 
     def _refresh(self) -> None:
         if self.manager is not None:
@@ -190,9 +213,33 @@ class Engine:
         return self.sched.submit(req)
 
     def health(self) -> tuple[bool, dict]:
-        return self.state == "serving", {"status": self.state, "ep_size": self.D,
-                                         "step": self.step_no,
-                                         "eplb": self.manager is not None}
+        """(serving, info); a step in flight beyond ``--stall_seconds`` is ``stalled`` with the
+        ranks it waits on (computed now, from the stored step start)."""
+        info = {"status": self.state, "ep_size": self.D, "step": self.step_no,
+                "eplb": self.manager is not None}
+        if self.state != "serving":
+            return False, info
+        silent = self.watch.stalled(self.inp, self.outs)
+        if silent is not None:
+            info.update(status="stalled", waiting_on=silent,
+                        step_seconds=round(self.watch.in_flight_seconds(), 3))
+            return False, info
+        return True, info
+
+    def render_metrics(self) -> bytes:
+        """Prometheus text; heartbeat ages and ``worker_up`` are computed at scrape time."""
+        silent = self.watch.stalled(self.inp, self.outs) or []
+        self.tele.refresh_health(self.cfg.runtime.worker_timeout_seconds, silent=silent)
+        return self.metrics.render()
+
+    def admit(self) -> str | None:
+        """None, or why the API refuses new work now (503 overloaded)."""
+        cap = self.cfg.serve.max_waiting_requests
+        waiting = self.sched.load()["waiting"]
+        if waiting >= cap:
+            return (f"overloaded: {waiting} requests waiting (--max_waiting_requests={cap}); "
+                    f"retry later")
+        return None
 
     def status(self) -> dict:
         """/eplb/status: the manager's ``stats()`` (EPLB off: the same keys at their zero
@@ -230,23 +277,31 @@ def _attach_rings(cfg: Config):
 
 
 def _api(cfg: Config, engine_ref: dict):
-    from xllm_eplb.engine.api import ApiBackend, ApiLimits, ApiServer
+    from xllm_eplb.engine.api import ApiBackend, ApiLimits, ApiServer, ServedModel
+    from xllm_eplb.engine.tokenizer import load_tokenizer
 
     m, rt = cfg.model, cfg.runtime
     limits = ApiLimits(m.vocab_size, rt.max_prefill_tokens, m.max_position_embeddings)
+    # the checkpoint's tokenizer (--model, once that option exists), else the byte tokenizer
+    tok = load_tokenizer(getattr(m, "model", "") or None)
+    served = ServedModel(cfg.serve.served_model_name, tok, limits, created=int(time.time()))
+
+    def eng():
+        return engine_ref.get("engine")
 
     def need():
-        if "engine" not in engine_ref:
+        if eng() is None:
             raise RuntimeError("engine not started")
-        return engine_ref["engine"]
+        return eng()
 
     backend = ApiBackend(
         submit=lambda r: need().submit(r),
-        status=lambda: need().status() if "engine" in engine_ref else {"status": "starting"},
-        metrics=lambda: need().metrics.render() if "engine" in engine_ref else b"",
-        health=lambda: need().health() if "engine" in engine_ref else (False,
-                                                                         {"status": "starting"}),
-        limits=limits)
+        cancel=lambda rid: need().sched.cancel(rid),
+        status=lambda: eng().status() if eng() else {"status": "starting"},
+        metrics=lambda: eng().render_metrics() if eng() else b"",
+        health=lambda: eng().health() if eng() else (False, {"status": "starting"}),
+        served=served,
+        admit=lambda: need().admit())
     return ApiServer(cfg.serve.host, cfg.serve.port, backend)
 
 
@@ -326,7 +381,8 @@ def engine_main(cfg: Config, events, parent_pid: int) -> None:
     except SystemExit as e:
         code = 0 if stop["early"] else int(e.code or 0)
     except WorkerFault as e:
-        log.error(event("engine worker fault", error=str(e)))
+        # the launcher prints the one summary line (with this reason when the engine stops)
+        log.error(event("engine worker fault", error=str(e)), extra=FILE_ONLY)
         send_event(events, "engine", "error", str(e))
     except Exception as e:  # noqa: BLE001
         log.exception(event("engine failed", error=repr(e)))

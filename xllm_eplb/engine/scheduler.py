@@ -6,8 +6,10 @@ requests (FIFO) as prefill rows onto the least-loaded rank that still has room
 (``max_batch_size`` rows, ``max_prefill_tokens`` prompt tokens per rank per step). Ranks with
 nothing to do get an empty batch: they still join every MoE all-to-all.
 
-Thread model: :meth:`submit` may be called from any thread (HTTP handlers, the workload);
-everything else runs on the engine's step-loop thread only.
+Thread model: :meth:`submit` and :meth:`cancel` may be called from any thread (HTTP handlers,
+the workload); everything else runs on the engine's step-loop thread only. A request's
+``listener`` (if any) is called on the step-loop thread after each new token and once when it
+finishes; it must not block (the HTTP layer hands the event to its event loop).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Callable
 
 from xllm_eplb.engine.tokenizer import EOS_ID
 from xllm_eplb.model.batch import RankBatch, SeqRow
@@ -33,6 +36,15 @@ class Request:
     seed: int = 0
     source: str = "api"
     stop_at_eos: bool = True
+    top_p: float = 1.0
+    top_k: int = 0
+    #: generation stops (reason "stop") on any of these ids (EOS only when ``stop_at_eos``)
+    eos_ids: frozenset = frozenset({EOS_ID})
+    stop_ids: frozenset = frozenset()
+    #: ``stop_check(output) -> True`` ends the request with reason "stop" (stop strings)
+    stop_check: Callable[[list[int]], bool] | None = None
+    #: ``listener(req, new_tokens, finish_reason)`` (see the module docstring)
+    listener: Callable[["Request", list[int], str], None] | None = None
     req_id: int = -1
     dp_rank: int = -1
     output: list[int] = field(default_factory=list)
@@ -52,6 +64,8 @@ class Request:
         self.finish_reason, self.error = reason, error
         self.finished_at = time.monotonic()
         self.done.set()
+        if self.listener is not None:
+            self.listener(self, [], reason)
 
 
 def is_pure_decode_step(batches: list[RankBatch]) -> bool:
@@ -81,6 +95,9 @@ class Scheduler:
         self._release: list[list[int]] = [[] for _ in range(dp_size)]
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
+        self._cancels: set[int] = set()
+        self._cancelled: list[Request] = []
+        self._flush = False      # a cancelled running request's KV cache awaits release
 
     # --- any thread ----------------------------------------------------------------------
     def submit(self, req: Request) -> Request:
@@ -93,24 +110,53 @@ class Scheduler:
         self.inbox.put(req)
         return req
 
+    def cancel(self, req_id: int) -> None:
+        """Ask for ``req_id`` to stop (thread-safe): the step loop retires it at its next
+        :meth:`pull` (reason "cancelled"); its KV cache is released by the next step."""
+        with self._lock:
+            self._cancels.add(int(req_id))
+
     # --- step-loop thread ----------------------------------------------------------------
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        """Rows to run, or a cancelled request's KV cache to release (one step frees it)."""
+        return bool(self.waiting or self.running or self._flush)
 
     def pull(self, timeout: float | None = None) -> None:
-        """Move submitted requests into the waiting queue. Blocks up to ``timeout`` seconds
-        for the first one when there is nothing to do (so an idle engine burns no CPU)."""
-        if not self.has_work and timeout is not None:
+        """Move submitted requests into the waiting queue, then retire cancelled ones. Blocks
+        up to ``timeout`` seconds for the first one when there is nothing to do (so an idle
+        engine burns no CPU)."""
+        if not self.has_work and timeout is not None and not self._cancels:
             try:
                 self.waiting.append(self.inbox.get(timeout=timeout))
             except queue.Empty:
-                return
+                pass
         while True:
             try:
                 self.waiting.append(self.inbox.get_nowait())
             except queue.Empty:
-                return
+                break
+        if self._cancels:
+            self._apply_cancels()
+
+    def _apply_cancels(self) -> None:
+        with self._lock:
+            ids, self._cancels = self._cancels, set()
+        for req in [r for r in self.waiting if r.req_id in ids]:
+            self.waiting.remove(req)
+            req.finish("cancelled")
+            self._cancelled.append(req)
+        for rid in ids:
+            req = self.running.get(rid)
+            if req is not None:
+                self._retire(req, "cancelled")
+                self._cancelled.append(req)
+                self._flush = True
+
+    def reap_cancelled(self) -> list[Request]:
+        """Requests cancelled since the last call (for accounting and the log)."""
+        out, self._cancelled = self._cancelled, []
+        return out
 
     def _rows_per_rank(self) -> list[int]:
         rows = [0] * self.dp_size
@@ -131,6 +177,7 @@ class Scheduler:
     def schedule(self) -> list[RankBatch]:
         """Build this step's batches: decode rows of running requests, then admissions."""
         batches = [RankBatch(release=rel) for rel in self._release]
+        self._flush = False
         self._release = [[] for _ in range(self.dp_size)]
         for r in self.running.values():
             batches[r.dp_rank].rows.append(_decode_row(r))
@@ -146,7 +193,7 @@ class Scheduler:
             prefill[k] += len(req.prompt)
             self.running[req.req_id] = req
             batches[k].rows.append(SeqRow(req.req_id, list(req.prompt), 0, True,
-                                          req.temperature, req.seed))
+                                          req.temperature, req.seed, req.top_p, req.top_k))
         return batches
 
     def update(self, sampled: dict[int, int]) -> list[Request]:
@@ -161,6 +208,8 @@ class Scheduler:
             if not req.output:
                 req.first_token_at = now
             req.output.append(int(tok))
+            if req.listener is not None:
+                req.listener(req, [int(tok)], "")
             reason = _finish_reason(req)
             if reason:
                 self._retire(req, reason)
@@ -170,6 +219,8 @@ class Scheduler:
     def fail_all(self, error: str) -> None:
         """Finish every waiting and running request with ``error`` (engine shutdown/fault)."""
         self.pull()
+        with self._lock:
+            self._cancels.clear()
         for req in list(self.running.values()) + list(self.waiting):
             req.finish("error", error)
         self.running.clear()
@@ -185,10 +236,14 @@ class Scheduler:
 
 
 def _decode_row(r: Request) -> SeqRow:
-    return SeqRow(r.req_id, [r.output[-1]], r.num_tokens - 1, False, r.temperature, r.seed)
+    return SeqRow(r.req_id, [r.output[-1]], r.num_tokens - 1, False, r.temperature, r.seed,
+                  r.top_p, r.top_k)
 
 
 def _finish_reason(r: Request) -> str:
-    if r.stop_at_eos and r.output[-1] == EOS_ID:
+    last = r.output[-1]
+    if (r.stop_at_eos and last in r.eos_ids) or last in r.stop_ids:
+        return "stop"
+    if r.stop_check is not None and r.stop_check(r.output):
         return "stop"
     return "length" if len(r.output) >= r.max_tokens else ""

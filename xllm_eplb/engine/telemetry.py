@@ -165,19 +165,22 @@ class Telemetry:
         with self.lock:
             self.eplb = dict(st)
 
-    def refresh_health(self, worker_timeout: float) -> None:
+    def refresh_health(self, worker_timeout: float, silent: list[int] = ()) -> None:
         """Heartbeat ages from the components' own timestamps: the manager's ``heartbeat_at``
         (rebalance loop's last pass) and ``manager_heartbeat_at`` (its last step-loop call), in
         the manager's clock (``time.monotonic``); each rank's executor ``heartbeat_ts`` (prepare
         thread) and ``p2p_heartbeat_ts`` (P2P path), in wall-clock seconds, and its output
-        ``ts``. A component without a timestamp (EPLB off: no manager, null executor; 0 in a
-        heartbeat) gets no gauge."""
+        ``ts``. A component without a timestamp (EPLB off: no manager, null executor; 0 in a heartbeat) gets no
+        gauge. Called at scrape time, so the ages grow while a step hangs; ``silent``: ranks a
+        stalled step waits on (their ``worker_up`` drops to 0 until they answer again)."""
         now_m, now_w, m = time.monotonic(), time.time(), self.m
         st = self.eplb
+        for r in silent:
+            m.worker_up.labels(str(r)).set(0)
         for comp, key in (("rebalance_loop", "heartbeat_at"), ("manager", "manager_heartbeat_at")):
             if st.get(key) is not None:
                 m.heartbeat_age.labels(comp, "engine").set(max(0.0, now_m - float(st[key])))
-        for r, hb in self.hb.items():
+        for r, hb in list(self.hb.items()):
             for comp, ts in (("executor", hb.executor.heartbeat_ts),
                              ("p2p", hb.executor.p2p_heartbeat_ts), ("worker", hb.ts)):
                 if ts > 0.0:                                # the null executor reports 0

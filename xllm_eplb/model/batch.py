@@ -12,7 +12,8 @@ class SeqRow:
     Prefill rows carry the whole prompt in ``token_ids``; decode rows carry exactly one token
     (the last sampled one). ``start_pos`` is the KV-cache length before this step.
     ``temperature == 0`` means greedy; otherwise sampling uses ``seed`` and the position, so
-    the same request gives the same tokens whatever batch it shares.
+    the same request gives the same tokens whatever batch it shares, restricted to the ``top_k``
+    most likely tokens (0 = all) and to the smallest set whose probability reaches ``top_p``.
     """
 
     req_id: int
@@ -21,14 +22,18 @@ class SeqRow:
     is_prefill: bool
     temperature: float = 0.0
     seed: int = 0
+    top_p: float = 1.0
+    top_k: int = 0
 
     def to_dict(self) -> dict:
         return {"r": self.req_id, "t": list(self.token_ids), "p": self.start_pos,
-                "f": self.is_prefill, "T": self.temperature, "s": self.seed}
+                "f": self.is_prefill, "T": self.temperature, "s": self.seed,
+                "tp": self.top_p, "tk": self.top_k}
 
     @classmethod
     def from_dict(cls, d: dict) -> "SeqRow":
-        return cls(d["r"], list(d["t"]), d["p"], d["f"], d["T"], d["s"])
+        return cls(d["r"], list(d["t"]), d["p"], d["f"], d["T"], d["s"], d.get("tp", 1.0),
+                   d.get("tk", 0))
 
 
 @dataclass

@@ -78,13 +78,33 @@ def attention(xn: torch.Tensor, wqkv: torch.Tensor, wo: torch.Tensor, heads: int
     return o.transpose(0, 1).reshape(n, H) @ wo.t()
 
 
-def sample(logits: torch.Tensor, temperature: float, seed: int, position: int) -> int:
+def sample(logits: torch.Tensor, temperature: float, seed: int, position: int,
+           top_p: float = 1.0, top_k: int = 0) -> int:
     """Greedy when temperature == 0; else a draw seeded by (seed, position) only, so a request
-    gets the same token whatever batch it shares. logits [V]."""
+    gets the same token whatever batch it shares. logits [V]. ``top_k`` > 0 keeps the k most
+    likely tokens; ``top_p`` < 1 keeps the smallest most-likely set whose probability reaches
+    ``top_p`` (nucleus; always at least one token)."""
     lg = logits.to(torch.float64)
     if temperature <= 0:
         return int(torch.argmax(lg))
     g = torch.Generator()
     g.manual_seed((int(seed) * 1_000_033 + int(position) * 7_919 + 1) % (1 << 62))
     p = torch.softmax(lg / temperature, dim=-1)
+    if top_k > 0 or top_p < 1.0:
+        p = _truncate(p, top_p, top_k)
     return int(torch.multinomial(p, 1, generator=g))
+
+
+def _truncate(p: torch.Tensor, top_p: float, top_k: int) -> torch.Tensor:
+    """Probabilities p [V] with everything outside top-k / the top-p nucleus set to 0."""
+    sp, idx = torch.sort(p, descending=True)
+    keep = torch.ones_like(sp, dtype=torch.bool)
+    if top_k > 0:
+        keep[top_k:] = False
+    if top_p < 1.0:
+        before = torch.cumsum(sp, dim=0) - sp          # mass of the more likely tokens
+        keep &= before < top_p
+    keep[0] = True
+    out = torch.zeros_like(p)
+    out[idx[keep]] = sp[keep]
+    return out

@@ -224,7 +224,8 @@ class MoETransformer:
         hn = rms_norm(h, p["final_norm"])
         last = [s + n - 1 for s, n in spans]
         logits = (hn[last] @ p["embed"].t()).to(torch.float64).cpu() / H ** 0.5
-        sampled = {r.req_id: sample(logits[j], r.temperature, r.seed, r.start_pos + len(r.token_ids))
+        sampled = {r.req_id: sample(logits[j], r.temperature, r.seed, r.start_pos + len(r.token_ids),
+                                    r.top_p, r.top_k)
                    for j, r in enumerate(batch.rows)}
         if warmup:
             self.release([r.req_id for r in batch.rows])

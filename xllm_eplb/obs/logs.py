@@ -40,17 +40,38 @@ def event(prefix: str, **fields) -> str:
 kv = event
 
 
+#: ``log.error(msg, extra=FILE_ONLY)``: the record goes to the process's log file only, not to
+#: the console (e.g. a surviving rank's failure after another rank crashed: the launcher prints
+#: the one summary line)
+FILE_ONLY = {"console": False}
+
+
 class _Formatter(logging.Formatter):
-    def __init__(self, tag: str):
+    def __init__(self, tag: str, tracebacks: bool = True):
         super().__init__()
-        self.tag = tag
+        self.tag, self.tracebacks = tag, tracebacks
 
     def format(self, record: logging.LogRecord) -> str:
         t = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(record.created))
         line = f"{t}.{int(record.msecs):03d} {record.levelname} {self.tag} {record.getMessage()}"
-        if record.exc_info:
+        if record.exc_info and self.tracebacks:
             line += "\n" + self.formatException(record.exc_info)
         return line
+
+
+def _on_console(record: logging.LogRecord) -> bool:
+    return getattr(record, "console", True)
+
+
+def console_handler(tag: str, level: int = logging.NOTSET, *, tracebacks: bool = True,
+                    stream=None) -> logging.Handler:
+    """A stderr handler in the common format that drops :data:`FILE_ONLY` records;
+    ``tracebacks=False`` prints one line per record (the file keeps the traceback)."""
+    h = logging.StreamHandler(stream or sys.stderr)
+    h.setLevel(level)
+    h.setFormatter(_Formatter(tag, tracebacks))
+    h.addFilter(_on_console)
+    return h
 
 
 def setup_logging(tag: str, level: str = "info", log_file: str | None = None,
@@ -66,12 +87,10 @@ def setup_logging(tag: str, level: str = "info", log_file: str | None = None,
         root.removeHandler(h)
         h.close()
     root.setLevel(_LEVELS.get(level, logging.INFO))
-    handlers: list[logging.Handler] = []
     if stream is not None:
-        handlers.append(logging.StreamHandler(stream))
+        root.addHandler(console_handler(tag, stream=stream))
     if log_file:
         Path(log_file).parent.mkdir(parents=True, exist_ok=True)
-        handlers.append(logging.FileHandler(log_file))
-    for h in handlers:
+        h = logging.FileHandler(log_file)
         h.setFormatter(_Formatter(tag))
         root.addHandler(h)

@@ -23,6 +23,9 @@ _LATENCY = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
 #: heartbeat components of the control plane and of each worker (the `EPLB heartbeat` log
 #: lines name the same components, docs/serving.md)
 HEARTBEAT_COMPONENTS = ("rebalance_loop", "manager", "executor", "p2p")
+#: label values of ``steps_total{kind}`` and ``requests_total{result}``
+STEP_KINDS = ("warmup", "prefill", "decode", "mixed", "idle")
+REQUEST_RESULTS = ("stop", "length", "cancelled", "error")
 
 
 class EngineMetrics:
@@ -121,6 +124,28 @@ class EngineMetrics:
                                       ("ring",))
         for r in range(self.ep_size):
             self.worker_up.labels(str(r)).set(0)
+        self._zero_series()
+
+    def _zero_series(self) -> None:
+        """Create every labelled series whose label values are known up front, so a counter
+        that is still 0 is exported as 0 (dashboards show 0, not "No data")."""
+        for ring in ("input", "output"):
+            self.ring_full.labels(ring)
+        self.ring_occupancy.labels("output")
+        for kind in STEP_KINDS:
+            self.steps.labels(kind)
+        for result in REQUEST_RESULTS:
+            self.requests.labels(result)
+        for result in ("published", "committed", "timed_out"):
+            self.layers.labels(result)
+        self.p2p_bytes.labels("sent")
+        for phase in ("materialize", "transfer", "activation", "total"):
+            self.update_seconds.labels(phase)
+        for state in ("waiting", "running"):
+            self.queue.labels(state)
+        for r in range(self.ep_size):
+            self.rank_tokens.labels(str(r))
+            self.moe_compute.labels(str(r))
 
     # --- updates -------------------------------------------------------------------------
     def inc_to(self, key: str, counter, total: float) -> None:

@@ -31,6 +31,9 @@ def save_atomic(fig, path: str | Path, dpi: int = 110) -> None:
     os.close(fd)
     try:
         fig.savefig(tmp, dpi=dpi)
+        mask = os.umask(0)
+        os.umask(mask)
+        os.chmod(tmp, 0o666 & ~mask)      # mkstemp makes 0600; an output is an ordinary file
         os.replace(tmp, p)
     finally:
         if os.path.exists(tmp):

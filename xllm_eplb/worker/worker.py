@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import sys
 import time
 from pathlib import Path
 
@@ -36,7 +35,7 @@ from xllm_eplb.ipc.messages import ForwardOutput
 from xllm_eplb.ipc.records import StepTimings, WorkerHeartbeat
 from xllm_eplb.ipc.ring import InputRing, OutputRing
 from xllm_eplb.model.decoder import build_model
-from xllm_eplb.obs.logs import event, setup_logging
+from xllm_eplb.obs.logs import FILE_ONLY, console_handler, event, setup_logging
 from xllm_eplb.worker import comm
 from xllm_eplb.worker.executor import make_executor
 
@@ -50,11 +49,9 @@ def _setup_logs(cfg: Config, rank: int) -> None:
     """Per-rank file ``rank<r>.log``; warnings and errors also reach the console."""
     path = Path(cfg.serve.log_dir) / f"rank{rank}.log"
     setup_logging(f"ep{rank}", cfg.serve.v, str(path), stream=None)
-    root = logging.getLogger()
-    console = logging.StreamHandler(sys.stderr)
-    console.setLevel(logging.WARNING)
-    console.setFormatter(root.handlers[0].formatter)
-    root.addHandler(console)
+    # one line per warning/error on the console; tracebacks stay in rank<r>.log
+    logging.getLogger().addHandler(console_handler(f"ep{rank}", logging.WARNING,
+                                                   tracebacks=False))
 
 
 def step_timings(model_timings: dict, *, step_s: float, cpu_s: float,
@@ -125,7 +122,9 @@ class Worker:
         try:
             return self._forward(msg)
         except Exception as e:  # noqa: BLE001 - reported to the engine, then exit
-            log.exception(event("worker step failed", rank=self.rank, step=msg.step))
+            # NOTE: after one rank crashes every survivor fails its collective: file only
+            log.exception(event("worker step failed", rank=self.rank, step=msg.step),
+                          extra=FILE_ONLY)
             return ForwardOutput(step=msg.step, rank=self.rank,
                                  error=f"rank {self.rank}: {type(e).__name__}: {e}")
 

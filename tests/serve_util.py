@@ -1,0 +1,87 @@
+"""One real `xllm-eplb serve` process group for the end-to-end tests: logs, every process it
+started, and a fixture that kills the group and sweeps the run's /dev/shm objects even on
+failure."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def shm_objects(run_id: str) -> list[str]:
+    return [n for n in os.listdir("/dev/shm") if f"xllm_eplb_{run_id}_" in n]
+
+
+class Server:
+    """One `xllm-eplb serve` process group with its logs and every process it started."""
+
+    def __init__(self, tmp: Path, args: list[str]):
+        self.port = free_port()
+        self.run_id = f"p{self.port}"
+        self.log_dir = tmp / "logs"
+        self.out, self.err = tmp / "stdout.txt", tmp / "stderr.txt"
+        cmd = [sys.executable, "-m", "xllm_eplb", "serve", "--ep-size", "4", "--config",
+               str(ROOT / "configs" / "eplb.yaml"), "--port", str(self.port),
+               "--log_dir", str(self.log_dir), *args]
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self.out.open("w"),
+                                     stderr=self.err.open("w"), start_new_session=True)
+        self.pids: set[int] = {self.proc.pid}
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def note_children(self) -> None:
+        try:
+            self.pids |= {c.pid for c in psutil.Process(self.proc.pid).children(recursive=True)}
+        except psutil.NoSuchProcess:
+            pass
+
+    def wait_ready(self, timeout: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if "xllm-eplb ready" in self.out.read_text():
+                self.note_children()
+                return
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.3)
+        raise AssertionError(f"no ready line: rc={self.proc.poll()}\n{self.err.read_text()[-3000:]}")
+
+    def alive(self) -> list[int]:
+        out = []
+        for p in self.pids:
+            try:
+                if psutil.Process(p).status() != psutil.STATUS_ZOMBIE:
+                    out.append(p)
+            except psutil.NoSuchProcess:
+                pass
+        return out
+
+    def kill(self) -> None:
+        self.note_children()
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        for p in self.alive():
+            try:
+                os.kill(p, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.proc.wait(10)
+        from xllm_eplb.ipc.objects import clean
+
+        clean(self.run_id)

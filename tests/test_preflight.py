@@ -1,0 +1,51 @@
+"""`config validate` runs every check `serve` runs before it starts, each blaming its own flag
+(real sockets, real folders)."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+from click.testing import CliRunner
+
+from xllm_eplb.cli import cli
+from xllm_eplb.flags import config_from_dict
+from xllm_eplb.preflight import StartupError, check_serve
+
+
+def _validate(*flags: str):
+    return CliRunner().invoke(cli, ["config", "validate", "--ep-size", "4", "--port", "0",
+                                    *flags])
+
+
+def test_validate_passes_on_a_good_config(tmp_path):
+    r = _validate("--log_dir", str(tmp_path / "new" / "logs"))
+    assert r.exit_code == 0 and "configuration is valid" in r.output, r.output
+    assert not (tmp_path / "new").exists()          # validate creates nothing
+
+
+@pytest.mark.parametrize("flags,msg", [
+    (["--host", "no-such-host.invalid"], "--host=no-such-host.invalid: cannot resolve"),
+    (["--host", "192.0.2.77"], "--host=192.0.2.77: not an address of this machine"),
+    (["--log_dir", "/etc/hostname/logs"], "--log_dir=/etc/hostname/logs: cannot create or "
+                                          "write the log folder (/etc/hostname is not a folder)"),
+    (["--weights", "/no/such/weights.pt"], "/no/such/weights.pt"),
+    (["--device", "cuda"], "device=cuda"),
+])
+def test_validate_blames_the_right_flag(flags, msg):
+    r = _validate(*flags)
+    assert r.exit_code == 2 and msg in r.output, r.output
+    assert "--port" not in r.output
+
+
+def test_a_taken_port_blames_port():
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        r = CliRunner().invoke(cli, ["config", "validate", "--ep-size", "4", "--port",
+                                     str(port)])
+        assert r.exit_code == 2 and f"--port={port}: cannot listen" in r.output, r.output
+        cfg = config_from_dict({"ep_size": 4, "port": port})
+        with pytest.raises(StartupError, match=f"--port={port}"):
+            check_serve(cfg)

@@ -1,0 +1,147 @@
+"""The OpenAI API of a real `xllm-eplb serve` at EP2 (real processes, shm, gloo) driven by the
+real ``openai`` client: streaming and non-streaming give identical tokens, a client that goes
+away is cancelled, a frozen worker makes /health report a stall naming it, and a worker that
+stops answering for good is named in the run's exit message."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import signal
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import openai
+import psutil
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from serve_util import shm_objects
+
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="needs POSIX shm")]
+
+FLAGS = ["--ep-size", "2", "--workload=none", "--enable_eplb=false", "--dtype=float64"]
+
+
+def _client(s) -> openai.OpenAI:
+    return openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0, timeout=60)
+
+
+def _get(url: str) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(url, timeout=30) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def _metric(s, name: str, **labels) -> float:
+    text = _get(s.url + "/metrics")[1].decode()
+    for fam in text_string_to_metric_families(text):
+        for x in fam.samples:
+            if x.name == name and all(x.labels.get(k) == v for k, v in labels.items()):
+                return x.value
+    raise AssertionError(f"no sample {name}{labels}")
+
+
+def _worker(s, rank: int) -> psutil.Process:
+    return next(p for p in psutil.Process(s.proc.pid).children()
+                if f"ep{rank}" in " ".join(p.cmdline()))
+
+
+def _wait_for(pred, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        v = pred()
+        if v:
+            return v
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+@pytest.mark.timeout(240)
+def test_openai_client_streaming_cancellation_and_stall(start_server):
+    s = start_server(*FLAGS, "--stall_seconds=1")
+    s.wait_ready()
+    c = _client(s)
+    assert [m.id for m in c.models.list().data] == ["xllm-eplb"]
+    kw = dict(model="xllm-eplb", prompt="the engine", max_tokens=24, temperature=0.9, seed=4,
+              extra_body={"ignore_eos": True, "return_token_ids": True})
+    full = c.completions.create(**kw).choices[0]
+    chunks = list(c.completions.create(stream=True, **kw))
+    assert [t for ch in chunks for t in ch.choices[0].model_extra["token_ids"]] == \
+        full.model_extra["token_ids"]
+    assert "".join(ch.choices[0].text for ch in chunks) == full.text
+    with pytest.raises(openai.BadRequestError, match="chat template"):
+        c.chat.completions.create(model="xllm-eplb", messages=[{"role": "user", "content": "x"}])
+    with pytest.raises(openai.BadRequestError):
+        c.completions.create(model="xllm-eplb", prompt="x", extra_body={"ignore_eos": "no"})
+
+    # a streaming client that goes away: cancelled within a step, slot and KV cache released
+    conn = http.client.HTTPConnection("127.0.0.1", s.port, timeout=30)
+    conn.request("POST", "/v1/completions", body=json.dumps(
+        {"prompt": "go on", "max_tokens": 400, "ignore_eos": True, "stream": True}).encode(),
+        headers={"Content-Type": "application/json"})
+    r = conn.getresponse()
+    assert r.status == 200 and r.readline().startswith(b"data: ")
+    conn.close()
+    log = s.log_dir / "engine.log"
+    _wait_for(lambda: "engine request cancelled" in log.read_text(), 20, "the cancel line")
+    status = json.loads(_get(s.url + "/eplb/status")[1])
+    assert status["requests"] == {"waiting": 0, "running": 0}
+    assert log.read_text().count("engine request cancelled") == 1
+    assert "Traceback" not in log.read_text()
+    assert _metric(s, "xllm_eplb_requests_total", result="cancelled") == 1
+
+    # a frozen worker: /health says stalled and names it, worker_up drops, ages grow
+    w1 = _worker(s, 1)
+    w1.suspend()
+    try:
+        done = {}
+        t = threading.Thread(target=lambda: done.update(
+            r=c.completions.create(model="xllm-eplb", prompt="wait", max_tokens=2)))
+        t.start()
+        st, body = _wait_for(lambda: (lambda x: x if x[0] == 503 else None)(
+            _get(s.url + "/health")), 20, "a stalled /health")
+        info = json.loads(body)
+        assert info["status"] == "stalled" and info["waiting_on"] == [1], info
+        assert _metric(s, "xllm_eplb_worker_up", rank="1") == 0
+        assert _metric(s, "xllm_eplb_worker_up", rank="0") == 1
+        a1 = _metric(s, "xllm_eplb_heartbeat_age_seconds", component="worker", rank="1")
+        time.sleep(0.6)
+        a2 = _metric(s, "xllm_eplb_heartbeat_age_seconds", component="worker", rank="1")
+        assert a2 > a1 >= 1.0
+        with pytest.raises(openai.APIStatusError) as e:
+            c.completions.create(model="xllm-eplb", prompt="x", max_tokens=1)
+        assert e.value.status_code == 503 and "stalled" in e.value.message
+    finally:
+        w1.resume()
+    t.join(60)
+    assert done["r"].choices[0].finish_reason in ("length", "stop")
+    assert json.loads(_get(s.url + "/health")[1])["status"] == "serving"
+    assert _metric(s, "xllm_eplb_worker_up", rank="1") == 1
+
+
+@pytest.mark.timeout(120)
+def test_worker_timeout_names_the_silent_rank(start_server):
+    s = start_server(*FLAGS, "--worker_timeout_seconds=3", "--shutdown_timeout_seconds=2")
+    s.wait_ready()
+    s.note_children()
+    _worker(s, 1).suspend()
+    try:
+        with pytest.raises((openai.APIError, openai.APIConnectionError)):
+            _client(s).completions.create(model="xllm-eplb", prompt="x", max_tokens=2)
+        rc = s.proc.wait(60)
+    finally:
+        for p in s.alive():
+            os.kill(p, signal.SIGCONT)
+    err = s.err.read_text()
+    assert rc == 1, err
+    assert "rank 1: stopped answering" in err and "rank 0:" not in err, err
+    assert "rank 1 did not stop" in err        # it was frozen: SIGKILL, named
+    time.sleep(0.3)
+    assert s.alive() == [] and shm_objects(s.run_id) == []

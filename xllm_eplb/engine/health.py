@@ -1,0 +1,76 @@
+"""Step-in-flight tracking and stall detection, read at scrape time by ``/health`` and
+``/metrics`` (HTTP thread) while the step loop writes (plain attribute stores; no lock needed).
+
+A step that has run longer than ``--stall_seconds`` is a stall. The ranks it waits on are the
+ones that have not yet read the step's input frame (a frozen or dead worker never reads it; the
+others then block in the MoE all-to-all after reading); when every rank has read it, the ranks
+whose output has not arrived.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+from xllm_eplb.ipc.ring_layout import READER, RING_HEADER, U64, WSEQ
+
+
+def reader_behind(ring, index: int) -> bool:
+    """True when reader ``index`` of the broadcast ``ring`` has not read the newest frame
+    (its read sequence, kept in the ring header, is behind the write sequence)."""
+    wseq = U64.unpack(ring.seg.read(WSEQ, 8))[0]
+    rseq = U64.unpack(ring.seg.read(RING_HEADER + READER.size * index, 8))[0]
+    return rseq < wseq
+
+
+class StepWatch:
+    """The engine's in-flight step: when it started and which ranks have answered."""
+
+    def __init__(self, ep_size: int, stall_seconds: float):
+        self.D, self.stall_seconds = ep_size, stall_seconds
+        self.started = 0.0                  # time.monotonic() of the in-flight step, 0 = none
+        self.answered = [False] * ep_size
+        self.last_done = time.monotonic()
+
+    def begin(self) -> None:
+        self.answered = [False] * self.D
+        self.started = time.monotonic()
+
+    def answer(self, rank: int) -> None:
+        self.answered[rank] = True
+
+    def end(self) -> None:
+        self.started = 0.0
+        self.last_done = time.monotonic()
+
+    def in_flight_seconds(self) -> float:
+        s = self.started
+        return time.monotonic() - s if s else 0.0
+
+    def waiting_on(self, inp=None, outs=None) -> list[int]:
+        """Ranks the in-flight step waits on (see the module docstring); [] when none."""
+        if not self.started:
+            return []
+        answered = list(self.answered)
+        pending = [r for r in range(self.D) if not answered[r]]
+        if outs is not None:
+            pending = [r for r in pending if not _has_frame(outs[r])]
+        if inp is not None:
+            with contextlib.suppress(Exception):
+                unread = [r for r in pending if reader_behind(inp.ring, r)]
+                if unread:
+                    return unread
+        return pending
+
+    def stalled(self, inp=None, outs=None) -> list[int] | None:
+        """The silent ranks when the in-flight step is older than the threshold, else None."""
+        if self.in_flight_seconds() <= self.stall_seconds:
+            return None
+        return self.waiting_on(inp, outs)
+
+
+def _has_frame(out) -> bool:
+    try:
+        return out.ring.pending() > 0
+    except Exception:  # noqa: BLE001 - a closed ring: nothing to read
+        return False
