@@ -64,7 +64,7 @@ def _family_on_rank(rank, world, path):
         for m in model.moe_layers:
             assert hooks.prepare_expert_weight(m.layer_id, seqs[m.layer_id][k])
             hooks.start_expert_weight_transfer(m.layer_id)
-            n += hooks.update_expert_weight(m.layer_id)["changed_slots"]
+            n += hooks.update_expert_weight(m.layer_id).changed_slots
             assert m.check_tags() == [] and m.check_checksums() == []
         changed.append(n)
 

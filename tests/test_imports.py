@@ -21,6 +21,7 @@ LAYERS = [
     ("commands", "__main__"),
     ("cli",),
     ("launcher", "testing"),
+    ("preflight",),
     ("engine", "worker"),
     ("ipc",),
     ("model", "sim"),

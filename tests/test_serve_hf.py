@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 from hf_parity_util import hf_generate
 from test_serve import _get, _post, _wait
-from test_serve import start_server as start_server  # noqa: F401 (the fixture)
 
 PROMPTS = [[5, 17, 300, 42, 8, 9, 100, 77, 23], [7, 3], [11, 12, 13, 14, 15]]
 N_NEW = 16
@@ -15,8 +14,8 @@ N_NEW = 16
 def _tokens(s):
     out = []
     for p in PROMPTS:
-        code, body = _post(s.url, {"prompt_token_ids": p, "max_tokens": N_NEW,
-                                   "temperature": 0.0, "ignore_eos": True})
+        code, body = _post(s.url, {"prompt": p, "max_tokens": N_NEW, "temperature": 0.0,
+                                   "ignore_eos": True, "return_token_ids": True})
         assert code == 200, body
         out.append(body["choices"][0]["token_ids"])
     return out
