@@ -173,7 +173,8 @@ def main(argv=None) -> int:
             rng = np.random.default_rng(args.seed + tpr)      # same steps for every placement
             rows.append(bench_size(name, table, loads, d, tpr, layers, steps, rng,
                                    20 if args.quick else 50))
-            print(f"{name} {tpr} tokens/rank: {time.perf_counter() - t0:.1f}s", file=sys.stderr)
+            print(f"{name} {tpr} tokens/rank: {time.perf_counter() - t0:.1f}s "
+                  f"{json.dumps(rows[-1])}", file=sys.stderr)
     print(to_markdown(rows))
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")

@@ -59,6 +59,10 @@ class RoutingPlan:
     flex_k: np.ndarray        # [n] replica count
     static_idx: np.ndarray    # [D, n] flat [n, K] cell the static route of source r uses
     spread_shift: np.ndarray  # [D, n, K] (j - r) mod k: spread's remainder rule
+    rank_cells: np.ndarray    # [D+1, M] flat [n, K] cells on each rank, padded with n*K
+    cell_j: np.ndarray        # [1, K] 1..K
+    cell_off: np.ndarray      # [n, 1] row offsets of the flat [n, K] cells
+    cell_tie: np.ndarray      # [n, K] flat cell index (tie-break key)
 
 
 def prepare(phy2log: np.ndarray, num_logical: int, ep_size: int) -> RoutingPlan:
@@ -94,7 +98,23 @@ def prepare(phy2log: np.ndarray, num_logical: int, ep_size: int) -> RoutingPlan:
     spread_shift = (jj[None, None, :] - ranks[:, None, None]) % fk[None, :, None]
     return RoutingPlan(p, num_logical, d, cnt, rep_index, slot_of, static_slot, single_e,
                        slot_of[single_e, 0] // s, flex_e, flex_rank, mask, fk, static_idx,
-                       spread_shift)
+                       spread_shift, _rank_cells(flex_rank, mask, d), (jj + 1)[None, :],
+                       (np.arange(flex_e.size) * k)[:, None],
+                       np.arange(flex_e.size * k).reshape(flex_e.size, k))
+
+
+def _rank_cells(flex_rank: np.ndarray, mask: np.ndarray, d: int) -> np.ndarray:
+    """[D+1, M]: the flat [n, K] cells (replicas of flexible experts) on each rank, padded with
+    ``n*K``; row ``D`` (the padding rank) holds only padding."""
+    size = flex_rank.size
+    cells = np.nonzero(mask.ravel())[0]
+    rk = flex_rank.ravel()[cells]
+    per = np.bincount(rk, minlength=d + 1)
+    out = np.full((d + 1, max(1, int(per.max()))), size, dtype=np.int64)
+    order = np.argsort(rk, kind="stable")
+    first = np.concatenate(([0], np.cumsum(per)[:-1]))
+    out[rk[order], np.arange(cells.size) - first[rk[order]]] = cells[order]
+    return out
 
 
 def _check_counts(counts, plan: RoutingPlan) -> np.ndarray:
@@ -175,13 +195,14 @@ def _prefix_bound(fixed, tot, plan: RoutingPlan, key=None) -> int:
 def balanced_flex(counts: np.ndarray, plan: RoutingPlan, rounds: int = ROUNDS):
     """The ``balanced`` split of the flexible experts: ``(x [n, K] int64, fixed [D+1])``.
 
-    Start: the better (lower max rank load, ties: spread) of the ``spread`` and ``static``
-    splits, so ``balanced`` is never worse than either. Then up to ``rounds`` Jacobi rounds: every
-    flexible expert water-fills its step total over its replicas against the others' current
-    loads; where several experts want to pour into one rank, only the largest wish is granted
-    there, and each expert moves ``min(granted inflow, outflow)`` tokens. The best split seen wins;
-    the loop stops early once the max rank load meets :func:`_prefix_bound` (then it is optimal;
-    after round 2 the bound is sharpened with the ranks in the order of the best loads)."""
+    Start: each expert's step total split evenly over its replicas. Then up to ``rounds`` Jacobi
+    rounds: every flexible expert water-fills its total over its replicas against the others'
+    current loads; where several experts want to pour into one rank, only the largest wish is
+    granted there, and each expert moves ``min(granted inflow, outflow)`` tokens. The best split
+    seen wins. The loop stops once the max rank load meets :func:`_prefix_bound` (then it is
+    optimal; after round 2 the bound is sharpened with the ranks in the order of the best loads).
+    A split that does not meet the bound is compared with the ``spread`` and ``static`` splits and
+    the lowest max load wins (ties: the earlier), so ``balanced`` is never worse than either."""
     d = plan.ep_size
     tot = counts.sum(axis=0)
     fixed = _sum_at(plan.single_rank, tot[plan.single_e], d + 1)
@@ -189,18 +210,15 @@ def balanced_flex(counts: np.ndarray, plan: RoutingPlan, rounds: int = ROUNDS):
     n, k = plan.flex_mask.shape
     if n == 0:
         return np.zeros((0, k), dtype=np.int64), fixed
-    cf = counts[:, plan.flex_e]
     tf = tot[plan.flex_e]
     rf = plan.flex_rank.ravel()
-    starts = (_flex_spread(cf, plan), _flex_static(cf, plan))
-    peaks = [int((fixed + _sum_at(rf, x.ravel(), d + 1))[:d].max()) for x in starts]
-    best = int(np.argmin(peaks))
-    x, best_x, best_pk = starts[best], starts[best], peaks[best]
+    j, off = plan.cell_j, plan.cell_off
+    x = np.where(plan.flex_mask, (tf // plan.flex_k)[:, None]
+                 + (j <= (tf % plan.flex_k)[:, None]), 0)
+    load = fixed + _sum_at(rf, x.ravel(), d + 1)
+    best_x, best_pk = x, int(load[:d].max())
     bound = _prefix_bound(fixed, tf, plan)
-    j = np.arange(1, k + 1)[None, :]
-    off = (np.arange(n) * k)[:, None]
-    cells = n * k + 1
-    tie = np.arange(n * k).reshape(n, k)
+    keyf = np.full(n * k + 1, -1, dtype=np.int64)           # last cell: the rank-list padding
     for it in range(rounds):
         if best_pk <= bound:
             break
@@ -209,22 +227,29 @@ def balanced_flex(counts: np.ndarray, plan: RoutingPlan, rounds: int = ROUNDS):
             bound = max(bound, _prefix_bound(fixed, tf, plan, best_load))
             if best_pk <= bound:
                 break
-        load = fixed + _sum_at(rf, x.ravel(), d + 1)
         want = _water_fill(load[plan.flex_rank] - x, tf, j, off) - x
         inc = np.maximum(want, 0)
         dec = np.maximum(-want, 0)
         # NOTE: one winner per receiving rank (largest wish, ties: lowest cell), so that the
         # experts' simultaneous moves do not pile onto one rank; integer keys, no tie left open
-        key = inc * cells - tie
-        top = np.zeros(d + 1, dtype=np.int64)
-        np.maximum.at(top, rf, key.ravel())
-        inc = np.where(key == top[plan.flex_rank], inc, 0)
+        keyf[:-1] = (inc * (n * k + 1) - plan.cell_tie).ravel()
+        top = keyf[plan.rank_cells].max(axis=1)
+        inc = np.where(keyf[:-1].reshape(n, k) == top[plan.flex_rank], inc, 0)
         i_sum, o_sum = inc.sum(axis=1), dec.sum(axis=1)
         mv = np.minimum(i_sum, o_sum)
-        x = x + _scale_round(inc, mv, i_sum, j, off) - _scale_round(dec, mv, o_sum, j, off)
-        pk = int((fixed + _sum_at(rf, x.ravel(), d + 1))[:d].max())
+        if (i_sum > mv).any():
+            inc = _scale_round(inc, mv, i_sum, j, off)
+        x = x + inc - _scale_round(dec, mv, o_sum, j, off)
+        load = fixed + _sum_at(rf, x.ravel(), d + 1)
+        pk = int(load[:d].max())
         if pk < best_pk:
             best_x, best_pk = x, pk
+    if best_pk > bound:
+        cf = counts[:, plan.flex_e]
+        for alt in (_flex_spread(cf, plan), _flex_static(cf, plan)):
+            pk = int((fixed + _sum_at(rf, alt.ravel(), d + 1))[:d].max())
+            if pk < best_pk:
+                best_x, best_pk = alt, pk
     return best_x, fixed
 
 
