@@ -163,17 +163,11 @@ def _water_fill(base, tot, j, off):
     return out.reshape(base.shape)
 
 
-def _scale_round(a, num, den, j, off):
-    """Scale each row of ``a [n, K]`` (row sums ``den``) by ``num/den`` (<= 1) to integers summing
-    to ``num``: floors, then one more token to the largest remainders (ties: lower index)."""
-    prod = a * num[:, None]
-    dd = np.maximum(den, 1)[:, None]
-    q = prod // dd
-    left = num - q.sum(axis=1)
-    o = (np.argsort(q * dd - prod, axis=1, kind="stable") + off).ravel()
-    give = np.empty(a.size, dtype=np.int64)
-    give[o] = (j <= left[:, None]).ravel()
-    return q + give.reshape(a.shape)
+def _first_come(a, num):
+    """Cut each row of ``a [n, K]`` (>= 0) to ``num [n]`` (<= its sum) tokens, taken in replica
+    order: ``min(a_j, max(0, num - sum of a before j))``."""
+    before = np.cumsum(a, axis=1) - a
+    return np.minimum(a, np.maximum(num[:, None] - before, 0))
 
 
 def _prefix_bound(fixed, tot, plan: RoutingPlan, key=None) -> int:
@@ -198,8 +192,8 @@ def balanced_flex(counts: np.ndarray, plan: RoutingPlan, rounds: int = ROUNDS):
     Start: each expert's step total split evenly over its replicas. Then up to ``rounds`` Jacobi
     rounds: every flexible expert water-fills its total over its replicas against the others'
     current loads; where several experts want to pour into one rank, only the largest wish is
-    granted there, and each expert moves ``min(granted inflow, outflow)`` tokens. The best split
-    seen wins. The loop stops once the max rank load meets :func:`_prefix_bound` (then it is
+    granted there, and each expert moves ``min(granted inflow, outflow)`` tokens (the larger side
+    cut in replica order). The best split seen wins. The loop stops once the max rank load meets :func:`_prefix_bound` (then it is
     optimal; after round 2 the bound is sharpened with the ranks in the order of the best loads).
     A split that does not meet the bound is compared with the ``spread`` and ``static`` splits and
     the lowest max load wins (ties: the earlier), so ``balanced`` is never worse than either."""
@@ -238,8 +232,8 @@ def balanced_flex(counts: np.ndarray, plan: RoutingPlan, rounds: int = ROUNDS):
         i_sum, o_sum = inc.sum(axis=1), dec.sum(axis=1)
         mv = np.minimum(i_sum, o_sum)
         if (i_sum > mv).any():
-            inc = _scale_round(inc, mv, i_sum, j, off)
-        x = x + inc - _scale_round(dec, mv, o_sum, j, off)
+            inc = _first_come(inc, mv)
+        x = x + inc - _first_come(dec, mv)
         load = fixed + _sum_at(rf, x.ravel(), d + 1)
         pk = int(load[:d].max())
         if pk < best_pk:
