@@ -193,10 +193,11 @@ def balanced_flex(counts: np.ndarray, plan: RoutingPlan, rounds: int = ROUNDS):
     rounds: every flexible expert water-fills its total over its replicas against the others'
     current loads; where several experts want to pour into one rank, only the largest wish is
     granted there, and each expert moves ``min(granted inflow, outflow)`` tokens (the larger side
-    cut in replica order). The best split seen wins. The loop stops once the max rank load meets :func:`_prefix_bound` (then it is
-    optimal; after round 2 the bound is sharpened with the ranks in the order of the best loads).
-    A split that does not meet the bound is compared with the ``spread`` and ``static`` splits and
-    the lowest max load wins (ties: the earlier), so ``balanced`` is never worse than either."""
+    cut in replica order). The best split seen wins. The loop stops once the max rank load meets
+    :func:`_prefix_bound` (then it is optimal; after round 2 the bound is sharpened with the ranks
+    in the order of the best loads). A split that does not meet the bound is compared with the
+    ``spread`` and ``static`` splits and the lowest max load wins (ties: the earlier), so
+    ``balanced`` is never worse than either."""
     d = plan.ep_size
     tot = counts.sum(axis=0)
     fixed = _sum_at(plan.single_rank, tot[plan.single_e], d + 1)
