@@ -149,18 +149,20 @@ def _flex_spread(cf: np.ndarray, plan: RoutingPlan) -> np.ndarray:
 
 def _water_fill(base, tot, j, off):
     """Integer water-filling of each row's ``tot`` tokens over its replicas with base loads
-    ``base [n, K]`` (padding = _BIG): the lowest replicas are raised to a common level; the
-    remainder of the level's division adds one token to the lowest bases (stable order)."""
-    o = (np.argsort(base, axis=1, kind="stable") + off).ravel()
-    bs = base.ravel()[o].reshape(base.shape)
+    ``base [n, K]`` (padding = _BIG): the replicas below the level ``lev`` are raised to it; the
+    remainder of the level's division adds one token to the first of them in replica order.
+
+    With ``bs`` the sorted bases, ``m`` replicas are under the level when ``bs[m-1] * m <= tot +
+    sum(bs[:m])`` (a prefix); ``lev = (tot + sum(bs[:m])) // m``, and exactly those ``m`` have
+    ``base <= lev``, so the result needs no unsorting."""
+    bs = np.sort(base, axis=1)
     cum = np.cumsum(bs, axis=1)
-    m = (bs * j <= tot[:, None] + cum).sum(axis=1)            # replicas under the level
+    m = (bs * j <= tot[:, None] + cum).sum(axis=1)
     top = tot + cum.ravel()[off[:, 0] + m - 1]
-    lev = top // m
-    xs = np.where(j <= m[:, None], lev[:, None] - bs + (j <= (top - lev * m)[:, None]), 0)
-    out = np.empty(base.size, dtype=np.int64)
-    out[o] = xs.ravel()
-    return out.reshape(base.shape)
+    lev = (top // m)[:, None]
+    under = base <= lev
+    bonus = under & (np.cumsum(under, axis=1) <= (top[:, None] - lev * m[:, None]))
+    return np.where(under, lev - base, 0) + bonus
 
 
 def _first_come(a, num):
