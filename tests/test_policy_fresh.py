@@ -1,0 +1,70 @@
+"""A fresh ``incremental`` plan (from xLLM's initial layout) is never worse, in peak rank load, than
+``balanced`` or ``greedy`` on the same input (issue 15 item 6)."""
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+
+from xllm_eplb.eplb.balance import rank_loads_from_phy2log
+from xllm_eplb.eplb.placement import initial_phy2log
+from xllm_eplb.eplb.policy import make_policy
+
+SETTINGS = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+# 8 experts, 8 GPUs, 2 slots per GPU, two very hot experts (the peers' hand-made case)
+HAND = (8, 8, 1, [[1000, 900, 10, 10, 10, 10, 10, 10]])
+# minimal failures found by the property below (incremental peak vs balanced/greedy):
+# 4 GPUs x 2 slots [0, 3, 3, 10]: 5.5 vs 4.83; [0, 2, 2, 7]: 3.75 vs 3.33;
+# 8 GPUs x 2 slots [500, 400, 10 x 6]: 183.3 vs 180 (balanced)
+HAND_FAILS = [(4, 4, 1, [[0, 3, 3, 10]]), (8, 8, 1, [[500, 400, 10, 10, 10, 10, 10, 10]])]
+
+
+def fresh_peaks(d, e, r, loads):
+    """Peak rank load (even split over replicas) per layer of each policy's fresh plan."""
+    lg = np.asarray(loads, dtype=np.int64)
+    init = np.tile(initial_phy2log(e, d, r), (lg.shape[0], 1))
+    out = {}
+    for kind in ("balanced", "greedy", "incremental"):
+        pol = make_policy(kind, d, e, r, 0.0)
+        pol.initialize(init)
+        table, _ = pol.rebalance(lg)
+        out[kind] = rank_loads_from_phy2log(table, lg, d).max(axis=1)
+    return out
+
+
+@st.composite
+def problems(draw):
+    d = draw(st.sampled_from([2, 3, 4, 6, 8]))
+    k = draw(st.integers(1, 3))
+    r = draw(st.integers(1, min(3, (d - 1) * k)))
+    e = d * k
+    loads = draw(st.lists(st.lists(st.integers(0, 2000), min_size=e, max_size=e),
+                          min_size=1, max_size=2))
+    return d, e, r, loads
+
+
+def test_hand_case():
+    d, e, r, loads = HAND
+    pk = fresh_peaks(d, e, r, loads)
+    assert pk["incremental"][0] <= pk["balanced"][0] + 1e-9
+    assert pk["incremental"][0] <= pk["greedy"][0] + 1e-9
+
+
+@pytest.mark.xfail(strict=True, reason="incremental picks min-max per-replica replica counts and "
+                   "packs them; with few slots per rank that packing can end above balanced's / "
+                   "greedy's counts (see HAND_FAILS); fix in eplb/policy/incremental.py (owned by "
+                   "the policy branch): a fresh layer also tries balanced's and greedy's plans "
+                   "and keeps the lowest peak")
+@SETTINGS
+@example(HAND)
+@example(HAND_FAILS[0])
+@example(HAND_FAILS[1])
+@given(problems())
+def test_fresh_incremental_never_worse(prob):
+    d, e, r, loads = prob
+    pk = fresh_peaks(d, e, r, loads)
+    # 1e-9 relative: the three compute the same float peak formula
+    tol = 1e-9 * np.maximum(pk["balanced"], 1.0)
+    assert (pk["incremental"] <= pk["balanced"] + tol).all(), pk
+    assert (pk["incremental"] <= pk["greedy"] + tol).all(), pk

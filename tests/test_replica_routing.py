@@ -1,0 +1,185 @@
+"""Per-step replica routing (eplb/replica_routing.py): conservation, static = build_log2phy,
+balanced never worse than static/spread and near the LP optimum, determinism across ranks."""
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from xllm_eplb.eplb import replica_routing as rr
+from xllm_eplb.eplb.placement import PlacementError, build_log2phy, initial_phy2log
+
+SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@st.composite
+def cases(draw):
+    """(phy2log [D*S], E, D, counts [D, E]): every expert placed, at most one replica per rank
+    (or xLLM's initial layout with same-rank duplicates), small integer counts."""
+    d = draw(st.integers(2, 6))
+    k = draw(st.integers(1, 4))
+    r = draw(st.integers(0, min(3, (d - 1) * k)))
+    e = d * k
+    rng = np.random.default_rng(draw(st.integers(0, 2 ** 31 - 1)))
+    if draw(st.booleans()) or r == 0:
+        base = rng.permutation(e).reshape(d, k)
+        rows = []
+        for i in range(d):
+            free = np.setdiff1d(np.arange(e), base[i])
+            rows.append(np.concatenate([base[i], rng.choice(free, size=r, replace=False)]))
+        phy = np.concatenate(rows).astype(np.int64)
+    else:
+        phy = initial_phy2log(e, d, r)
+    hi = draw(st.sampled_from([1, 4, 30, 400]))
+    counts = rng.integers(0, hi + 1, (d, e)).astype(np.int64)
+    if draw(st.booleans()):            # a hot expert, as in real decode loads
+        counts[:, rng.integers(e)] += rng.integers(0, 5 * hi + 1, d)
+    if draw(st.booleans()):
+        counts[rng.integers(d)] = 0     # an empty source rank
+    return phy, e, d, counts
+
+
+def per_expert(route, phy, e):
+    """[D, D*S] tokens per source and slot -> [D, E] per source and the slot's expert."""
+    out = np.zeros((route.shape[0], e), dtype=np.int64)
+    np.add.at(out, (slice(None), phy), route)
+    return out
+
+
+def lp_peak(phy, e, d, tot):
+    """Exact fractional optimum of the max rank load (highspy), any split over replicas."""
+    highspy = pytest.importorskip("highspy")
+    ns = phy.size
+    s = ns // d
+    h = highspy.Highs()
+    h.setOptionValue("output_flag", False)
+    inf = highspy.kHighsInf
+    cost = np.zeros(ns + 1)
+    cost[ns] = 1.0
+    h.addCols(ns + 1, cost, np.zeros(ns + 1), np.full(ns + 1, inf), 0,
+              np.zeros(ns + 1, np.int32), np.zeros(0, np.int32), np.zeros(0))
+    starts, idx, val, lo, hi = [], [], [], [], []
+    for x in range(e):
+        ps = np.nonzero(phy == x)[0]
+        starts.append(len(idx))
+        idx += ps.tolist()
+        val += [1.0] * ps.size
+        lo.append(float(tot[x]))
+        hi.append(float(tot[x]))
+    for r in range(d):
+        starts.append(len(idx))
+        idx += list(range(r * s, r * s + s)) + [ns]
+        val += [1.0] * s + [-1.0]
+        lo.append(-inf)
+        hi.append(0.0)
+    h.addRows(len(lo), np.array(lo), np.array(hi), len(idx), np.array(starts, np.int32),
+              np.array(idx, np.int32), np.array(val))
+    h.run()
+    assert h.getModelStatus() == highspy.HighsModelStatus.kOptimal
+    return h.getInfo().objective_function_value
+
+
+@SETTINGS
+@given(cases(), st.sampled_from(rr.MODES))
+def test_tokens_conserved_and_only_to_replicas(case, mode):
+    phy, e, d, counts = case
+    plan = rr.prepare(phy, e, d)
+    route = rr.route(counts, plan, mode)
+    assert route.shape == (d, phy.size) and route.dtype == np.int64
+    assert (route >= 0).all()
+    # grouping each slot under its own expert: per (source, expert) exactly its counts, so no
+    # token lands on another expert's slot and none is lost or created
+    assert (per_expert(route, phy, e) == counts).all()
+    assert (rr.slot_loads(counts, plan, mode) == route.sum(axis=0)).all()
+
+
+@SETTINGS
+@given(cases())
+def test_static_is_build_log2phy(case):
+    phy, e, d, counts = case
+    route = rr.route(counts, rr.prepare(phy, e, d), "static")
+    for r in range(d):
+        want = np.zeros(phy.size, dtype=np.int64)
+        np.add.at(want, build_log2phy(phy, e, r), counts[r])
+        assert (route[r] == want).all()
+
+
+@SETTINGS
+@given(cases())
+def test_spread_splits_each_source_evenly(case):
+    phy, e, d, counts = case
+    route = rr.route(counts, rr.prepare(phy, e, d), "spread")
+    for x in range(e):
+        slots = np.nonzero(phy == x)[0]
+        part = route[:, slots]
+        assert (part.max(axis=1) - part.min(axis=1) <= 1).all()
+
+
+@SETTINGS
+@given(cases())
+def test_balanced_never_worse_and_near_lp(case):
+    phy, e, d, counts = case
+    plan = rr.prepare(phy, e, d)
+    peak = {m: int(rr.rank_loads(rr.slot_loads(counts, plan, m), d).max()) for m in rr.MODES}
+    assert peak["balanced"] <= peak["spread"]
+    assert peak["balanced"] <= peak["static"]
+    opt = int(np.ceil(lp_peak(phy, e, d, counts.sum(axis=0)) - 1e-6))   # integer optimum
+    assert peak["balanced"] >= opt
+    assert peak["balanced"] <= opt + max(1, int(np.ceil(0.02 * opt)))
+
+
+@SETTINGS
+@given(cases(), st.sampled_from(rr.MODES))
+def test_every_rank_computes_the_same_assignment(case, mode):
+    """The cross-rank rule: each rank's own row equals the global table's, from any copy of the
+    counts (dtype, memory order) and of the placement (list or array)."""
+    phy, e, d, counts = case
+    plan = rr.prepare(phy, e, d)
+    full = rr.route(counts, plan, mode)
+    assert (rr.route(counts.copy(), rr.prepare(phy.tolist(), e, d), mode) == full).all()
+    assert (rr.route(np.asfortranarray(counts.astype(np.int32)), plan, mode) == full).all()
+    for r in range(d):
+        assert (rr.source_row(counts, plan, mode, r) == full[r]).all()
+
+
+@SETTINGS
+@given(cases(), st.sampled_from(rr.MODES), st.integers(0, 2 ** 31 - 1))
+def test_assign_tokens_follows_the_row(case, mode, seed):
+    phy, e, d, counts = case
+    plan = rr.prepare(phy, e, d)
+    rng = np.random.default_rng(seed)
+    src = int(rng.integers(d))
+    c = counts.copy()
+    topk = rng.permutation(np.repeat(np.arange(e), c[src]))
+    pad = (-topk.size) % 2
+    if pad:                                  # make it [N, 2]: one more token of expert 0
+        topk = np.append(topk, 0)
+        c[src, 0] += 1
+    topk = topk.reshape(-1, 2)
+    row = rr.source_row(c, plan, mode, src)
+    slots = rr.assign_tokens(topk, row, plan)
+    assert (phy[slots] == topk).all()
+    assert (np.bincount(slots.ravel(), minlength=phy.size) == row).all()
+
+
+def test_balanced_moves_load_off_the_hot_rank():
+    """Hand case: rank 0 holds a hot single-replica expert; the shared expert's tokens must all go
+    to its replica on rank 1 (static and spread keep half of them on rank 0)."""
+    phy = np.array([0, 1, 2, 1], dtype=np.int64)          # D=2, S=2: expert 1 on both ranks
+    counts = np.array([[20, 6, 1], [0, 6, 1]], dtype=np.int64)
+    plan = rr.prepare(phy, 3, 2)
+    loads = {m: rr.rank_loads(rr.slot_loads(counts, plan, m), 2).tolist() for m in rr.MODES}
+    assert loads["static"] == [26, 8] and loads["spread"] == [26, 8]
+    assert loads["balanced"] == [20, 14]
+
+
+def test_bad_input_names_the_rule():
+    plan = rr.prepare(initial_phy2log(4, 2, 1), 4, 2)
+    with pytest.raises(ValueError, match="counts of shape"):
+        rr.route(np.zeros((3, 4), np.int64), plan, "static")
+    with pytest.raises(ValueError, match="must be >= 0"):
+        rr.route(-np.ones((2, 4), np.int64), plan, "spread")
+    with pytest.raises(ValueError, match="is not one of"):
+        rr.route(np.zeros((2, 4), np.int64), plan, "lp")
+    with pytest.raises(PlacementError, match="has no replica"):
+        rr.prepare(np.array([0, 0, 1, 1]), 3, 2)
