@@ -33,7 +33,7 @@ def test_flag_names_are_unique_and_cover_every_field():
     n = sum(len(dataclasses.fields(cls)) for cls in SECTIONS.values())
     assert len(FIELDS) == n
     assert {f.section for f in FIELDS.values()} == set(SECTIONS)
-    assert all(f.type in ("bool", "int", "float", "str") for f in FIELDS.values())
+    assert all(f.type in ("bool", "int", "float", "str", "tuple") for f in FIELDS.values())
 
 
 def test_defaults_other_than_ep_size_are_valid():

@@ -29,7 +29,7 @@ LAYERS = [
     ("obs",),
     ("flags",),
     ("config",),
-    ("child", "errors", "__init__"),
+    ("child", "errors", "faultspec", "__init__"),
 ]
 RANK = {name: i for i, group in enumerate(LAYERS) for name in group}
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from xllm_eplb.errors import ConfigError
+from xllm_eplb.faultspec import fault_rules
 
 log = logging.getLogger(__name__)
 
@@ -165,11 +166,22 @@ class ServeConfig:
 
 
 @dataclass(frozen=True)
+class FaultConfig:
+    """Fault injection (tests and reliability runs only; off by default, see faultspec.py)."""
+
+    enable_fault_injection: bool = opt(False, "allow --fault_inject (never in production)")
+    fault_inject: tuple = opt((), "repeatable: inject one fault KIND:k=v,k=v (kinds "
+                              "prepare_delay, prepare_fail, p2p_delay, p2p_fail, crash, "
+                              "slow_step, corrupt_output; see xllm_eplb/faultspec.py)")
+
+
+@dataclass(frozen=True)
 class Config:
     eplb: EplbConfig = field(default_factory=EplbConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     serve: ServeConfig = field(default_factory=ServeConfig)
+    faults: FaultConfig = field(default_factory=FaultConfig)
 
     @property
     def num_moe_layers(self) -> int:
@@ -183,12 +195,14 @@ class Config:
 # --- schema helpers -------------------------------------------------------------------------
 
 SECTIONS: dict[str, type] = {"eplb": EplbConfig, "model": ModelConfig,
-                             "runtime": RuntimeConfig, "serve": ServeConfig}
+                             "runtime": RuntimeConfig, "serve": ServeConfig,
+                             "faults": FaultConfig}
 
 
 @dataclass(frozen=True)
 class FieldSpec:
-    """One flag: its section, Python type name (``bool``/``int``/``float``/``str``) and metadata."""
+    """One flag: its section, Python type name (``bool``/``int``/``float``/``str``/``tuple``: a
+    repeatable flag, one string per occurrence) and metadata."""
 
     name: str
     section: str
@@ -242,6 +256,8 @@ def format_value(v: Any) -> str:
         return "none"
     if isinstance(v, bool):
         return "true" if v else "false"
+    if isinstance(v, tuple):
+        return "[" + "; ".join(format_value(x) for x in v) + "]"
     if isinstance(v, float):
         return f"{v:g}" if v == int(v) and abs(v) < 1e15 else repr(v)
     s = str(v)
@@ -387,6 +403,9 @@ def _cross_rules(cfg: Config) -> list[tuple[str, Any, str]]:
         bad.append(("workload_output_len", s.workload_output_len,
                     f"--workload_prompt_len + --workload_output_len must be <= "
                     f"--max_position_embeddings={m.max_position_embeddings}"))
+    f = cfg.faults
+    bad += [("fault_inject", text, rule) for text, rule in fault_rules(
+        f.fault_inject, f.enable_fault_injection, e.ep_size, cfg.num_moe_layers)]
     if e.ep_size is None:
         return bad
     bad += layout_rules(m.num_experts, e.ep_size, e.redundant_experts_num)

@@ -11,7 +11,9 @@ Accepted tokens (names use ``_`` or ``-`` interchangeably: ``--ep-size 16`` == `
   resolved against the including file; cycles are an error.
 
 Precedence: defaults < config file < flagfile < command line, whatever the token order; within
-one source the last value wins. NOTE: xLLM lets its JSON file win over flags; we do not.
+one source the last value wins. Repeatable flags (type ``tuple``, e.g. ``--fault_inject``)
+collect every occurrence of one source in order (a YAML list in a config file); a higher source
+replaces the whole list. NOTE: xLLM lets its JSON file win over flags; we do not.
 """
 
 from __future__ import annotations
@@ -83,6 +85,11 @@ def coerce(spec: FieldSpec, raw: Any) -> Any:
                 return int(text)
             except ValueError:
                 return int(text, 0)
+        if t == "tuple":
+            items = tuple(raw) if isinstance(raw, (list, tuple)) else (raw,)
+            if not all(isinstance(x, str) for x in items):
+                raise ValueError
+            return items
         if t == "float":
             if isinstance(raw, bool) or not isinstance(raw, (int, float, str)):
                 raise ValueError
@@ -95,7 +102,8 @@ def coerce(spec: FieldSpec, raw: Any) -> Any:
         return raw
     except (TypeError, ValueError):
         what = {"bool": "a boolean (true/false/1/0/yes/no)", "int": "an integer",
-                "float": "a finite number", "str": "a string"}[t]
+                "float": "a finite number", "str": "a string",
+                "tuple": "a string or a list of strings"}[t]
         shown = format_value(raw) if isinstance(raw, (str, int, float, bool)) else repr(raw)
         raise ConfigError(f"--{spec.name}={shown}: must be {what}") from None
 
@@ -281,7 +289,10 @@ def _consume(tokens: list[tuple[str, str]], layers: _Layers, source: str,
             _consume(sub, layers, "flagfile", path.parent, (*stack, path.resolve()))
         else:
             try:
-                layers.values[source][name] = coerce(spec, value)
+                got = coerce(spec, value)
+                if spec.type == "tuple":      # repeatable: collect within this source
+                    got = layers.values[source].get(name, ()) + got
+                layers.values[source][name] = got
             except ConfigError as e:
                 raise ConfigError(f"{at}{e}") from None
 

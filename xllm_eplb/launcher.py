@@ -99,6 +99,8 @@ class Launcher:
         self.ctx = mp.get_context("spawn")
         self.events = self.ctx.Queue()
         self.procs: dict[str, mp.Process] = {}
+        #: the first ``error`` event detail of each child, in arrival order
+        self.errors: dict[str, str] = {}
         self.stop_signal = 0
         self.shm = None
         self.progress = progress
@@ -155,8 +157,8 @@ class Launcher:
         return ev
 
     def _report_stage(self, who: str, stage: str, detail: str) -> None:
-        if stage == "error":
-            self.errors[who] = detail
+        if stage == "error" and detail and who not in self.errors:
+            self.errors[who] = detail            # named in the death message
         if self.progress is not None:
             self.progress.update(who, stage)
         log.debug(event("launcher stage", proc=who, stage=stage, detail=detail,
@@ -175,6 +177,7 @@ class Launcher:
     def death_message(self, who: str, during: str = "serving") -> str:
         p = self.procs[who]
         name = f"rank {who[2:]}" if who.startswith("ep") else who
+        self._drain_events()
         why = f" ({self.errors[who]})" if who in self.errors else ""
         return (f"{name} (pid {p.pid}) died during {during}: {describe_exit(p.exitcode)}{why}; "
                 f"see {Path(self.cfg.serve.log_dir) / log_name(who)}")
@@ -186,7 +189,7 @@ class Launcher:
             ready = mpc.wait(list(sentinels), timeout=0.5)
             self._drain_events()
             if ready and not self._stopping_together():
-                who = sentinels[ready[0]]
+                who = self._first_failed(sentinels[ready[0]])
                 self.procs[who].join(2.0)  # reap it: the exit cause names the signal
                 log.error(event("launcher child died", proc=who, pid=self.procs[who].pid,
                                 cause=describe_exit(self.procs[who].exitcode)))
@@ -194,6 +197,13 @@ class Launcher:
                 return 1
         log.info(event("launcher stop", signal=signal.Signals(self.stop_signal).name))
         return 0
+
+    def _first_failed(self, who: str) -> str:
+        """Of the children dead by now, the first that reported an error (a worker's injected
+        crash names its phase; the engine's fault names the rank), else ``who``."""
+        self._drain_events()
+        dead = {w for w, p in self.procs.items() if p.exitcode is not None}
+        return next((w for w in self.errors if w in dead), who)
 
     def _stopping_together(self, grace: float = 0.3) -> bool:
         """True when a stop signal reaches the launcher within ``grace`` s of a child's death.
@@ -268,8 +278,11 @@ class RunShm:
             rings.append(InputRing.create(rt.run_id, n, rt.shm_ring_slots,
                                           rt.shm_input_frame_bytes, producer=False))
             for r in range(n):
+                # NOTE: output frames carry a body checksum (small frames, ~1 us); the engine
+                # reads them strictly, so a corrupt frame fails the step at once.
                 rings.append(OutputRing.create(rt.run_id, r, rt.shm_ring_slots,
-                                               rt.shm_output_frame_bytes, reader=False))
+                                               rt.shm_output_frame_bytes, reader=False,
+                                               checksum=True))
         except BaseException as e:
             cls(rings).close()
             if isinstance(e, SegmentBusyError):

@@ -21,6 +21,7 @@ _SECTION_TITLES = {
     "model": "Model",
     "runtime": "Runtime",
     "serve": "Serving, logs and workload",
+    "faults": "Fault injection (tests and reliability runs only)",
 }
 
 _HEADER = """# Configuration

@@ -21,7 +21,8 @@ deadline arithmetic and the peer's ``/proc`` liveness check run only once a wait
 
 A frame that fails its magic / length / sequence / checksum check, or whose body the ``decode``
 callable rejects with :class:`MessageError`, is logged (``shm ring bad frame ring=...``) and
-skipped; the reader keeps going.
+skipped; the reader keeps going. A *strict* reader (``get_bytes(strict=True)``: the engine's
+output rings, one frame per step) raises :class:`BadFrameError` naming the ring instead.
 
 NOTE: the ring's *owner* (``Ring.create``) creates the semaphores and unlinks them on close;
 creation and attach happen under the generation lock, so an attacher sees all or nothing.
@@ -41,6 +42,7 @@ import posix_ipc
 
 from xllm_eplb.ipc.checksum import NONE, algo_for, checksum
 from xllm_eplb.ipc.errors import (
+    BadFrameError,
     FrameTooLargeError,
     MessageError,
     PeerDeadError,
@@ -247,8 +249,11 @@ class Ring:
         """Largest body (bytes) one frame can carry."""
         return self._cap
 
-    def put_bytes(self, body: bytes, timeout: float | None = None) -> int:
+    def put_bytes(self, body: bytes, timeout: float | None = None, *,
+                  bad_checksum: bool = False) -> int:
         """Publish ``body`` to every reader; returns its sequence number.
+
+        ``bad_checksum`` (fault injection only): the header carries a wrong body checksum.
 
         Fast path (every reader has a free slot): one trywait per reader, one header pack,
         one body copy, one post per reader; no clock reads, no liveness checks."""
@@ -276,7 +281,7 @@ class Ring:
         mm, off = self._mm, self._frames_abs + (seq % self.slots) * self.frame_bytes
         if self.checksum:
             algo = algo_for(n)
-            hdr = FHDR.pack(FRAME_MAGIC, n, seq, checksum(body, algo), algo)
+            hdr = FHDR.pack(FRAME_MAGIC, n, seq, checksum(body, algo) ^ bad_checksum, algo)
         else:
             hdr = FHDR.pack(FRAME_MAGIC, n, seq, 0, NONE)
         FHDR_CRC.pack_into(mm, off, hdr, zlib.crc32(hdr))
@@ -293,8 +298,9 @@ class Ring:
                    functools.partial(self._reader_gone, i))
 
     def get_bytes(self, timeout: float | None = None,
-                  decode: Callable[[bytes], object] | None = None):
-        """Next valid frame body (or ``decode(body)``); bad frames are logged and skipped.
+                  decode: Callable[[bytes], object] | None = None, *, strict: bool = False):
+        """Next valid frame body (or ``decode(body)``); bad frames are logged and skipped
+        (``strict``: logged, then :class:`BadFrameError` naming the ring and the reason).
 
         Fast path: one ``sem_timedwait`` of at most one ``poll_interval`` slice (it returns at
         once when a frame is ready, and it is also the first slice of a wait), one header
@@ -326,6 +332,8 @@ class Ring:
                     got = str(e)
             log.error("shm ring bad frame ring=%s reader=%d seq=%d reason=%s",
                       self.name, self.reader_index, seq, got)
+            if strict:
+                raise BadFrameError(f"ring {self.name}: bad frame seq={seq}: {got}")
 
     def _wait_more(self, data, timeout: float | None, waited: float) -> None:
         """The first slice (``waited`` s) of a get found no frame: check the producer, then

@@ -41,3 +41,8 @@ class FrameTooLargeError(IpcError, ValueError):
 
 class MessageError(IpcError, ValueError):
     """A frame body that is not a valid message of this run and schema version."""
+
+
+class BadFrameError(IpcError):
+    """A strict reader (the engine's output rings) got a frame that fails its header or
+    checksum check, or whose body is not a valid message: the step cannot be trusted."""

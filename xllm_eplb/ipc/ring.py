@@ -71,14 +71,14 @@ class _MessageRing:
     def generation(self) -> int:
         return self.ring.seg.generation
 
-    def put(self, msg, timeout: float | None = None) -> int:
+    def put(self, msg, timeout: float | None = None, *, bad_checksum: bool = False) -> int:
         """Encode and publish ``msg``; blocks (up to ``timeout`` s, None = forever) on a full
-        ring. Returns the frame sequence number."""
-        return self.ring.put_bytes(_encode(msg, self.run_id), timeout)
+        ring. Returns the frame sequence number. ``bad_checksum``: fault injection only."""
+        return self.ring.put_bytes(_encode(msg, self.run_id), timeout, bad_checksum=bad_checksum)
 
-    def get(self, timeout: float | None = None):
-        """Next valid message (bad frames are logged and skipped)."""
-        return self.ring.get_bytes(timeout, decode=self._decoder)
+    def get(self, timeout: float | None = None, *, strict: bool = False):
+        """Next valid message (bad frames are logged and skipped; ``strict``: BadFrameError)."""
+        return self.ring.get_bytes(timeout, decode=self._decoder, strict=strict)
 
     def close(self) -> None:
         self.ring.close()
@@ -169,10 +169,12 @@ class OutputRing(_MessageRing):
         out.rank = rank
         return out
 
-    def put(self, msg: ForwardOutput, timeout: float | None = None) -> int:
+    def put(self, msg: ForwardOutput, timeout: float | None = None, *,
+            bad_checksum: bool = False) -> int:
         if not isinstance(msg, ForwardOutput):
             raise TypeError(f"ring {self.name}: put expects ForwardOutput, got {type(msg).__name__}")
-        return super().put(msg, timeout)
+        return super().put(msg, timeout, bad_checksum=bad_checksum)
 
     def get(self, timeout: float | None = None) -> ForwardOutput:
-        return super().get(timeout)
+        """Strict: one frame per step, so a bad frame raises BadFrameError (never skipped)."""
+        return super().get(timeout, strict=True)

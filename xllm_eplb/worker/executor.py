@@ -34,6 +34,7 @@ import numpy as np
 from xllm_eplb.eplb.info import NO_LAYER, NO_TOKEN, EplbInfo
 from xllm_eplb.ipc.records import ExecutorStats
 from xllm_eplb.obs.logs import event
+from xllm_eplb.worker.faults import NO_FAULTS
 from xllm_eplb.worker.migration import ModelEplbHooks, MoveStats
 
 log = logging.getLogger(__name__)
@@ -49,10 +50,12 @@ class _Task:
 class EplbExecutor:
     """``hooks``: a :class:`~xllm_eplb.worker.migration.ModelEplbHooks` (or anything with the
     same four methods, ``update_expert_weight`` returning a ``MoveStats``). ``clock``: wall
-    clock for the heartbeat timestamp."""
+    clock for the heartbeat timestamp. ``faults``: fault-injection hooks
+    (:mod:`xllm_eplb.worker.faults`; the null object by default)."""
 
-    def __init__(self, hooks, cfg, *, clock=time.time):
+    def __init__(self, hooks, cfg, *, clock=time.time, faults=NO_FAULTS):
         self.hooks = hooks
+        self.faults = faults
         self.heartbeat_s = float(cfg.eplb.eplb_heartbeat_seconds)
         self._clock = clock
         self._lock = threading.Lock()
@@ -80,8 +83,10 @@ class EplbExecutor:
             if self._pending_update != NO_LAYER:
                 raise RuntimeError(f"activation of layer {info.update_layer_id} while layer "
                                    f"{self._pending_update} is still pending")
+            self.faults.before_activate(int(info.update_layer_id))
             self.hooks.start_expert_weight_transfer(int(info.update_layer_id))
             self._pending_update = int(info.update_layer_id)
+            self.faults.mid_transfer(self._pending_update)
         if task is None:
             return
         if self._pending_update != NO_LAYER:
@@ -97,7 +102,9 @@ class EplbExecutor:
                 self._stats.p2p_heartbeat_ts = self._clock()
             return
         layer, self._pending_update = self._pending_update, NO_LAYER
+        self.faults.p2p_wait(layer)
         st = self.hooks.update_expert_weight(layer)
+        self.faults.after_activate(layer)
         with self._lock:
             self._count_move(layer, st)
         if self._deferred is not None:
@@ -165,6 +172,7 @@ class EplbExecutor:
         t0 = time.perf_counter()
         err = ""
         try:
+            self.faults.prepare(task.layer)
             ok = bool(self.hooks.prepare_expert_weight(task.layer, task.expert_ids) is not False)
             ok = ok and bool(self.hooks.last_prepare_ok(task.layer))
             if not ok and hasattr(self.hooks, "last_prepare_error"):
@@ -225,12 +233,12 @@ class NullExecutor:
         pass
 
 
-def make_executor(model, eplb_group, cfg, *, canary: bool | None = None):
+def make_executor(model, eplb_group, cfg, *, canary: bool | None = None, faults=NO_FAULTS):
     """The worker's executor: :class:`EplbExecutor` over :class:`ModelEplbHooks` when
     ``cfg.eplb.enable_eplb``, else a :class:`NullExecutor` (reserves nothing)."""
     if not cfg.eplb.enable_eplb:
         log.info(event("EPLB executor", mode="off", thread=False, staging=False))
         return NullExecutor()
-    ex = EplbExecutor(ModelEplbHooks(model, eplb_group, cfg, canary=canary), cfg)
+    ex = EplbExecutor(ModelEplbHooks(model, eplb_group, cfg, canary=canary), cfg, faults=faults)
     log.info(event("EPLB executor", mode="on", thread=True, staging=True))
     return ex

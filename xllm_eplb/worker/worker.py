@@ -38,11 +38,14 @@ from xllm_eplb.model.decoder import build_model
 from xllm_eplb.obs.logs import FILE_ONLY, console_handler, event, setup_logging
 from xllm_eplb.worker import comm
 from xllm_eplb.worker.executor import make_executor
+from xllm_eplb.worker.faults import make_faults
 
 log = logging.getLogger(__name__)
 
 POLL_SECONDS = 1.0
 ATTACH_TIMEOUT = 60.0
+#: exit code of an injected ``crash`` (``--fault_inject=crash:...``)
+INJECTED_CRASH_EXIT = 86
 
 
 def _setup_logs(cfg: Config, rank: int) -> None:
@@ -69,6 +72,14 @@ class Worker:
         self.cfg, self.rank, self.events, self.parent_pid = cfg, rank, events, parent_pid
         self.inp = self.out = self.model = self.executor = None
         self.device = None
+        self.faults = make_faults(cfg, rank, self._crash)
+
+    def _crash(self, detail: str) -> None:
+        """An injected crash: tell the launcher why, then leave at once (no clean-up)."""
+        log.error(event("worker crash", rank=self.rank, detail=detail))
+        send_event(self.events, f"ep{self.rank}", "error", f"rank {self.rank}: {detail}")
+        logging.shutdown()
+        child_exit(INJECTED_CRASH_EXIT, self.events)
 
     def start(self) -> None:
         torch.set_num_threads(1)
@@ -89,7 +100,7 @@ class Worker:
 
     def _build(self, ep_group, eplb_group) -> None:
         self.model = build_model(self.cfg, self.rank, ep_group, device=self.device)
-        self.executor = make_executor(self.model, eplb_group, self.cfg)
+        self.executor = make_executor(self.model, eplb_group, self.cfg, faults=self.faults)
 
     # --- loop ------------------------------------------------------------------------------
     def next_input(self):
@@ -113,8 +124,10 @@ class Worker:
                 log.info(event("worker shutdown", rank=self.rank, step=msg.step))
                 return 0
             out = self.step(msg)
-            self.out.put(out, timeout=self.cfg.runtime.worker_timeout_seconds)
+            self.out.put(out, timeout=self.cfg.runtime.worker_timeout_seconds,
+                         bad_checksum=self.faults.corrupt(msg.step))
             if out.error:
+                send_event(self.events, f"ep{self.rank}", "error", out.error)
                 return 1
 
     def step(self, msg):
@@ -131,6 +144,7 @@ class Worker:
     def _forward(self, msg):
         batch, info = msg.batches[self.rank], msg.eplb_info
         c0, t0 = time.thread_time(), time.perf_counter()
+        self.faults.step(msg.step)
         self.executor.before_forward(info)
         c1 = time.thread_time()
         res = self.model.forward_step(batch, warmup=msg.warmup, pure_decode=msg.pure_decode)
