@@ -94,9 +94,8 @@ def cpu_us(fn, repeat: int) -> float:
 
 def incremental_plan(loads: np.ndarray, d: int, r: int) -> np.ndarray:
     e = loads.shape[1]
-    pol = make_policy("incremental", d, e, r, 0.0)
-    pol.initialize(np.tile(initial_phy2log(e, d, r), (loads.shape[0], 1)))
-    table, _ = pol.rebalance(loads)
+    table = make_policy("incremental", d, e, r).plan_table(
+        loads, np.tile(initial_phy2log(e, d, r), (loads.shape[0], 1)))
     return table
 
 

@@ -26,9 +26,7 @@ def fresh_peaks(d, e, r, loads):
     init = np.tile(initial_phy2log(e, d, r), (lg.shape[0], 1))
     out = {}
     for kind in ("balanced", "greedy", "incremental"):
-        pol = make_policy(kind, d, e, r, 0.0)
-        pol.initialize(init)
-        table, _ = pol.rebalance(lg)
+        table = make_policy(kind, d, e, r).plan_table(lg, init)
         out[kind] = rank_loads_from_phy2log(table, lg, d).max(axis=1)
     return out
 

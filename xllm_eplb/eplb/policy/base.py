@@ -46,3 +46,10 @@ class EplbPolicy(ABC):
         """logical [L, E] (int counts or a float estimate), deployed int64 [L, D*S] (``-1``
         rows: nothing deployed) -> per layer a candidate int64 [D*S], or None to keep the
         deployed row. Must not modify its inputs."""
+
+    def plan_table(self, logical: np.ndarray, deployed: np.ndarray) -> np.ndarray:
+        """:meth:`plan` as a whole table: int64 [L, D*S], the deployed row where it keeps one
+        (no gate; for offline planning and benchmarks)."""
+        rows = self.plan(logical, deployed)
+        return np.stack([np.asarray(deployed[lay] if r is None else r, dtype=np.int64)
+                         for lay, r in enumerate(rows)])

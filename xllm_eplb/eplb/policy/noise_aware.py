@@ -46,7 +46,6 @@ def plan_noise_aware(load: np.ndarray, ep_size: int, redundant: int, tokens_per_
                          f"and z={z} >= 0")
     layers, e = w.shape
     nw = noise_weights(w, tokens_per_rank * top_k * ep_size, z)
-    pol = make_policy("incremental", ep_size, e, redundant, 0.0)
-    pol.initialize(np.tile(initial_phy2log(e, ep_size, redundant), (layers, 1)))
-    table, _ = pol.rebalance(nw)
+    table = make_policy("incremental", ep_size, e, redundant).plan_table(
+        nw, np.tile(initial_phy2log(e, ep_size, redundant), (layers, 1)))
     return table if np.ndim(load) == 2 else table[0]
