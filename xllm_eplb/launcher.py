@@ -105,7 +105,6 @@ class Launcher:
         self.shm = None
         self.progress = progress
         self.t0 = time.monotonic()
-        self.errors: dict[str, str] = {}      # who -> the error a child reported last
 
     # --- signals ---------------------------------------------------------------------------
     def _on_signal(self, signum, frame) -> None:
@@ -199,10 +198,15 @@ class Launcher:
         return 0
 
     def _first_failed(self, who: str) -> str:
-        """Of the children dead by now, the first that reported an error (a worker's injected
-        crash names its phase; the engine's fault names the rank), else ``who``."""
+        """The child that caused the failure: one killed by a signal (it could report nothing;
+        the survivors' errors are only its consequence), else the first dead one that reported
+        an error (a worker's injected crash names its phase; the engine's fault names the
+        rank), else ``who``."""
         self._drain_events()
-        dead = {w for w, p in self.procs.items() if p.exitcode is not None}
+        dead = {w: p.exitcode for w, p in self.procs.items() if p.exitcode is not None}
+        killed = [w for w, code in dead.items() if code < 0]
+        if killed:
+            return who if who in killed else killed[0]
         return next((w for w in self.errors if w in dead), who)
 
     def _stopping_together(self, grace: float = 0.3) -> bool:
