@@ -28,8 +28,8 @@ install: $(STAMP)  ## create .venv: torch==2.13.0 first, then the project with [
 test: install  ## run the whole test suite
 	$(BIN)/python -m pytest tests
 
-test-fast: install  ## the in-process core only (no test marked slow), under 30 s
-	$(BIN)/python -m pytest tests -m "not slow"
+test-fast: install  ## the in-process core only (no test marked slow or oracle), under 30 s
+	$(BIN)/python -m pytest tests -m "not slow and not oracle"
 
 CKPT_SRC := $(wildcard xllm_eplb/model/checkpoint*.py)
 

@@ -13,6 +13,8 @@ from xllm_eplb.model.decoder import Decoder
 
 _HF: dict = {}
 
+pytestmark = pytest.mark.oracle  # builds checkpoints with transformers, its oracle
+
 
 def oracle(path):
     if str(path) not in _HF:

@@ -19,6 +19,8 @@ from xllm_eplb.model.batch import RankBatch, SeqRow
 from xllm_eplb.model.decoder import Decoder
 from xllm_eplb.model.resolve import resolve_config
 
+pytestmark = pytest.mark.oracle  # builds checkpoints with transformers, its oracle
+
 
 def prefill_logits(path, **model):
     cfg = cfg_for(path)
