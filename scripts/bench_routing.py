@@ -40,6 +40,7 @@ from xllm_eplb.eplb import replica_routing as rr  # noqa: E402
 from xllm_eplb.eplb.loads import read_loads  # noqa: E402
 from xllm_eplb.eplb.placement import initial_phy2log  # noqa: E402
 from xllm_eplb.eplb.policy import make_policy  # noqa: E402
+from xllm_eplb.testing.lp import lp_peak  # noqa: E402
 
 TOP_K = 8
 DEFAULT_DATA = ROOT.parent / "shared/data/sglang_ep_statistics"
@@ -53,32 +54,6 @@ def sample_counts(p: np.ndarray, d: int, tpr: int, rng) -> np.ndarray:
     src = np.repeat(np.arange(d), tpr * TOP_K)
     flat = src * p.size + top.ravel()
     return np.bincount(flat, minlength=d * p.size).reshape(d, p.size).astype(np.int64)
-
-
-def lp_peak(phy: np.ndarray, tot: np.ndarray, d: int) -> float:
-    """Exact fractional min of the max rank load over splits of ``tot [E]`` over the replicas."""
-    import highspy
-    ns = phy.size
-    s = ns // d
-    e = tot.size
-    h = highspy.Highs()
-    h.setOptionValue("output_flag", False)
-    inf = highspy.kHighsInf
-    cost = np.zeros(ns + 1)
-    cost[ns] = 1.0
-    h.addCols(ns + 1, cost, np.zeros(ns + 1), np.full(ns + 1, inf), 0,
-              np.zeros(ns + 1, np.int32), np.zeros(0, np.int32), np.zeros(0))
-    order = np.argsort(phy, kind="stable")
-    cnt = np.bincount(phy, minlength=e)
-    starts = np.concatenate([np.concatenate(([0], np.cumsum(cnt)[:-1])),
-                             ns + np.arange(d) * (s + 1)])
-    idx = np.concatenate([order] + [np.append(np.arange(r * s, r * s + s), ns) for r in range(d)])
-    val = np.concatenate([np.ones(ns)] + [np.append(np.ones(s), -1.0)] * d)
-    lo = np.concatenate([tot.astype(float), np.full(d, -inf)])
-    hi = np.concatenate([tot.astype(float), np.zeros(d)])
-    h.addRows(e + d, lo, hi, idx.size, starts.astype(np.int32), idx.astype(np.int32), val)
-    h.run()
-    return float(h.getInfo().objective_function_value)
 
 
 def cpu_us(fn, repeat: int) -> float:

@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 from xllm_eplb.eplb import replica_routing as rr
 from xllm_eplb.eplb.placement import PlacementError, build_log2phy, initial_phy2log
+from xllm_eplb.testing.lp import lp_peak
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -44,39 +45,6 @@ def per_expert(route, phy, e):
     out = np.zeros((route.shape[0], e), dtype=np.int64)
     np.add.at(out, (slice(None), phy), route)
     return out
-
-
-def lp_peak(phy, e, d, tot):
-    """Exact fractional optimum of the max rank load (highspy), any split over replicas."""
-    highspy = pytest.importorskip("highspy")
-    ns = phy.size
-    s = ns // d
-    h = highspy.Highs()
-    h.setOptionValue("output_flag", False)
-    inf = highspy.kHighsInf
-    cost = np.zeros(ns + 1)
-    cost[ns] = 1.0
-    h.addCols(ns + 1, cost, np.zeros(ns + 1), np.full(ns + 1, inf), 0,
-              np.zeros(ns + 1, np.int32), np.zeros(0, np.int32), np.zeros(0))
-    starts, idx, val, lo, hi = [], [], [], [], []
-    for x in range(e):
-        ps = np.nonzero(phy == x)[0]
-        starts.append(len(idx))
-        idx += ps.tolist()
-        val += [1.0] * ps.size
-        lo.append(float(tot[x]))
-        hi.append(float(tot[x]))
-    for r in range(d):
-        starts.append(len(idx))
-        idx += list(range(r * s, r * s + s)) + [ns]
-        val += [1.0] * s + [-1.0]
-        lo.append(-inf)
-        hi.append(0.0)
-    h.addRows(len(lo), np.array(lo), np.array(hi), len(idx), np.array(starts, np.int32),
-              np.array(idx, np.int32), np.array(val))
-    h.run()
-    assert h.getModelStatus() == highspy.HighsModelStatus.kOptimal
-    return h.getInfo().objective_function_value
 
 
 @SETTINGS
@@ -123,7 +91,7 @@ def test_balanced_never_worse_and_near_lp(case):
     peak = {m: int(rr.rank_loads(rr.slot_loads(counts, plan, m), d).max()) for m in rr.MODES}
     assert peak["balanced"] <= peak["spread"]
     assert peak["balanced"] <= peak["static"]
-    opt = int(np.ceil(lp_peak(phy, e, d, counts.sum(axis=0)) - 1e-6))   # integer optimum
+    opt = int(np.ceil(lp_peak(phy, counts.sum(axis=0), d) - 1e-6))   # integer optimum
     assert peak["balanced"] >= opt
     assert peak["balanced"] <= opt + max(1, int(np.ceil(0.02 * opt)))
 

@@ -32,6 +32,7 @@ from xllm_eplb.model.layers import sample
 from xllm_eplb.model.loader import CheckpointReader, check_experts, expert_weights
 from xllm_eplb.model.moe import FusedMoE, LogicalMoE
 from xllm_eplb.model.params import load_params
+from xllm_eplb.model.rank_model import RankModel
 from xllm_eplb.model.resolve import resolve_config
 from xllm_eplb.model.routing import FamilyRouter, load_trace, trace_probs
 from xllm_eplb.model.spec import parse_spec
@@ -42,7 +43,7 @@ from xllm_eplb.model.weights import torch_dtype
 log = logging.getLogger(__name__)
 
 
-class Decoder:
+class Decoder(RankModel):
     """One EP rank's model of the checkpoint ``cfg.model.model``. ``phy2log``: int64
     [L_moe, D*S] initial placement (default: xLLM's initial layout)."""
 
@@ -107,26 +108,6 @@ class Decoder:
                                "Decoder.reference(cfg)")
         return [FusedMoE(cfg, ml, self.ep_rank, phy2log[ml], self.device, source=self._source)
                 for ml in range(self.num_moe_layers)]
-
-    @property
-    def slots_per_rank(self) -> int:
-        return self.cfg.slots_per_rank
-
-    def release(self, req_ids) -> None:
-        """Free the KV cache slots of finished requests."""
-        for r in req_ids:
-            self.kv.release(int(r))
-
-    def dispatch_mode(self, pure_decode: bool) -> str:
-        e = self.cfg.eplb
-        mode, why = dsp.resolve_dispatch_mode(e.expert_parallel_degree, e.enable_fused_mc2,
-                                              pure_decode=pure_decode,
-                                              precondition_failure=self.fused_failure)
-        if why and not self._fallback_logged:
-            self._fallback_logged = True
-            log.warning("EPLB dispatch fallback requested=fused used=plain reason=%s",
-                        why.replace(" ", "_"))
-        return mode
 
     # ---- forward ---------------------------------------------------------------------------
     def _inputs(self, batch: RankBatch):

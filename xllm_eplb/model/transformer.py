@@ -30,6 +30,7 @@ from xllm_eplb.model import dispatch as dsp
 from xllm_eplb.model.batch import RankBatch
 from xllm_eplb.model.layers import KVCache, attention, positions_encoding, rms_norm, sample, swiglu
 from xllm_eplb.model.moe import FusedMoE, LogicalMoE
+from xllm_eplb.model.rank_model import RankModel
 from xllm_eplb.model.routing import Router, load_trace, trace_probs
 from xllm_eplb.model.validate import validate_model_config, validate_phy2log
 from xllm_eplb.model.weights import param
@@ -71,7 +72,7 @@ def _bf16_supported(device: torch.device) -> bool:
     return True
 
 
-class MoETransformer:
+class MoETransformer(RankModel):
     """One EP rank's model. ``phy2log``: int64 [L_moe, D*S] initial placement (default: xLLM's
     initial layout). ``ep_group``: the EP process group (None = default world group)."""
 
@@ -127,26 +128,6 @@ class MoETransformer:
     def _param_names(self) -> list[str]:
         from xllm_eplb.model.weights import param_shapes
         return [k for k in param_shapes(self.cfg) if ".experts." not in k]
-
-    @property
-    def slots_per_rank(self) -> int:
-        return self.cfg.slots_per_rank
-
-    def release(self, req_ids) -> None:
-        """Free the KV cache of finished requests."""
-        for r in req_ids:
-            self.kv.release(int(r))
-
-    def dispatch_mode(self, pure_decode: bool) -> str:
-        e = self.cfg.eplb
-        mode, why = dsp.resolve_dispatch_mode(e.expert_parallel_degree, e.enable_fused_mc2,
-                                              pure_decode=pure_decode,
-                                              precondition_failure=self.fused_failure)
-        if why and not self._fallback_logged:
-            self._fallback_logged = True
-            log.warning("EPLB dispatch fallback requested=fused used=plain reason=%s",
-                        why.replace(" ", "_"))
-        return mode
 
     # ---- forward ---------------------------------------------------------------------------
     def _inputs(self, batch: RankBatch, pure_decode: bool):
