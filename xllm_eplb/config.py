@@ -59,6 +59,12 @@ class EplbConfig:
     enable_fused_mc2: int = opt(-1, "fused dispatch mode: -1 auto, 0 plain, 1 fused, "
                                 "2 decode-only fused", choices=(-1, 0, 1, 2))
     # --- beyond the seed -------------------------------------------------------------------
+    eplb_replica_routing: str = opt(
+        "static", "which replica of a replicated expert serves each routed token: static "
+        "(xLLM's fixed source-rank rule), spread (each source splits evenly over the replicas), "
+        "balanced (per step, the min-max split of the step's exchanged counts; identical on "
+        "every rank); replicas hold identical weights, so outputs never change",
+        choices=("static", "spread", "balanced"))
     eplb_migration_budget_slots: int = opt(
         0, "incremental policy: max cross-rank slot copies per round over all layers (0 = auto)",
         lo=0)
