@@ -85,6 +85,15 @@ class EplbConfig:
                             "(always on in tests)")
     eplb_heartbeat_seconds: float = opt(60.0, "period of `EPLB heartbeat` log lines", unit="s",
                                         lo=0, lo_open=True)
+    # --- record -> plan -> deploy ---------------------------------------------------------
+    eplb_init_placement: str = opt(
+        "", "start from this placement (a `xllm-eplb plan --output` JSON) instead of xLLM's "
+        "initial layout; checked before start (shape, experts, ep_size, slots, every expert "
+        "placed); EPLB off: served as is, EPLB on: rebalancing continues from it")
+    eplb_record_trace_max_steps: int = opt(
+        4096, "expert-distribution recording (POST /eplb/record/start with trace=true): most "
+        "steps kept in the per-step trace (int32 [steps, layers, experts] in memory); the "
+        "totals keep counting beyond it", lo=1)
 
 
 @dataclass(frozen=True)

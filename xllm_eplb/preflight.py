@@ -1,5 +1,6 @@
 """Every check ``xllm-eplb serve`` runs before it starts anything, also run by
-``xllm-eplb config validate``: device, backend and model (weights file, routing trace), the HTTP
+``xllm-eplb config validate``: device, backend and model (weights file, routing trace), the
+initial placement file (``--eplb_init_placement``), the HTTP
 host (resolvable, an address of this machine) and port (free), and the log folder (writable).
 Each failure is one :class:`StartupError` naming the flag that is wrong.
 """
@@ -63,11 +64,24 @@ def check_log_dir(log_dir: str) -> None:
                            f"({why})")
 
 
+def check_init_placement(cfg: Config) -> None:
+    """``--eplb_init_placement``: the file fits the model (its checkpoint's sizes with
+    ``--model``), ``ep_size`` and the slot layout (``eplb/placement_file.py``); InputFileError
+    naming the file, the field and the rule. Creates nothing."""
+    if not cfg.eplb.eplb_init_placement:
+        return
+    from xllm_eplb.eplb.placement_file import initial_placement
+    from xllm_eplb.model.resolve import resolve_config
+
+    initial_placement(resolve_config(cfg))
+
+
 def check_serve(cfg: Config) -> int:
     """Run every pre-start check of ``serve``; returns the HTTP port (resolved for 0)."""
     from xllm_eplb.worker.comm import preflight
 
     preflight(cfg)        # device / backend / model (weights, trace) checks
+    check_init_placement(cfg)
     port = check_port(cfg.serve.host, cfg.serve.port)
     check_log_dir(cfg.serve.log_dir)
     return port

@@ -2,8 +2,9 @@
 (loopback by default); the engine's step loop keeps its own thread.
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
-``GET /health``, ``GET /metrics`` (Prometheus text), ``GET /eplb/status`` and
-``GET /openapi.json``. Every error is JSON in the OpenAI shape
+``GET /health``, ``GET /metrics`` (Prometheus text), ``GET /eplb/status``,
+``GET /openapi.json`` and the ``ApiBackend.routers`` (``/eplb/record/*``:
+:mod:`~xllm_eplb.engine.record_api`). Every error is JSON in the OpenAI shape
 ``{"error": {"message", "type", "param", "code"}}``: 400 bad input, 404 unknown route or model,
 405 wrong method (with ``Allow``), 413 body too large, 503 not serving / stalled / overloaded,
 504 timed out. Request schema and validation: :mod:`~xllm_eplb.engine.protocol`; choices and
@@ -67,6 +68,8 @@ class ApiBackend:
     health: Callable[[], tuple[bool, dict]]
     served: ServedModel
     admit: Callable[[], str | None] = lambda: None
+    #: extra route groups (e.g. ``record_api.record_router``), included as they are
+    routers: tuple = ()
 
 
 def error_body(status: int, message: str, param: str = "", code: str | None = None) -> dict:
@@ -278,6 +281,8 @@ def create_app(backend: ApiBackend) -> FastAPI:
     app = FastAPI(title="xllm-eplb", docs_url=None, redoc_url=None,
                   description="OpenAI-compatible API of the xllm-eplb engine")
     _routes(app, backend)
+    for router in backend.routers:
+        app.include_router(router)
     _handlers(app)
     _openapi_defs(app)
     return app

@@ -32,6 +32,8 @@ from xllm_eplb.engine.tokenizer import BOS_ID
 from xllm_eplb.engine.workload import SyntheticWorkload
 from xllm_eplb.eplb.info import NO_TOKEN, EplbInfo
 from xllm_eplb.eplb.manager_stats import ManagerStats
+from xllm_eplb.eplb.placement_file import initial_placement
+from xllm_eplb.eplb.recorder import ExpertRecorder
 from xllm_eplb.ipc.errors import IpcError, RingTimeoutError
 from xllm_eplb.ipc.messages import ForwardInput
 from xllm_eplb.ipc.objects import sweep_run
@@ -88,6 +90,9 @@ class Engine:
         self.metrics.enabled.set(1 if manager is not None else 0)
         self.tele = Telemetry(self.metrics, cfg.num_moe_layers, self.D)
         self.watch = StepWatch(self.D, cfg.serve.stall_seconds)
+        self.placement = initial_placement(cfg)       # [L, D*S]: what the workers start from
+        self.recorder = ExpertRecorder(cfg.num_moe_layers, self.D, cfg.slots_per_rank,
+                                       cfg.model.num_experts, cfg.eplb.eplb_record_trace_max_steps)
         self.step_no = 0
         self.state = "starting"
         self.stopping = False
@@ -113,6 +118,8 @@ class Engine:
         seconds = time.perf_counter() - t0
         self.watch.end()
         self._ring_occupancy()
+        if self.recorder.active and not warmup:     # off: this test is all it costs
+            self.recorder.add([o.counters for o in outs], self.active_placement)
         if self.manager is not None and not warmup:
             c0 = time.thread_time()
             self.manager.on_outputs([o.counters for o in outs], [o.prepared_token for o in outs],
@@ -121,6 +128,11 @@ class Engine:
             eplb_s += time.thread_time() - c0
         self.tele.on_step(step_kind(batches, warmup, pure), outs, seconds, eplb_engine_s=eplb_s)
         return outs
+
+    @property
+    def active_placement(self):
+        """int64 ``[L, D*S]``: the manager's deployed table, or (EPLB off) the initial one."""
+        return self.manager.active_placement if self.manager is not None else self.placement
 
     def _ring_occupancy(self) -> None:
         """Frames still unread in the fullest output ring after the gather (back-pressure)."""
@@ -248,9 +260,10 @@ class Engine:
         st = (self.manager.stats() if self.manager is not None
               else ManagerStats(policy=policy).as_dict())
         out = {"enabled": self.manager is not None, "ep_size": self.D,
-               "num_layers": self.cfg.num_moe_layers, "step": self.step_no, **st}
-        if self.manager is not None:
-            out["placement"] = self.manager.active_placement.tolist()
+               "num_layers": self.cfg.num_moe_layers, "step": self.step_no, **st,
+               "placement": self.active_placement.tolist(),
+               "init_placement": self.cfg.eplb.eplb_init_placement,
+               "record": self.recorder.status()}
         out.update(self.tele.balance_summary())
         out["critical_path"] = self.tele.critical_path_summary()
         # the policy runner's thread CPU (drain, decode, policy), measured by the manager itself
@@ -261,12 +274,13 @@ class Engine:
 
 # --- process entry ----------------------------------------------------------------------------
 
-def _make_manager(cfg: Config):
+def _make_manager(cfg: Config, placement):
     if not cfg.eplb.enable_eplb:
         return None
     from xllm_eplb.eplb.manager import EplbManager
 
-    return EplbManager(cfg.eplb, cfg.num_moe_layers, cfg.model.num_experts, runner="thread")
+    return EplbManager(cfg.eplb, cfg.num_moe_layers, cfg.model.num_experts, runner="thread",
+                       initial=placement)
 
 
 def _attach_rings(cfg: Config):
@@ -278,6 +292,7 @@ def _attach_rings(cfg: Config):
 
 def _api(cfg: Config, engine_ref: dict):
     from xllm_eplb.engine.api import ApiBackend, ApiLimits, ApiServer, ServedModel
+    from xllm_eplb.engine.record_api import record_router
     from xllm_eplb.engine.tokenizer import load_tokenizer
 
     m, rt = cfg.model, cfg.runtime
@@ -301,7 +316,8 @@ def _api(cfg: Config, engine_ref: dict):
         metrics=lambda: eng().render_metrics() if eng() else b"",
         health=lambda: eng().health() if eng() else (False, {"status": "starting"}),
         served=served,
-        admit=lambda: need().admit())
+        admit=lambda: need().admit(),
+        routers=(record_router(lambda: eng().recorder if eng() else None),))
     return ApiServer(cfg.serve.host, cfg.serve.port, backend)
 
 
@@ -332,7 +348,7 @@ def _serve(cfg: Config, events, parent_pid: int, res: dict) -> int:
     eng.warmup()
     signal.signal(signal.SIGTERM, eng.request_stop)
     send_event(events, "engine", "warmup")
-    eng.manager = res["manager"] = _make_manager(cfg)
+    eng.manager = res["manager"] = _make_manager(cfg, eng.placement)
     eng.metrics.enabled.set(1 if eng.manager is not None else 0)
     res["workload"] = _start_workload(cfg, eng)
     send_event(events, "engine", "ready")

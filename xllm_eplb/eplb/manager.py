@@ -72,12 +72,14 @@ class EplbManager:
 
     ``num_layers`` / ``num_logical`` come from the model; everything else from ``cfg``.
     ``planner`` (tests): replaces the policy + gate built from ``cfg``; it must carry a
-    ``name``.
+    ``name``. ``initial``: the deployed placement at start, int64 ``[L, D*S]`` (the workers'
+    initial table, e.g. ``--eplb_init_placement``; default xLLM's initial layout).
     """
 
     def __init__(self, cfg: EplbConfig, num_layers: int, num_logical: int, *,
                  planner: PlannerFn | None = None,
-                 clock: Callable[[], float] = time.monotonic, runner: str = "thread"):
+                 clock: Callable[[], float] = time.monotonic, runner: str = "thread",
+                 initial: np.ndarray | None = None):
         if not isinstance(cfg, EplbConfig):
             raise TypeError(f"EplbManager takes the EplbConfig (cfg.eplb), got "
                             f"{type(cfg).__name__}")
@@ -98,8 +100,12 @@ class EplbManager:
                                         cfg.eplb_estimator_decay, cfg.eplb_estimator_trend)
                           if cfg.eplb_use_estimator else None)
         self.pipe = LayerPipeline(num_layers, cfg.ep_size)
-        self._active = np.tile(initial_phy2log(num_logical, cfg.ep_size,
-                                               cfg.redundant_experts_num), (num_layers, 1))
+        self._active = (np.tile(initial_phy2log(num_logical, cfg.ep_size,
+                                                cfg.redundant_experts_num), (num_layers, 1))
+                        if initial is None else np.array(initial, dtype=np.int64))
+        if self._active.shape != (num_layers, cfg.ep_size * self.slots):
+            raise ValueError(f"initial placement of shape {self._active.shape}, expected "
+                             f"[layers, ep_size*slots]={(num_layers, cfg.ep_size * self.slots)}")
         self._active.setflags(write=False)
         self._lock = threading.Lock()
         self._queue: collections.deque = collections.deque()

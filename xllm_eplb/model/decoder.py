@@ -24,6 +24,7 @@ import torch
 from xllm_eplb.config import Config
 from xllm_eplb.eplb import counters as ctr
 from xllm_eplb.eplb.placement import initial_phy2log
+from xllm_eplb.eplb.placement_file import initial_placement
 from xllm_eplb.model import blocks
 from xllm_eplb.model import dispatch as dsp
 from xllm_eplb.model.attention import AttnBatch, KVCache
@@ -243,9 +244,11 @@ class Decoder(RankModel):
 
 def build_model(cfg: Config, ep_rank: int, ep_group=None, *, device=None):
     """The worker's model: a :class:`Decoder` of ``cfg.model.model`` when set, else the built-in
-    toy decoder (``transformer.MoETransformer``)."""
+    toy decoder (``transformer.MoETransformer``). Both start from ``initial_placement(cfg)``
+    (``--eplb_init_placement`` or xLLM's layout) and load only this rank's slots of it."""
+    phy2log = initial_placement(resolve_config(cfg))
     if cfg.model.model:
-        return Decoder(cfg, ep_rank, ep_group, device=device)
+        return Decoder(cfg, ep_rank, ep_group, phy2log, device=device)
     from xllm_eplb.model.transformer import MoETransformer
 
-    return MoETransformer(cfg, ep_rank, ep_group, device=device)
+    return MoETransformer(cfg, ep_rank, ep_group, phy2log, device=device)

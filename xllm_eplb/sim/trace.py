@@ -85,10 +85,15 @@ def load_trace(path: str | Path) -> Trace:
     return Trace(check_loads(loads, f"trace {p}"), meta)
 
 
+def write_trace(trace: Trace, file) -> None:
+    """Write ``trace`` as a compressed ``.npz`` to a path or a binary file object."""
+    np.savez_compressed(file, loads=np.asarray(trace.loads, dtype=np.int64),
+                        meta=np.array(json.dumps(trace.meta)))
+
+
 def save_trace(trace: Trace, path: str | Path) -> Path:
     """Write ``trace`` as a compressed ``.npz``; returns the path."""
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
-    np.savez_compressed(p, loads=np.asarray(trace.loads, dtype=np.int64),
-                        meta=np.array(json.dumps(trace.meta)))
+    write_trace(trace, p)
     return p
