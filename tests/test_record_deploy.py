@@ -7,8 +7,10 @@ Each rank of a worker group built from the plan holds exactly its slots of it.""
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -77,7 +79,13 @@ class _Servers:
         return s
 
     def stop(self, s: Server) -> None:
-        s.kill()
+        """A graceful stop (SIGTERM): exit 0, every process gone, the run's shm removed."""
+        s.note_children()
+        s.proc.send_signal(signal.SIGTERM)
+        assert s.proc.wait(60) == 0, s.err.read_text()[-3000:]
+        deadline = time.monotonic() + 20
+        while s.alive() and time.monotonic() < deadline:
+            time.sleep(0.2)
         assert s.alive() == [] and shm_objects(s.run_id) == []
 
 
@@ -128,6 +136,7 @@ def recorded(servers, ckpt, tmp_path_factory):
     return dict(dir=d, tokens=tokens, fed=fed, dump=dump, status=status)
 
 
+@pytest.mark.timeout(420)
 def test_recording_counts_every_routed_pick(recorded):
     dump, st = recorded["dump"], recorded["status"]
     counts = np.asarray(dump["logical_count"])
@@ -151,6 +160,7 @@ def plan(recorded):
     return d / "placement.json"
 
 
+@pytest.mark.timeout(420)
 def test_the_dump_plans_and_simulates_as_it_is(recorded, plan, tmp_path):
     p = json.loads(plan.read_text())
     assert p["moe_layers"] == [0, MOE_LAYERS] and p["dense_layers_skipped"] == 0
@@ -165,6 +175,7 @@ def test_the_dump_plans_and_simulates_as_it_is(recorded, plan, tmp_path):
     assert "steps=20" in r.stdout
 
 
+@pytest.mark.timeout(420)
 @pytest.mark.parametrize("eplb", ["--noenable_eplb", "--enable_eplb"])
 def test_a_server_started_from_the_plan(eplb, servers, recorded, plan, ckpt):
     s = servers.start("--model", str(ckpt), eplb, f"--eplb_init_placement={plan}",
