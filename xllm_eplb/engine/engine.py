@@ -24,7 +24,7 @@ from pathlib import Path
 
 from xllm_eplb import __version__
 from xllm_eplb.child import child_exit, child_setup, parent_alive, send_event
-from xllm_eplb.config import Config, resolve_backend
+from xllm_eplb.config import Config, node_of_rank, ranks_per_node, resolve_backend
 from xllm_eplb.engine.health import StepWatch
 from xllm_eplb.engine.scheduler import Request, Scheduler, is_pure_decode_step
 from xllm_eplb.engine.telemetry import Telemetry
@@ -86,7 +86,11 @@ class Engine:
             version=__version__, backend=resolve_backend(rt.device, rt.backend),
             policy=cfg.eplb.eplb_policy_kind)
         self.metrics.enabled.set(1 if manager is not None else 0)
-        self.tele = Telemetry(self.metrics, cfg.num_moe_layers, self.D)
+        self.tele = Telemetry(self.metrics, cfg.num_moe_layers, self.D,
+                              ranks_per_node=ranks_per_node(cfg))
+        self.rank_node = [node_of_rank(cfg, r) for r in range(self.D)]   # multi-node (#14)
+        for r, n in enumerate(self.rank_node):
+            self.metrics.rank_node.labels(str(r)).set(n)
         self.watch = StepWatch(self.D, cfg.serve.stall_seconds)
         self.step_no = 0
         self.state = "starting"
@@ -256,6 +260,7 @@ class Engine:
         # the policy runner's thread CPU (drain, decode, policy), measured by the manager itself
         out["critical_path"]["manager_thread_cpu_s"] = float(out["policy_cpu_seconds"])
         out["requests"] = self.sched.load()
+        out["nnodes"], out["rank_node"] = self.cfg.runtime.nnodes, list(self.rank_node)
         return out
 
 
