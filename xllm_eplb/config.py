@@ -68,8 +68,8 @@ class EplbConfig:
     eplb_migration_budget_slots: int = opt(
         0, "incremental policy: max cross-rank slot copies per round over all layers (0 = auto)",
         lo=0)
-    eplb_num_nodes: int = opt(1, "node_aware policy: nodes in the EP domain (divides ep_size)",
-                              lo=1)
+    eplb_num_nodes: int = opt(1, "node_aware policy: nodes in the EP domain (divides ep_size; "
+                              "with --nnodes > 1 the default 1 becomes nnodes)", lo=1)
     eplb_use_estimator: bool = opt(
         False, "feed the policy the EasyBalance estimate (window/decay/trend) instead of the raw "
         "load window; the publication gate always uses the raw window")
