@@ -13,7 +13,8 @@ ForwardInput (4 ranks x ``--rows`` decode rows) and gets the 4 outputs. Per step
                -> echo -> shm -> relay -> gloo -> hub -> shm)
 
 Without ``--quick`` it also starts a real two-node ``serve`` (generated checkpoint, loopback),
-drives greedy decode requests and reads the engine's decode step time from ``/metrics``, to
+drives three greedy 32-token requests one after another (after one warm request) and reads the
+engine's mean step time over them from ``/metrics`` (one prefill + 31 decode steps each), to
 give the share of a real EP4 (2 + 2) step the remote control path costs.
 
     python scripts/bench_multinode.py [--quick] [--json PATH] [--steps N] [--rows R]
@@ -142,6 +143,7 @@ def control_path(steps: int, rows: int) -> dict:
 def decode_step_ms(tokens: int) -> float:
     """Mean decode step (ms) of a real two-node EP4 serve on loopback (from /metrics)."""
     import re
+    import shutil
     import signal
     import subprocess
     import sys
@@ -172,13 +174,21 @@ def decode_step_ms(tokens: int) -> float:
             time.sleep(0.5)
         body = json.dumps({"prompt": [5, 17, 300, 42], "max_tokens": tokens, "temperature": 0,
                            "ignore_eos": True}).encode()
-        for _ in range(2):
+        def steps() -> tuple[float, float]:
+            text = urllib.request.urlopen(url + "/metrics", timeout=30).read().decode()
+            return tuple(float(re.search(rf"^xllm_eplb_step_duration_seconds_{k} (\S+)", text,
+                                         re.M)[1]) for k in ("sum", "count"))
+
+        def request() -> None:
             urllib.request.urlopen(urllib.request.Request(url + "/v1/completions", body),
                                    timeout=120).read()
-        text = urllib.request.urlopen(url + "/metrics", timeout=30).read().decode()
-        s = float(re.search(r'^xllm_eplb_step_duration_seconds_sum (\S+)', text, re.M)[1])
-        c = float(re.search(r'^xllm_eplb_step_duration_seconds_count (\S+)', text, re.M)[1])
-        return s / c * 1e3
+
+        request()                       # warm; the warm-up forwards stay out of the diff
+        s0, c0 = steps()
+        for _ in range(3):
+            request()
+        s1, c1 = steps()
+        return (s1 - s0) / (c1 - c0) * 1e3
     finally:
         os.kill(procs[0].pid, signal.SIGTERM)
         for p in procs:
@@ -187,6 +197,7 @@ def decode_step_ms(tokens: int) -> float:
             except subprocess.TimeoutExpired:
                 os.killpg(p.pid, signal.SIGKILL)
                 p.wait(10)
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def main() -> None:

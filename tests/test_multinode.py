@@ -158,6 +158,23 @@ def test_kill9_of_node1_launcher_stops_every_node(ckpt, cluster):
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
+def test_kill9_of_node0_launcher_stops_node1(ckpt, cluster):
+    c = cluster("--model", str(ckpt), "--workload=synthetic", "--workload_rate=4")
+    c.wait_ready(300)
+    t0 = time.monotonic()
+    os.kill(c.nodes[0].proc.pid, signal.SIGKILL)
+    codes = c.wait_exit(10)
+    assert time.monotonic() - t0 <= 10.5 and codes[1] not in (None, 0), codes
+    err = c.nodes[1].err.read_text()
+    assert re.search(r"^error: node 0: control link lost", err, re.M), err[-2000:]
+    deadline = time.monotonic() + 8      # node 0's engine sweeps node 0's shm on its way out
+    while c.leftovers() != ([], []) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert c.leftovers() == ([], [])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
 def test_worker_death_on_node1_is_named_on_every_node(ckpt, cluster):
     c = cluster("--model", str(ckpt), "--workload=synthetic", "--workload_rate=4")
     c.wait_ready(300)
