@@ -34,7 +34,7 @@ from xllm_eplb.eplb.info import NO_TOKEN, EplbInfo
 from xllm_eplb.eplb.manager_stats import ManagerStats
 from xllm_eplb.ipc.errors import IpcError, RingTimeoutError
 from xllm_eplb.ipc.messages import ForwardInput
-from xllm_eplb.ipc.objects import sweep_run
+from xllm_eplb.ipc.objects import list_objects, sweep_run
 from xllm_eplb.ipc.ring import InputRing, OutputRing
 from xllm_eplb.model.batch import RankBatch, SeqRow
 from xllm_eplb.obs.logs import FILE_ONLY, event, setup_logging
@@ -365,8 +365,10 @@ def _teardown(res: dict, parent_pid: int, run_id: str) -> None:
             ring.close()
     if not parent_alive(parent_pid):
         # NOTE: the launcher owns the shm; when it died (SIGKILL) the engine sweeps for it.
+        # NOTE: until nothing is left: workers killed with the launcher may still hold objects
         for _ in range(10):
-            if not sweep_run(run_id):
+            sweep_run(run_id)
+            if not list_objects(run_id):
                 break
             time.sleep(0.2)
 
