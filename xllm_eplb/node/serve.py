@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import logging
 import sys
 from pathlib import Path
@@ -19,7 +20,7 @@ from xllm_eplb.config import Config, node_ranks
 from xllm_eplb.ipc.shm import resolve_run_id, validate_run_id
 from xllm_eplb.launcher import _killed, free_port
 from xllm_eplb.node.launcher import NodeLauncher, node_run_id
-from xllm_eplb.node.rendezvous import host_run, join_run, open_store
+from xllm_eplb.node.rendezvous import host_run, join_run, open_store, report_failure
 from xllm_eplb.obs.logs import event, setup_logging
 from xllm_eplb.obs.progress import Progress, ready_line
 from xllm_eplb.preflight import StartupError, check_log_dir, check_serve
@@ -102,6 +103,11 @@ def _run(cfg: Config, store, origin: str, store_port: int) -> int:
     try:
         try:
             launcher.start()
+        except StartupError as e:
+            # NOTE: the other nodes only see a lost link: tell them the cause
+            report_failure(store, node, json.dumps({"message": f"node {node}: {e}",
+                                                    "primary": True}))
+            raise
         finally:
             progress.close()
         r = node_ranks(cfg)
