@@ -105,8 +105,8 @@ def _run(cfg: Config, store, origin: str, store_port: int) -> int:
             launcher.start()
         except StartupError as e:
             # NOTE: the other nodes only see a lost link: tell them the cause
-            report_failure(store, node, json.dumps({"message": f"node {node}: {e}",
-                                                    "primary": True}))
+            why = str(e) if str(e).startswith(f"node {node}: ") else f"node {node}: {e}"
+            report_failure(store, node, json.dumps({"message": why, "primary": True}))
             raise
         finally:
             progress.close()
