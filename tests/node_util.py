@@ -52,12 +52,18 @@ class Node:
                *args]
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self.out.open("w"),
                                      stderr=self.err.open("w"), start_new_session=True)
-        self.pids: set[int] = {self.proc.pid}
+        # NOTE: psutil.Process objects (pid + start time): pids wrap fast on a busy machine
+        self.procs: dict[int, psutil.Process] = {self.proc.pid: psutil.Process(self.proc.pid)}
         self.url = f"http://127.0.0.1:{http_port}"
+
+    @property
+    def pids(self) -> set[int]:
+        return set(self.procs)
 
     def note_children(self) -> None:
         try:
-            self.pids |= {c.pid for c in psutil.Process(self.proc.pid).children(recursive=True)}
+            for c in psutil.Process(self.proc.pid).children(recursive=True):
+                self.procs.setdefault(c.pid, c)
         except psutil.NoSuchProcess:
             pass
 
@@ -74,11 +80,12 @@ class Node:
                              f"{self.err.read_text()[-3000:]}")
 
     def alive(self) -> list[int]:
+        """Recorded processes still running (the same process: pid and start time)."""
         out = []
-        for p in self.pids:
+        for pid, p in self.procs.items():
             try:
-                if psutil.Process(p).status() != psutil.STATUS_ZOMBIE:
-                    out.append(p)
+                if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                    out.append(pid)
             except psutil.NoSuchProcess:
                 pass
         return out
@@ -119,10 +126,16 @@ class Cluster:
             time.sleep(0.1)
         return [n.proc.poll() for n in self.nodes]
 
-    def leftovers(self) -> tuple[list[int], list[str]]:
-        """(live processes of any node, /dev/shm objects of this run)."""
-        pids = [p for n in self.nodes for p in n.alive()]
-        return pids, [s for s in shm_names() if f"_{self.run_id}-n" in s]
+    def leftovers(self, grace: float = 5.0) -> tuple[list[int], list[str]]:
+        """(live processes of any node, /dev/shm objects of this run), after waiting up to
+        ``grace`` s for them to go (a process exiting needs a moment on a loaded machine)."""
+        deadline = time.monotonic() + grace
+        while True:
+            pids = [p for n in self.nodes for p in n.alive()]
+            shm = [s for s in shm_names() if f"_{self.run_id}-n" in s]
+            if (not pids and not shm) or time.monotonic() >= deadline:
+                return pids, shm
+            time.sleep(0.2)
 
     def kill(self) -> None:
         from xllm_eplb.ipc.objects import clean
