@@ -20,6 +20,7 @@ ROOT = Path(__file__).resolve().parents[1] / PKG
 LAYERS = [
     ("commands", "__main__"),
     ("cli",),
+    ("node",),
     ("launcher", "testing"),
     ("preflight",),
     ("engine", "worker"),

@@ -68,8 +68,8 @@ class EplbConfig:
     eplb_migration_budget_slots: int = opt(
         0, "incremental policy: max cross-rank slot copies per round over all layers (0 = auto)",
         lo=0)
-    eplb_num_nodes: int = opt(1, "node_aware policy: nodes in the EP domain (divides ep_size)",
-                              lo=1)
+    eplb_num_nodes: int = opt(1, "node_aware policy: nodes in the EP domain (divides ep_size; "
+                              "with --nnodes > 1 the default 1 becomes nnodes)", lo=1)
     eplb_use_estimator: bool = opt(
         False, "feed the policy the EasyBalance estimate (window/decay/trend) instead of the raw "
         "load window; the publication gate always uses the raw window")
@@ -148,6 +148,14 @@ class RuntimeConfig:
     shm_output_frame_bytes: int = opt(256 * 1024, "bytes per output-ring frame", unit="bytes",
                                       lo=1024)
     run_id: str = opt("", "shared-memory name prefix (default: derived from the port)")
+    # --- multi-node (#14) ---
+    nnodes: int = opt(1, "machines in the EP domain (torchrun style): every node runs `serve` "
+                      "with the same config and ep_size/nnodes workers; divides ep_size", lo=1)
+    node_rank: int = opt(0, "this machine's index in [0, nnodes); node 0 also runs the engine "
+                         "and hosts the rendezvous at --master_addr:--master_port", lo=0)
+    rendezvous_timeout_seconds: float = opt(
+        120.0, "multi-node start-up: every node must join the rendezvous within this",
+        unit="s", lo=0, lo_open=True)
 
 
 @dataclass(frozen=True)
@@ -427,7 +435,44 @@ def _cross_rules(cfg: Config) -> list[tuple[str, Any, str]]:
     if e.ep_size > 1 and e.ep_size % e.eplb_num_nodes:
         bad.append(("eplb_num_nodes", e.eplb_num_nodes,
                     f"must divide --ep_size={e.ep_size}"))
+    bad += topology_rules(e.ep_size, r.nnodes, r.node_rank, r.master_port)
     return bad
+
+
+def topology_rules(ep_size: int, nnodes: int, node_rank: int,
+                   master_port: int) -> list[tuple[str, Any, str]]:
+    """Multi-node rules as (flag, value, rule): ``nnodes`` divides ``ep_size`` (one block of
+    ``ep_size/nnodes`` EP ranks per node), ``node_rank`` < ``nnodes``, and with more than one
+    node an explicit ``master_port`` (every node must find the rendezvous)."""
+    bad: list[tuple[str, Any, str]] = []
+    if ep_size > 1 and ep_size % nnodes:
+        bad.append(("nnodes", nnodes, f"must divide --ep_size={ep_size} (ep_size/nnodes "
+                                      f"workers per node)"))
+    if node_rank >= nnodes:
+        bad.append(("node_rank", node_rank, f"must be < --nnodes={nnodes}"))
+    if nnodes > 1 and master_port == 0:
+        bad.append(("master_port", master_port, "must be set (the same on every node) when "
+                                                "--nnodes > 1"))
+    return bad
+
+
+def ranks_per_node(cfg: Config) -> int:
+    """EP ranks (= worker processes) on each node: ``ep_size / nnodes``."""
+    return cfg.eplb.ep_size // cfg.runtime.nnodes
+
+
+def node_ranks(cfg: Config, node: int | None = None) -> range:
+    """Global EP ranks of ``node`` (default: this node): ``node*k .. node*k + k - 1``.
+
+    NOTE: every node derives the same blocks from the same config (checked at rendezvous)."""
+    k = ranks_per_node(cfg)
+    n = cfg.runtime.node_rank if node is None else node
+    return range(n * k, n * k + k)
+
+
+def node_of_rank(cfg: Config, rank: int) -> int:
+    """The node that runs EP rank ``rank``."""
+    return rank // ranks_per_node(cfg)
 
 
 def validate(cfg: Config, *, require_ep_size: bool = True) -> Config:

@@ -63,7 +63,9 @@ Cross-field rules:
 - `routing_mode=trace` needs `routing_trace`;
 - `eplb_p2p_max_inflight_bytes >= eplb_p2p_chunk_bytes`;
 - `backend=nccl` needs `device=cuda`, `backend=hccl` needs `device=npu`;
-- with `workload=synthetic`: `workload_prompt_len + workload_output_len <= max_position_embeddings`.
+- with `workload=synthetic`: `workload_prompt_len + workload_output_len <= max_position_embeddings`;
+- `nnodes` divides `ep_size`, `node_rank < nnodes`, and `master_port` is set when `nnodes > 1`
+  (with `nnodes > 1`, `eplb_num_nodes` left at 1 becomes `nnodes`; docs/serving.md).
 """
 
 

@@ -51,7 +51,10 @@ class ServeHelp(click.Command):
 @config_command("serve", cls=ServeHelp, help="Run the engine and one worker per EP rank "
                 "(prints a ready line; stop with Ctrl-C or SIGTERM).")
 def serve(cfg) -> None:
-    from xllm_eplb.launcher import serve as run_serve
+    if cfg.runtime.nnodes > 1:
+        from xllm_eplb.node.serve import serve_nodes as run_serve
+    else:
+        from xllm_eplb.launcher import serve as run_serve
 
     code = run_serve(cfg, digest=digest(cfg))
     log.info(event("launcher exit", code=code))

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from xllm_eplb import __version__
 from xllm_eplb.child import child_exit, child_setup, parent_alive, send_event
-from xllm_eplb.config import Config, resolve_backend
+from xllm_eplb.config import Config, node_of_rank, ranks_per_node, resolve_backend
 from xllm_eplb.engine.health import StepWatch
 from xllm_eplb.engine.scheduler import Request, Scheduler, is_pure_decode_step
 from xllm_eplb.engine.telemetry import Telemetry
@@ -36,7 +36,7 @@ from xllm_eplb.eplb.placement_file import initial_placement
 from xllm_eplb.eplb.recorder import ExpertRecorder
 from xllm_eplb.ipc.errors import IpcError, RingTimeoutError
 from xllm_eplb.ipc.messages import ForwardInput
-from xllm_eplb.ipc.objects import sweep_run
+from xllm_eplb.ipc.objects import list_objects, sweep_run
 from xllm_eplb.ipc.ring import InputRing, OutputRing
 from xllm_eplb.model.batch import RankBatch, SeqRow
 from xllm_eplb.obs.logs import FILE_ONLY, event, setup_logging
@@ -88,7 +88,11 @@ class Engine:
             version=__version__, backend=resolve_backend(rt.device, rt.backend),
             policy=cfg.eplb.eplb_policy_kind)
         self.metrics.enabled.set(1 if manager is not None else 0)
-        self.tele = Telemetry(self.metrics, cfg.num_moe_layers, self.D)
+        self.tele = Telemetry(self.metrics, cfg.num_moe_layers, self.D,
+                              ranks_per_node=ranks_per_node(cfg))
+        self.rank_node = [node_of_rank(cfg, r) for r in range(self.D)]   # multi-node (#14)
+        for r, n in enumerate(self.rank_node):
+            self.metrics.rank_node.labels(str(r)).set(n)
         self.watch = StepWatch(self.D, cfg.serve.stall_seconds)
         self.placement = initial_placement(cfg)       # [L, D*S]: what the workers start from
         self.recorder = ExpertRecorder(cfg.num_moe_layers, self.D, cfg.slots_per_rank,
@@ -269,6 +273,7 @@ class Engine:
         # the policy runner's thread CPU (drain, decode, policy), measured by the manager itself
         out["critical_path"]["manager_thread_cpu_s"] = float(out["policy_cpu_seconds"])
         out["requests"] = self.sched.load()
+        out["nnodes"], out["rank_node"] = self.cfg.runtime.nnodes, list(self.rank_node)
         return out
 
 
@@ -376,8 +381,10 @@ def _teardown(res: dict, parent_pid: int, run_id: str) -> None:
             ring.close()
     if not parent_alive(parent_pid):
         # NOTE: the launcher owns the shm; when it died (SIGKILL) the engine sweeps for it.
+        # NOTE: until nothing is left: workers killed with the launcher may still hold objects
         for _ in range(10):
-            if not sweep_run(run_id):
+            sweep_run(run_id)
+            if not list_objects(run_id):
                 break
             time.sleep(0.2)
 

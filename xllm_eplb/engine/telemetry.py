@@ -62,8 +62,11 @@ def critical_path(outputs) -> tuple[float, float, int]:
 class Telemetry:
     """Step accounting for one engine."""
 
-    def __init__(self, metrics: EngineMetrics, num_layers: int, ep_size: int):
+    def __init__(self, metrics: EngineMetrics, num_layers: int, ep_size: int,
+                 ranks_per_node: int | None = None):
         self.m, self.L, self.D = metrics, num_layers, ep_size
+        #: EP ranks per node (multi-node runs; default: one node)
+        self.ranks_per_node = ranks_per_node or ep_size
         self.lock = threading.Lock()
         self.recent = RecentLoad(num_layers, ep_size)
         self.initial_balance: np.ndarray | None = None
@@ -137,6 +140,9 @@ class Telemetry:
             m.update_seconds.labels(phase).observe(ms / 1e3)
         m.transfer_seconds.observe(ex.last_transfer_ms / 1e3)
         m.inc_to(f"p2p{o.rank}", m.p2p_bytes.labels("sent"), float(ex.p2p_bytes_total))
+        node = str(o.rank // self.ranks_per_node)
+        m.inc_to(f"xnode{o.rank}", m.p2p_cross_node_bytes.labels(node),
+                 float(ex.p2p_cross_node_bytes_total))
 
     def on_requests(self, finished) -> None:
         m = self.m

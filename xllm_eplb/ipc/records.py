@@ -108,6 +108,8 @@ class ExecutorStats(Record):
     heartbeat_ts: float = 0.0
     p2p_heartbeat_ts: float = 0.0
     queued: int = 0                         # prepares waiting (queued or deferred)
+    # --- multi-node (#14) ---
+    p2p_cross_node_bytes_total: int = 0     # received from ranks on other nodes, cumulative
 
 
 @dataclass

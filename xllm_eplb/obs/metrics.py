@@ -100,6 +100,10 @@ class EngineMetrics:
                                        "prepare of one layer", _FAST)
         self.p2p_bytes = self._c("p2p_bytes", "expert-weight bytes moved by P2P",
                                  ("direction",))
+        # --- multi-node (#14) ---
+        self.p2p_cross_node_bytes = self._c(
+            "p2p_cross_node_bytes", "expert-weight bytes a node received from ranks on other "
+            "nodes (single node: 0)", ("node",))
 
     def _define_serving(self):
         self.steps = self._c("steps", "forward steps by kind", ("kind",))
@@ -114,6 +118,8 @@ class EngineMetrics:
 
     def _define_health(self):
         self.worker_up = self._g("worker_up", "1 while the rank answers forward steps",
+                                 ("rank",))
+        self.rank_node = self._g("rank_node", "the node (machine) that runs each EP rank",
                                  ("rank",))
         self.heartbeat_age = self._g(
             "heartbeat_age_seconds", "seconds since the component last reported progress "

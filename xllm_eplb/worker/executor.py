@@ -123,6 +123,7 @@ class EplbExecutor:
         s.last_slots_changed = st.changed_slots
         s.slots_changed_total += st.changed_slots
         s.p2p_bytes_total += st.p2p_bytes
+        s.p2p_cross_node_bytes_total += st.cross_node_bytes
         s.p2p_ops_total += st.p2p_operations
 
     def consume_ready_token(self) -> int:

@@ -65,6 +65,8 @@ class MoveStats:
     transfer_ms: float              # waiting for the P2P transfer to finish
     activation_ms: float
     total_ms: float
+    # --- multi-node (#14) ---
+    cross_node_bytes: int = 0       # received from ranks on other nodes (0 on one node)
 
 
 @dataclass
@@ -107,6 +109,8 @@ class ModelEplbHooks:
         self.num_logical = int(first.num_logical)
         self.group = eplb_group
         self.canary = bool(cfg.eplb.eplb_canary if canary is None else canary)
+        #: EP ranks per node: a transfer whose source is on another node crosses nodes
+        self.ranks_per_node = self.ep_size // max(1, int(cfg.runtime.nnodes))
         mode = getattr(model, "dispatch_mode", None)   # activations run at decode boundaries
         self.dispatch_mode = str(mode(True)) if callable(mode) else "plain"
         self._names = {i: sorted(layer.expert_tensors()) for i, layer in enumerate(self.layers)}
@@ -275,9 +279,18 @@ class ModelEplbHooks:
                           materialize_ms=pending.materialize_ms, post_ms=pending.post_ms,
                           transfer_ms=wait_s * 1e3, activation_ms=activation_ms,
                           total_ms=pending.materialize_ms + pending.post_ms + wait_s * 1e3
-                          + activation_ms)
+                          + activation_ms, cross_node_bytes=self._cross_node_bytes(plan, tensors,
+                                                                                   layer))
         log.info(event("update_expert_weight", **dataclasses.asdict(stats)))
         return stats
+
+    def _cross_node_bytes(self, plan, tensors: dict, layer: int) -> int:
+        """Bytes this rank received from ranks on other nodes in ``plan`` (one slot of every
+        expert tensor per received transfer)."""
+        slot_bytes = sum(tensors[n][0].numel() * tensors[n][0].element_size()
+                         for n in self._names[layer])
+        k = self.ranks_per_node
+        return slot_bytes * sum(1 for t in plan.recv if t.src_rank // k != self.rank // k)
 
     def _switch_tables(self, moe, pending: PendingLayer) -> None:
         """Routing map, local ids and host mirror, all in place."""

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from xllm_eplb.child import child_exit, child_setup, parent_alive, send_event
-from xllm_eplb.config import Config
+from xllm_eplb.config import Config, node_ranks
 from xllm_eplb.eplb.info import NO_LAYER, NO_TOKEN
 from xllm_eplb.ipc.errors import RingTimeoutError
 from xllm_eplb.ipc.messages import ForwardOutput
@@ -84,7 +84,10 @@ class Worker:
     def start(self) -> None:
         torch.set_num_threads(1)
         rid, who = self.cfg.runtime.run_id, f"ep{self.rank}"
-        self.inp = InputRing.attach(rid, reader_index=self.rank, timeout=ATTACH_TIMEOUT)
+        # NOTE: a node's input ring has one reader per rank from the node's first rank on
+        # (node 0: every rank, the bridges read the remote ones); single node: index = rank
+        first = node_ranks(self.cfg).start
+        self.inp = InputRing.attach(rid, reader_index=self.rank - first, timeout=ATTACH_TIMEOUT)
         self.out = OutputRing.attach(rid, self.rank, timeout=ATTACH_TIMEOUT)
         ep_group, eplb_group = self._init_dist()
         send_event(self.events, who, "dist_init")

@@ -1,0 +1,203 @@
+"""One node's launcher in a multi-node run: its shm, its children, its supervision.
+
+Node 0::
+
+    launcher ── engine                      HTTP API, scheduler, EPLB manager (all D ranks)
+             ├─ ep<r>, r in node_ranks(0)   its workers
+             └─ bridge<n>, n = 1..N-1       one hub per remote node (node/bridge.py)
+
+Node n > 0::
+
+    launcher ── ep<r>, r in node_ranks(n)   its workers
+             └─ bridge0                     the relay that fills the node's input ring
+
+Each node creates and sweeps only its own shm objects: run id ``<run>-n<node>`` (node 0 keeps
+the D-reader input ring and every rank's output ring of a single-node run; node n has a
+k-reader input ring and its k output rings). A failure is reported in the rendezvous store
+(``fail/<node>``) so every node's error line names the node and rank that failed; a child of
+node n that exits 0 means node 0 stopped the run (the shutdown message reached it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import multiprocessing.connection as mpc
+import os
+import sys
+import time
+
+from xllm_eplb.config import Config, node_ranks
+from xllm_eplb.engine.engine import engine_main
+from xllm_eplb.ipc.errors import SegmentBusyError
+from xllm_eplb.ipc.ring import InputRing, OutputRing
+from xllm_eplb.launcher import Launcher, RunShm, describe_exit
+from xllm_eplb.node.bridge import bridge_main
+from xllm_eplb.node.rendezvous import failure_reports, report_failure
+from xllm_eplb.obs.logs import event
+from xllm_eplb.preflight import StartupError
+from xllm_eplb.worker.worker import worker_main
+
+log = logging.getLogger(__name__)
+
+#: how long a node waits for the other nodes' failure reports before naming a cause
+BLAME_SECONDS = 1.5
+
+
+def node_run_id(run_id: str, node: int) -> str:
+    """Shm run id of one node: ``<run>-n<node>`` (no node sees another node's names)."""
+    return f"{run_id}-n{node}"
+
+
+class NodeShm(RunShm):
+    """Node n > 0: an input ring with one reader per local rank and the local output rings."""
+
+    @classmethod
+    def create(cls, cfg: Config) -> "NodeShm":
+        rt, ranks = cfg.runtime, node_ranks(cfg)
+        rings: list = []
+        try:
+            rings.append(InputRing.create(rt.run_id, len(ranks), rt.shm_ring_slots,
+                                          rt.shm_input_frame_bytes, producer=False))
+            for r in ranks:
+                rings.append(OutputRing.create(rt.run_id, r, rt.shm_ring_slots,
+                                               rt.shm_output_frame_bytes, reader=False,
+                                               checksum=True))
+        except BaseException as e:
+            cls(rings).close()
+            if isinstance(e, SegmentBusyError):
+                raise StartupError(f"--run_id={rt.run_id}: {e}") from None
+            raise
+        return cls(rings)
+
+
+def primary(code: int | None) -> bool:
+    """A death that is a cause, not a consequence: killed by a signal, or an exit code other
+    than the generic failure 1 (a worker whose peer died fails its collective with 1)."""
+    return code is not None and code not in (0, 1)
+
+
+class NodeLauncher(Launcher):
+    """:class:`~xllm_eplb.launcher.Launcher` for one node of a multi-node run."""
+
+    def __init__(self, cfg: Config, store, origin_run_id: str, store_port: int, *,
+                 progress=None):
+        super().__init__(cfg, progress=progress)
+        self.store, self.origin, self.store_port = store, origin_run_id, store_port
+        self.node, self.nnodes = cfg.runtime.node_rank, cfg.runtime.nnodes
+        self.stopped_by_node0 = False
+
+    # --- start -----------------------------------------------------------------------------
+    def start(self) -> None:
+        cfg, me = self.cfg, os.getpid()
+        if self.node == 0:
+            self.shm = RunShm.create(cfg)
+            self._spawn("engine", engine_main, cfg, self.events, me)
+            self._wait_stage("engine", "http_bound")
+        else:
+            self.shm = NodeShm.create(cfg)
+        for r in node_ranks(cfg):
+            self._spawn(f"ep{r}", worker_main, cfg, r, self.events, me)
+        peers = range(1, self.nnodes) if self.node == 0 else [0]
+        for p in peers:
+            self._spawn(f"bridge{p}", bridge_main, cfg, p, self.origin, self.store_port,
+                        self.events, me)
+        if self.node == 0:
+            self._wait_stage("engine", "ready")
+            return
+        self._wait_all({(f"ep{r}", "ready") for r in node_ranks(cfg)} | {("bridge0", "linked")})
+
+    def _wait_all(self, want: set) -> None:
+        """Pump events until every ``(who, stage)`` of ``want`` arrived (any order)."""
+        want = set(want)
+        while want:
+            ev = self._next_event(0.2)
+            if ev:
+                want.discard((ev[0], ev[1]))
+                if ev[1] == "error":
+                    raise StartupError(f"{ev[0]} failed during start-up: {ev[2]}")
+            dead = self.dead_child()
+            if dead:
+                raise StartupError(self.death_message(dead, during="start-up"))
+            if self.stop_signal:
+                raise KeyboardInterrupt
+
+    # --- failures --------------------------------------------------------------------------
+    def death_message(self, who: str, during: str = "serving") -> str:
+        return self.blame(who, during)
+
+    def _local_line(self, who: str, during: str) -> str:
+        return f"node {self.node}: " + Launcher.death_message(self, who, during)
+
+    def blame(self, who: str, during: str = "serving") -> str:
+        """The one error line of this node: its own primary failure, else another node's
+        reported one, else a lost link (naming the peer node), else the local death."""
+        p = self.procs[who]
+        p.join(1.0)
+        mine = self._local_line(who, during)
+        is_bridge = who.startswith("bridge")
+        if not is_bridge:
+            report_failure(self.store, self.node,
+                           json.dumps({"message": mine, "primary": primary(p.exitcode)}))
+            if primary(p.exitcode):
+                return mine
+        deadline = time.monotonic() + BLAME_SECONDS
+        reports: dict = {}
+        while True:
+            got = failure_reports(self.store, self.nnodes, self.node)
+            if got is None:
+                break          # node 0's store is gone: nothing more to learn
+            reports = {n: json.loads(m) for n, m in got.items()}
+            first = next((r["message"] for n, r in sorted(reports.items()) if r["primary"]),
+                         None)
+            if first:
+                return first
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(0.1)
+        self._drain_events()
+        lost = [w for w, q in self.procs.items() if w.startswith("bridge")
+                and q.exitcode is not None and q.exitcode != 0]
+        if lost:
+            w = lost[0]
+            why = self.errors.get(w, f"bridge {describe_exit(self.procs[w].exitcode)}")
+            return f"{why}; node {self.node} stops"
+        if reports:
+            return next(iter(r["message"] for _, r in sorted(reports.items())))
+        return mine
+
+    # --- supervise -------------------------------------------------------------------------
+    def supervise(self) -> int:
+        """Block until a signal (-> 0), node 0's stop reaching this node (-> 0) or a failure
+        anywhere (-> 1, one line naming the node and rank)."""
+        sentinels = {p.sentinel: who for who, p in self.procs.items()}
+        while not self.stop_signal:
+            ready = mpc.wait(list(sentinels), timeout=0.5)
+            self._drain_events()
+            if ready and not self._stopping_together():
+                who = self._first_failed(sentinels[ready[0]])
+                p = self.procs[who]
+                p.join(2.0)
+                if self.node and p.exitcode == 0:
+                    self.stopped_by_node0 = True
+                    log.info(event("launcher stop", reason="node 0 stopped the run", proc=who))
+                    return 0
+                log.error(event("launcher child died", proc=who, pid=p.pid, node=self.node,
+                                cause=describe_exit(p.exitcode)))
+                print(f"error: {self.blame(who)}", file=sys.stderr, flush=True)
+                return 1
+        log.info(event("launcher stop", signal=self.stop_signal, node=self.node))
+        return 0
+
+    def stop(self, graceful: bool) -> list[str]:
+        # NOTE: node n has no engine to send the shutdown message; unless node 0's shutdown
+        # is already draining through it, its children are stopped with SIGTERM at once.
+        if self.node:
+            graceful = self.stopped_by_node0
+            if not graceful:
+                for p in self.procs.values():
+                    if p.exitcode is None:
+                        with contextlib.suppress(ProcessLookupError, TypeError):
+                            p.terminate()
+        return super().stop(graceful)
