@@ -50,3 +50,13 @@ def test_text_completion_with_the_bpe_tokenizer(served):
     assert r.choices[0].model_extra["prompt_token_ids"] == tok.encode("The capital of France is")
     with pytest.raises(openai.BadRequestError, match="messages"):
         c.chat.completions.create(model="tiny", messages=[])
+
+
+def test_a_role_the_template_refuses_is_a_400_on_messages_not_no_template(served):
+    _, c = served
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(model="tiny", messages=[{"role": "wizard", "content": "x"}])
+    body = e.value.body
+    assert body["code"] == "invalid_messages" and body["param"] == "messages", body
+    assert "unknown role wizard" in body["message"] and "need a chat template" not in \
+        body["message"], body
