@@ -279,16 +279,19 @@ def _stops(v: Any) -> list[str]:
 
 
 def _max_tokens(requested: int | None, prompts: list[list[int]], lim: ApiLimits,
-                default: int | None) -> int:
+                default: int | None, names: tuple[str, str] = ("prompt", "max_tokens")) -> int:
+    """The output budget; ``names``: the request's prompt and max-tokens fields (for errors)."""
     longest = max(len(p) for p in prompts)
+    prompt, field = names
     if longest > lim.max_prompt_tokens:
-        raise ApiError(400, f"prompt has {longest} tokens: must be <= --max_prefill_tokens="
-                       f"{lim.max_prompt_tokens}", "prompt", "context_length_exceeded")
+        raise ApiError(400, f"'{prompt}': the prompt has {longest} tokens: must be <= "
+                       f"--max_prefill_tokens={lim.max_prompt_tokens}", prompt,
+                       "context_length_exceeded")
     room = lim.max_position_embeddings - longest
     mt = (room if default is None else min(default, room)) if requested is None else requested
     if longest + mt > lim.max_position_embeddings:
-        raise ApiError(400, f"prompt ({longest} tokens) + max_tokens ({mt}) must be <= "
-                       f"--max_position_embeddings={lim.max_position_embeddings}", "max_tokens",
+        raise ApiError(400, f"prompt ({longest} tokens) + {field} ({mt}) must be <= "
+                       f"--max_position_embeddings={lim.max_position_embeddings}", field,
                        "context_length_exceeded")
     return mt
 
@@ -346,7 +349,9 @@ def parse_chat(body: Any, served: ServedModel) -> Plan:
                        "max_completion_tokens")
     prompt = chat_prompt(req, served.tokenizer)
     requested = req.max_completion_tokens if req.max_tokens is None else req.max_tokens
-    mt = _max_tokens(requested, [prompt], served.limits, None)
+    names = ("messages", "max_tokens" if req.max_completion_tokens is None
+             else "max_completion_tokens")
+    mt = _max_tokens(requested, [prompt], served.limits, None, names)
     return _common(req, "chat", [prompt], mt, served)
 
 
