@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import socket
 import time
 
 import openai
@@ -272,6 +273,33 @@ def test_malformed_json_unknown_routes_and_methods(server):
     assert st == 200 and {"/v1/completions", "/v1/chat/completions", "/v1/models"} <= set(
         doc["paths"])
     assert "messages" in json.dumps(doc["paths"]["/v1/chat/completions"])
+
+
+def test_lone_surrogates_and_unparsable_http_are_json_400s(server):
+    api, _ = server
+    # regression: "\ud800" is legal JSON but no tokenizer can encode it (was a 500)
+    for path, body, param in [
+            ("/v1/completions", {"prompt": "a\ud800", "max_tokens": 1}, "prompt"),
+            ("/v1/completions", {"prompt": "a", "stop": ["\udfff"]}, "stop.0"),
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
+                {"type": "text", "text": "\ud83d"}]}]}, "messages.0.content.0.text")]:
+        st, err, _ = _call(api.port, "POST", path, raw=json.dumps(body).encode())
+        assert st == 400 and err["error"]["param"] == param, err
+        assert "surrogate" in err["error"]["message"]
+    # regression: a request h11 cannot parse got uvicorn's text/plain 400
+    for head in (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n{}",
+                 b"GARBAGE\r\n\r\n"):
+        with socket.create_connection(("127.0.0.1", api.port), timeout=10) as sock:
+            sock.sendall(head)
+            reply = b""
+            while chunk := sock.recv(65536):
+                reply += chunk
+        status, _, rest = reply.partition(b"\r\n")
+        headers, _, payload = rest.partition(b"\r\n\r\n")
+        assert status.startswith(b"HTTP/1.1 400") and b"application/json" in headers, reply
+        err = json.loads(payload)["error"]
+        assert err["type"] == "invalid_request_error" and "malformed HTTP" in err["message"]
+    assert _call(api.port, "GET", "/health")[0] == 200
 
 
 def _open_stream(port: int, body: dict) -> http.client.HTTPConnection:

@@ -50,3 +50,29 @@ def test_text_completion_with_the_bpe_tokenizer(served):
     assert r.choices[0].model_extra["prompt_token_ids"] == tok.encode("The capital of France is")
     with pytest.raises(openai.BadRequestError, match="messages"):
         c.chat.completions.create(model="tiny", messages=[])
+
+
+def test_a_role_the_template_refuses_is_a_400_on_messages_not_no_template(served):
+    _, c = served
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(model="tiny", messages=[{"role": "wizard", "content": "x"}])
+    body = e.value.body
+    assert body["code"] == "invalid_messages" and body["param"] == "messages", body
+    assert "unknown role wizard" in body["message"] and "need a chat template" not in \
+        body["message"], body
+
+
+def test_chat_context_errors_name_the_fields_the_request_used(served):
+    _, c = served
+    msgs = [{"role": "user", "content": "x"}]
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(model="tiny", messages=msgs, max_completion_tokens=600)
+    assert e.value.body["param"] == "max_completion_tokens", e.value.body
+    assert "max_completion_tokens (600)" in e.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(model="tiny", messages=msgs, max_tokens=600)
+    assert e.value.body["param"] == "max_tokens"
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x" * 900}])
+    assert e.value.body["param"] == "messages" and e.value.body["code"] == \
+        "context_length_exceeded", e.value.body

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 
 import pytest
@@ -22,6 +23,12 @@ def test_validate_passes_on_a_good_config(tmp_path):
     r = _validate("--log_dir", str(tmp_path / "new" / "logs"))
     assert r.exit_code == 0 and "configuration is valid" in r.output, r.output
     assert not (tmp_path / "new").exists()          # validate creates nothing
+    ro = tmp_path / "ro"
+    ro.mkdir(mode=0o555)
+    r = _validate("--log_dir", str(ro / "logs"))
+    if os.geteuid() != 0:                            # root writes into a 0555 folder
+        assert r.exit_code == 2 and "--log_dir=" in r.output, r.output
+    assert not (ro / "logs").exists()
 
 
 @pytest.mark.parametrize("flags,msg", [
@@ -30,7 +37,12 @@ def test_validate_passes_on_a_good_config(tmp_path):
     (["--log_dir", "/etc/hostname/logs"], "--log_dir=/etc/hostname/logs: cannot create or "
                                           "write the log folder (/etc/hostname is not a folder)"),
     (["--weights", "/no/such/weights.pt"], "/no/such/weights.pt"),
-    (["--device", "cuda"], "device=cuda"),
+    (["--device", "cuda"], "--device=cuda"),
+    # regression: root passes every permission-bit check, /proc takes no new folder
+    (["--log_dir", "/proc/xllm-eplb-nope/logs"], "--log_dir=/proc/xllm-eplb-nope/logs: cannot "
+                                                 "create or write the log folder"),
+    # regression: validate skipped the --model checks serve runs first
+    (["--model", "/no/such/ckpt"], "--model=/no/such/ckpt: not a folder"),
 ])
 def test_validate_blames_the_right_flag(flags, msg):
     r = _validate(*flags)

@@ -109,3 +109,20 @@ def test_byte_tokenizer_round_trip():
     ids = encode("héllo")
     assert ids[0] == 256 and decode(ids) == "héllo"
     assert decode([104, 300, EOS_ID, 105]) == "hi"
+
+
+def test_cancel_retires_waiting_and_running_requests_with_the_reason():
+    s = Scheduler(dp_size=1, max_batch_size=1, max_prefill_tokens=64)
+    running, waiting = s.submit(_req(max_tokens=9)), s.submit(_req(max_tokens=9))
+    s.pull()
+    _sample_all(s, s.schedule())
+    assert running.req_id in s.running and list(s.waiting) == [waiting]
+    s.cancel(running.req_id, "timeout")
+    s.cancel(waiting.req_id)
+    s.cancel(running.req_id, "client disconnected")    # the first reason given wins
+    s.pull()
+    assert s.reap_cancelled() == [waiting, running] and not s.running and not s.waiting
+    assert (running.finish_reason, running.error) == ("cancelled", "timeout")
+    assert (waiting.finish_reason, waiting.error) == ("cancelled", "client gone")
+    assert s.has_work                                  # one step sends the KV release
+    assert s.schedule()[0].release == [running.req_id] and not s.has_work

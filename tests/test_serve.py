@@ -161,6 +161,9 @@ def test_killed_worker_stops_the_run_naming_the_rank(start_server):
     assert [ln for ln in err.splitlines() if ln.startswith("error:")] == [
         next(ln for ln in err.splitlines() if "died during serving" in ln)], err[-3000:]
     assert "Traceback" not in err and "worker step failed" not in err, err[-3000:]
+    # the death is said once on the console (the launcher's own log line is file-only)
+    assert sum("SIGKILL" in ln for ln in err.splitlines()) == 1, err[-3000:]
+    assert "launcher child died" in (s.log_dir / "launcher.log").read_text()
     time.sleep(0.3)
     assert s.alive() == [] and shm_objects(s.run_id) == []
 

@@ -3,6 +3,7 @@ invariants."""
 
 import json
 import logging
+import os
 from pathlib import Path
 
 import numpy as np
@@ -54,6 +55,11 @@ def test_simulate_generate_writes_summary_and_plots(tmp_path):
     assert sum(x["slots_moved"] for x in s["steps"]) == s["slots_moved"]
     for png in ("balancedness.png", "load_heatmap.png", "rank_load.png"):
         assert (out / png).stat().st_size > 1000
+    # ordinary file modes, as any file this process creates (mkstemp alone would leave 0600)
+    mask = os.umask(0)
+    os.umask(mask)
+    for f in [*out.iterdir(), tmp_path / "t.npz"]:
+        assert f.stat().st_mode & 0o777 == 0o666 & ~mask, (f, oct(f.stat().st_mode))
     log = (out / "simulate.log").read_text()
     assert "EPLB manager start" in log and "EPLB rebalance" in log
     assert "static=" in r.output and "slots_moved=" in r.output and "rounds=" in r.output

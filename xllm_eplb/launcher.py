@@ -35,7 +35,7 @@ from xllm_eplb.ipc.errors import SegmentBusyError
 from xllm_eplb.ipc.objects import sweep_run
 from xllm_eplb.ipc.ring import InputRing, OutputRing
 from xllm_eplb.ipc.shm import resolve_run_id
-from xllm_eplb.obs.logs import event, setup_logging
+from xllm_eplb.obs.logs import FILE_ONLY, event, setup_logging
 from xllm_eplb.obs.progress import Progress, ready_line
 from xllm_eplb.preflight import StartupError, check_port, check_serve
 from xllm_eplb.worker.worker import worker_main
@@ -190,8 +190,9 @@ class Launcher:
             if ready and not self._stopping_together():
                 who = self._first_failed(sentinels[ready[0]])
                 self.procs[who].join(2.0)  # reap it: the exit cause names the signal
+                # NOTE: the console gets one summary line (the `error:` below), the file both
                 log.error(event("launcher child died", proc=who, pid=self.procs[who].pid,
-                                cause=describe_exit(self.procs[who].exitcode)))
+                                cause=describe_exit(self.procs[who].exitcode)), extra=FILE_ONLY)
                 print(f"error: {self.death_message(who)}", file=sys.stderr, flush=True)
                 return 1
         log.info(event("launcher stop", signal=signal.Signals(self.stop_signal).name))

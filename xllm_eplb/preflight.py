@@ -7,9 +7,11 @@ Each failure is one :class:`StartupError` naming the flag that is wrong.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import socket
+import tempfile
 from pathlib import Path
 
 from xllm_eplb.config import Config
@@ -48,17 +50,14 @@ def check_port(host: str, port: int) -> int:
 
 
 def check_log_dir(log_dir: str) -> None:
-    """``log_dir`` is a writable folder, or can be created (its nearest existing parent is a
-    writable folder); StartupError naming ``--log_dir``. Creates nothing."""
+    """``log_dir`` is a writable folder, or can be created; StartupError naming ``--log_dir``.
+    Tried for real (permission bits say nothing for root, nor for /proc or a read-only mount):
+    the missing folders and a probe file are created, then removed again."""
     p = Path(log_dir).absolute()
     probe = p
     while not probe.exists() and probe != probe.parent:
         probe = probe.parent
-    why = ""
-    if not probe.is_dir():
-        why = f"{probe} is not a folder"
-    elif not os.access(probe, os.W_OK | os.X_OK):
-        why = f"{probe} is not writable"
+    why = f"{probe} is not a folder" if not probe.is_dir() else _try_write(p, probe)
     if why:
         raise StartupError(f"--log_dir={log_dir}: cannot create or write the log folder "
                            f"({why})")
@@ -74,6 +73,24 @@ def check_init_placement(cfg: Config) -> None:
     from xllm_eplb.model.resolve import resolve_config
 
     initial_placement(resolve_config(cfg))
+
+
+def _try_write(folder: Path, existing: Path) -> str:
+    """Create ``folder`` (below its ``existing`` ancestor) and a file in it, then remove what
+    was created; returns why that failed, or ''."""
+    made = [d for d in [folder, *folder.parents] if d != existing and existing in d.parents]
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        fd, name = tempfile.mkstemp(dir=folder, prefix=".xllm-eplb-probe-")
+        os.close(fd)
+        os.unlink(name)
+    except OSError as e:
+        return f"{e.filename or folder}: {e.strerror or e}"
+    finally:
+        for d in made:                  # innermost first
+            with contextlib.suppress(OSError):
+                d.rmdir()
+    return ""
 
 
 def check_serve(cfg: Config) -> int:

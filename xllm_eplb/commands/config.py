@@ -120,9 +120,10 @@ def show(cfg: Config, sources: dict[str, str]) -> None:
 def validate_cmd(cfg: Config) -> None:
     """Run every check serve runs before it starts (flags, device, model and weight files,
     host, port, log folder); exit 0 with 'configuration is valid' or 2 naming the flag."""
+    from xllm_eplb.model.resolve import resolve_config
     from xllm_eplb.preflight import check_serve
 
-    check_serve(cfg)
+    check_serve(resolve_config(cfg))   # as serve: --model's architecture first, then the checks
     click.echo(f"configuration is valid (ep_size={cfg.eplb.ep_size}, "
                f"policy={cfg.eplb.eplb_policy_kind})")
 

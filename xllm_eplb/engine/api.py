@@ -43,6 +43,7 @@ from xllm_eplb.engine.protocol import (
 )
 from xllm_eplb.engine.scheduler import Request
 from xllm_eplb.engine.streaming import EventStream, TokenBridge, sse, until_disconnect
+from xllm_eplb.obs.logs import event
 
 __all__ = ["ApiBackend", "ApiError", "ApiLimits", "ApiServer", "ServedModel", "create_app"]
 
@@ -62,7 +63,8 @@ class ApiBackend:
     """
 
     submit: Callable[[Request], Request]
-    cancel: Callable[[int], None]
+    #: ``cancel(req_id, why)``
+    cancel: Callable[[int, str], None]
     status: Callable[[], dict]
     metrics: Callable[[], bytes]
     health: Callable[[], tuple[bool, dict]]
@@ -136,11 +138,12 @@ class _Run:
             self.open -= 1
 
     def cancel(self, why: str) -> None:
+        """Cancel the unfinished choices; the engine logs the one info line per request."""
         left = [r for r in self.reqs if not r.done.is_set()]
         for r in left:
-            self.backend.cancel(r.req_id)
+            self.backend.cancel(r.req_id, why)
         if left:
-            log.info("api request cancelled id=%s choices=%d reason=%s", self.rid, len(left), why)
+            log.debug(event("api request cancelled", id=self.rid, choices=len(left), reason=why))
 
 
 def _guard_admission(backend: ApiBackend) -> None:
@@ -322,6 +325,24 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def _json_h11_protocol() -> type:
+    """uvicorn's h11 protocol whose own 400 (a request h11 cannot parse: a bad
+    ``Content-Length``, a broken request line) is an OpenAI JSON error too, not text/plain."""
+    import h11
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class JsonH11Protocol(H11Protocol):
+        def send_400_response(self, msg: str) -> None:
+            body = json.dumps(error_body(400, f"malformed HTTP request: {msg}")).encode()
+            headers = [(b"content-type", b"application/json"),
+                       (b"content-length", str(len(body)).encode()), (b"connection", b"close")]
+            for ev in (h11.Response(status_code=400, headers=headers, reason=b"Bad Request"),
+                       h11.Data(data=body), h11.EndOfMessage()):
+                self.transport.write(self.conn.send(ev))
+            self.transport.close()
+    return JsonH11Protocol
+
+
 class ApiServer:
     """The bound server; :meth:`start` serves on a daemon thread, :meth:`close` stops it."""
 
@@ -333,7 +354,7 @@ class ApiServer:
         self.sock = _bind(host, port)
         self.port = self.sock.getsockname()[1]
         config = uvicorn.Config(create_app(backend), log_config=None, access_log=False,
-                                lifespan="off", loop="asyncio", http="h11",
+                                lifespan="off", loop="asyncio", http=_json_h11_protocol(),
                                 timeout_keep_alive=30, backlog=2048)
         self.server = uvicorn.Server(config)
         self._thread: threading.Thread | None = None

@@ -202,7 +202,7 @@ class Engine:
     def _cancelled(self, reqs: list[Request]) -> None:
         for r in reqs:
             log.info(event("engine request cancelled", req=r.req_id, source=r.source,
-                           tokens=len(r.output), reason="client gone"))
+                           tokens=len(r.output), reason=r.error or "client gone"))
         if reqs:
             self.tele.on_requests(reqs)
 
@@ -316,7 +316,7 @@ def _api(cfg: Config, engine_ref: dict):
 
     backend = ApiBackend(
         submit=lambda r: need().submit(r),
-        cancel=lambda rid: need().sched.cancel(rid),
+        cancel=lambda rid, why: need().sched.cancel(rid, why),
         status=lambda: eng().status() if eng() else {"status": "starting"},
         metrics=lambda: eng().render_metrics() if eng() else b"",
         health=lambda: eng().health() if eng() else (False, {"status": "starting"}),

@@ -18,7 +18,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from xllm_eplb.engine.tokenizer import Tokenizer, TokenizerError
+from xllm_eplb.engine.tokenizer import ChatTemplateError, Tokenizer, TokenizerError
 
 #: most choices one request may ask for (``n`` x number of prompts)
 MAX_CHOICES = 64
@@ -152,15 +152,38 @@ def _validation_error(e: ValidationError) -> ApiError:
     return ApiError(400, f"'{_loc(x)}'={x.get('input')!r}: {msg}", _loc(x))
 
 
-def check_depth(obj: Any, limit: int = MAX_DEPTH) -> None:
-    """Raise a 400 when ``obj`` nests objects/arrays deeper than ``limit`` (iterative)."""
-    stack = [(obj, 1)]
+def check_body(obj: Any, limit: int = MAX_DEPTH) -> None:
+    """Raise a 400 when ``obj`` nests objects/arrays deeper than ``limit``, or holds a string
+    that is not valid Unicode (a lone UTF-16 surrogate such as ``"\\ud800"``: JSON allows the
+    escape, no tokenizer can encode it). Iterative; ``param`` is the bad string's path."""
+    stack: list[tuple[Any, int, tuple]] = [(obj, 1, ())]
     while stack:
-        o, d = stack.pop()
-        if isinstance(o, (dict, list)):
+        o, d, where = stack.pop()
+        if isinstance(o, str):
+            _check_text(o, where)
+        elif isinstance(o, (dict, list)):
             if d > limit:
                 raise ApiError(400, f"JSON body nests deeper than {limit} levels")
-            stack.extend((v, d + 1) for v in (o.values() if isinstance(o, dict) else o))
+            items = o.items() if isinstance(o, dict) else enumerate(o)
+            for k, v in items:
+                if isinstance(k, str):
+                    _check_text(k, where)
+                if isinstance(v, (str, dict, list)):
+                    stack.append((v, d + 1, (where, k)))
+
+
+def _check_text(text: str, where: tuple) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        keys = []
+        while where:
+            where, k = where
+            keys.append(str(k))
+        path = ".".join(reversed(keys))
+        raise ApiError(400, f"'{path or 'body'}': string holds the lone surrogate "
+                       f"\\u{ord(text[e.start]):04x}, which is not valid Unicode",
+                       path) from None
 
 
 def _unsupported(req: _Common, noop: dict[str, Any]) -> None:
@@ -235,6 +258,9 @@ def chat_prompt(req: ChatCompletionRequest, tok: Tokenizer) -> list[int]:
         msgs.append({"role": m.role, "content": content} | ({"name": m.name} if m.name else {}))
     try:
         text = tok.apply_chat_template(msgs, add_generation_prompt=True)
+    except ChatTemplateError as e:
+        raise ApiError(400, f"'messages' refused by the chat template: {e}", "messages",
+                       "invalid_messages") from None
     except TokenizerError as e:
         raise ApiError(400, f"chat completions need a chat template: {e}; use /v1/completions",
                        "messages", "no_chat_template") from None
@@ -253,16 +279,19 @@ def _stops(v: Any) -> list[str]:
 
 
 def _max_tokens(requested: int | None, prompts: list[list[int]], lim: ApiLimits,
-                default: int | None) -> int:
+                default: int | None, names: tuple[str, str] = ("prompt", "max_tokens")) -> int:
+    """The output budget; ``names``: the request's prompt and max-tokens fields (for errors)."""
     longest = max(len(p) for p in prompts)
+    prompt, field = names
     if longest > lim.max_prompt_tokens:
-        raise ApiError(400, f"prompt has {longest} tokens: must be <= --max_prefill_tokens="
-                       f"{lim.max_prompt_tokens}", "prompt", "context_length_exceeded")
+        raise ApiError(400, f"'{prompt}': the prompt has {longest} tokens: must be <= "
+                       f"--max_prefill_tokens={lim.max_prompt_tokens}", prompt,
+                       "context_length_exceeded")
     room = lim.max_position_embeddings - longest
     mt = (room if default is None else min(default, room)) if requested is None else requested
     if longest + mt > lim.max_position_embeddings:
-        raise ApiError(400, f"prompt ({longest} tokens) + max_tokens ({mt}) must be <= "
-                       f"--max_position_embeddings={lim.max_position_embeddings}", "max_tokens",
+        raise ApiError(400, f"prompt ({longest} tokens) + {field} ({mt}) must be <= "
+                       f"--max_position_embeddings={lim.max_position_embeddings}", field,
                        "context_length_exceeded")
     return mt
 
@@ -320,14 +349,16 @@ def parse_chat(body: Any, served: ServedModel) -> Plan:
                        "max_completion_tokens")
     prompt = chat_prompt(req, served.tokenizer)
     requested = req.max_completion_tokens if req.max_tokens is None else req.max_tokens
-    mt = _max_tokens(requested, [prompt], served.limits, None)
+    names = ("messages", "max_tokens" if req.max_completion_tokens is None
+             else "max_completion_tokens")
+    mt = _max_tokens(requested, [prompt], served.limits, None, names)
     return _common(req, "chat", [prompt], mt, served)
 
 
 def _validate(model: type[BaseModel], body: Any):
     if not isinstance(body, dict):
         raise ApiError(400, "request body must be a JSON object")
-    check_depth(body)
+    check_body(body)
     try:
         return model.model_validate(body)
     except ValidationError as e:

@@ -95,7 +95,7 @@ class Scheduler:
         self._release: list[list[int]] = [[] for _ in range(dp_size)]
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
-        self._cancels: set[int] = set()
+        self._cancels: dict[int, str] = {}     # req_id -> why (logged by the engine)
         self._cancelled: list[Request] = []
         self._flush = False      # a cancelled running request's KV cache awaits release
 
@@ -110,11 +110,12 @@ class Scheduler:
         self.inbox.put(req)
         return req
 
-    def cancel(self, req_id: int) -> None:
+    def cancel(self, req_id: int, why: str = "client gone") -> None:
         """Ask for ``req_id`` to stop (thread-safe): the step loop retires it at its next
-        :meth:`pull` (reason "cancelled"); its KV cache is released by the next step."""
+        :meth:`pull` (finish reason "cancelled", ``error`` = ``why``); its KV cache is released
+        by the next step."""
         with self._lock:
-            self._cancels.add(int(req_id))
+            self._cancels.setdefault(int(req_id), why)
 
     # --- step-loop thread ----------------------------------------------------------------
     @property
@@ -141,15 +142,15 @@ class Scheduler:
 
     def _apply_cancels(self) -> None:
         with self._lock:
-            ids, self._cancels = self._cancels, set()
+            ids, self._cancels = self._cancels, {}
         for req in [r for r in self.waiting if r.req_id in ids]:
             self.waiting.remove(req)
-            req.finish("cancelled")
+            req.finish("cancelled", ids[req.req_id])
             self._cancelled.append(req)
-        for rid in ids:
+        for rid, why in ids.items():
             req = self.running.get(rid)
             if req is not None:
-                self._retire(req, "cancelled")
+                self._retire(req, "cancelled", why)
                 self._cancelled.append(req)
                 self._flush = True
 
@@ -226,10 +227,10 @@ class Scheduler:
         self.running.clear()
         self.waiting.clear()
 
-    def _retire(self, req: Request, reason: str) -> None:
+    def _retire(self, req: Request, reason: str, error: str = "") -> None:
         del self.running[req.req_id]
         self._release[req.dp_rank].append(req.req_id)
-        req.finish(reason)
+        req.finish(reason, error)
 
     def load(self) -> dict[str, int]:
         return {"waiting": len(self.waiting) + self.inbox.qsize(), "running": len(self.running)}

@@ -36,6 +36,11 @@ class TokenizerError(UserError, ValueError):
     HTTP API answers a request that raises it with a 400."""
 
 
+class ChatTemplateError(TokenizerError):
+    """The chat template exists but refuses these messages (e.g. an unknown role; the
+    template's own ``raise_exception``): the request's fault, not a missing template."""
+
+
 class Tokenizer:
     """Interface (see the module docstring)."""
 
@@ -201,7 +206,7 @@ class HfTokenizer(Tokenizer):
         if self._compiled is None:
             raise TokenizerError(f"{self.name}: this tokenizer has no chat template")
         if not messages:
-            raise TokenizerError("messages: empty (a chat needs at least one message)")
+            raise ChatTemplateError("messages: empty (a chat needs at least one message)")
         import jinja2
 
         try:
@@ -209,7 +214,7 @@ class HfTokenizer(Tokenizer):
                                          add_generation_prompt=add_generation_prompt,
                                          **{k: v for k, v in self.special.items() if v})
         except jinja2.TemplateError as e:
-            raise TokenizerError(f"chat template of {self.dir}: {e}") from None
+            raise ChatTemplateError(f"chat template of {self.dir}: {e}") from None
 
 
 def _chat_template(f: _Folder) -> tuple[Path, str] | None:

@@ -41,10 +41,10 @@ def check_device(device: str) -> None:
         try:
             importlib.import_module("torch_npu")
         except ImportError:
-            raise ConfigError("device=npu needs the torch_npu package, which is not installed "
+            raise ConfigError("--device=npu needs the torch_npu package, which is not installed "
                               "(install torch_npu or use device=cpu/cuda)") from None
     elif device == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("device=cuda but torch sees no CUDA device")
+        raise ConfigError("--device=cuda but torch sees no CUDA device (use --device=cpu)")
 
 
 def device_for_rank(device: str, rank: int) -> torch.device:

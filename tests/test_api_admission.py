@@ -1,0 +1,57 @@
+"""Admission of the real API in front of a real :class:`Engine` whose step loop is not running
+(so submitted requests stay waiting): beyond ``--max_waiting_requests`` waiting requests a new
+one is a JSON 503 ``overloaded``, and the server keeps answering."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import time
+
+import pytest
+
+from xllm_eplb.engine.api import ApiBackend, ApiLimits, ApiServer, ServedModel
+from xllm_eplb.engine.engine import Engine
+from xllm_eplb.engine.tokenizer import ByteTokenizer
+from xllm_eplb.flags import config_from_dict
+
+pytestmark = pytest.mark.slow
+
+
+def _post(port: int, body: dict) -> http.client.HTTPConnection:
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    c.request("POST", "/v1/completions", body=json.dumps(body).encode(),
+              headers={"Content-Type": "application/json"})
+    return c
+
+
+@pytest.mark.timeout(60)
+def test_more_waiting_requests_than_allowed_is_a_json_503_overloaded():
+    cfg = config_from_dict({"ep_size": 2, "max_waiting_requests": 2})
+    eng = Engine(cfg, None, [])
+    eng.state = "serving"
+    lim = ApiLimits(cfg.model.vocab_size, 64, 96, request_timeout_seconds=30)
+    backend = ApiBackend(submit=eng.submit, cancel=lambda rid, why: eng.sched.cancel(rid, why),
+                         status=eng.status, metrics=eng.render_metrics, health=eng.health,
+                         served=ServedModel("tiny", ByteTokenizer(), lim), admit=eng.admit)
+    api = ApiServer("127.0.0.1", 0, backend)
+    api.start()
+    held = []
+    try:
+        for _ in range(2):
+            held.append(_post(api.port, {"prompt": "x", "max_tokens": 2}))
+        deadline = time.monotonic() + 10
+        while eng.sched.load()["waiting"] < 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert eng.sched.load() == {"waiting": 2, "running": 0}
+        r = _post(api.port, {"prompt": "x", "max_tokens": 2}).getresponse()
+        err = json.loads(r.read())["error"]
+        assert r.status == 503 and err["code"] == "overloaded", err
+        assert "--max_waiting_requests=2" in err["message"]
+        c = http.client.HTTPConnection("127.0.0.1", api.port, timeout=10)
+        c.request("GET", "/health")
+        assert c.getresponse().status == 200
+    finally:
+        for c in held:
+            c.close()
+        api.close()
