@@ -57,7 +57,7 @@ def prompt_pool(n: int = 12) -> list[dict]:
     pool = []
     for i in range(n):
         long = i % 3 == 0
-        words = [rng.choice(WORDS) for _ in range(rng.randint(120, 200) if long
+        words = [rng.choice(WORDS) for _ in range(rng.randint(40, 90) if long
                                                    else rng.randint(2, 8))]
         body = {"prompt": " ".join(words), "max_tokens": 48 if long else 12,
                 "ignore_eos": True, "return_token_ids": True}

@@ -150,7 +150,8 @@ def _freeze_mid_prepare(s, eng: Path, r1: Path) -> tuple[float, float, float]:
     t_thaw = time.time()
 
     def after_thaw():
-        late = [(t, ln) for t, ln in log_lines(eng, "EPLB layer 0 ") if t >= t_freeze]
+        late = sorted((t, ln) for needle in ("EPLB layer 0 ", "EPLB layer activated layer=0 ")
+                      for t, ln in log_lines(eng, needle) if t >= t_freeze)
         return late[0] if late else None
     t_late, line = wait_for(after_thaw, 30, "layer 0's fate after the freeze", s)
     assert "timed out" in line, f"layer 0 committed a late prepare: {line}"
