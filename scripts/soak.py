@@ -202,8 +202,7 @@ def snapshot(server: Server) -> dict:
     for p in server.procs():
         try:
             with p.oneshot():
-                role = " ".join(p.cmdline()[-1:]) if p.pid != server.proc.pid else "launcher"
-                name = p.name() if role != "launcher" else role
+                name = "launcher" if p.pid == server.proc.pid else p.name()
                 rss[f"{name}:{p.pid}"] = p.memory_info().rss
                 fds += p.num_fds()
                 threads += p.num_threads()

@@ -20,9 +20,11 @@ from hypothesis import strategies as st
 from xllm_eplb.cli import cli
 from xllm_eplb.config import FIELDS
 
-settings.register_profile("fuzz-long", max_examples=3000, deadline=None,
-                          suppress_health_check=[HealthCheck.too_slow])
-QUICK = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+#: 40 examples per test in a plain run (make test); a chosen profile's count otherwise (the
+#: hypothesis plugin loads ``--hypothesis-profile`` before this module is imported)
+_N = settings.default.max_examples
+QUICK = settings(max_examples=40 if _N == settings.get_profile("default").max_examples else _N,
+                 deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 #: ``--v=debug`` prints the traceback on purpose
 NAMES = sorted(n for n in FIELDS if n != "v")
