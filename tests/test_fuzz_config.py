@@ -5,7 +5,7 @@ accepts it (exit 0) or exits 2 with exactly one ``error: ...`` line -- never a t
 In-process through click's runner on ``xllm-eplb config show`` (the same resolution ``serve``
 runs, without starting anything). Quick by default; the long run (docs/benchmarks.md)::
 
-    .venv/bin/python -m pytest tests/test_fuzz_config.py --hypothesis-profile=fuzz-long -q
+    .venv/bin/python -m pytest tests/test_fuzz_config.py --hypothesis-profile=fuzz-long --timeout=0 -q
 """
 
 from __future__ import annotations
