@@ -116,3 +116,14 @@ def test_the_strategies_reach_both_outcomes():
     """The fuzzers above are not vacuous: a valid and an invalid value of the same flag."""
     assert _check(["--eplb_update_interval=5"]).exit_code == 0
     assert _check([f"--eplb_update_interval={math.nan}"]).exit_code == 2
+
+
+def test_non_finite_yaml_numbers_are_one_error_line(tmp_path):
+    """Found by the long fuzz run: a YAML ``.inf`` / ``.nan`` crashed the value's rendering
+    (``int(inf)``) before the field's rule could name it."""
+    for key in ("ep_size", "eplb_update_interval", "seed"):
+        for v in (".inf", "-.inf", ".nan"):
+            path = tmp_path / "c.yaml"
+            path.write_text(f"{key}: {v}\n")
+            r = _check(["--config", str(path)])
+            assert r.exit_code == 2 and f"--{key}=" in r.output, r.output
