@@ -202,6 +202,7 @@ def test_fatal_fault_stops_the_run_cleanly_naming_the_rank(case, start_server, c
         assert "EPLB layer activated" not in (s.log_dir / "engine.log").read_text()
     time.sleep(0.5)
     assert s.alive() == [] and shm_objects(s.run_id) == []
-    ok, failed = traffic.check(ref, until=t_exit)
+    ok, in_flight = traffic.check(ref, until=t_fault)
+    _, failed = traffic.check(ref, until=t_exit)
     outcome(case, detect_and_exit_s=t_exit - t_fault, exit_code=rc, requests_ok=ok,
-            requests_failed=failed)
+            failed_in_flight=in_flight, refused_until_exit=failed - in_flight)
