@@ -5,7 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, settings
 from serve_util import Server
+
+# the long fuzz runs (docs/reliability.md): pytest ... --hypothesis-profile=fuzz-long
+settings.register_profile("fuzz-long", max_examples=3000, deadline=None,
+                          suppress_health_check=[HealthCheck.too_slow])
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 

@@ -282,7 +282,8 @@ def format_value(v: Any) -> str:
     if isinstance(v, tuple):
         return "[" + "; ".join(format_value(x) for x in v) + "]"
     if isinstance(v, float):
-        return f"{v:g}" if v == int(v) and abs(v) < 1e15 else repr(v)
+        # NOTE: int(inf) / int(nan) raise: a YAML `.inf` must reach the field's rule check
+        return f"{v:g}" if abs(v) < 1e15 and v == int(v) else repr(v)
     s = str(v)
     return s if s else '""'
 

@@ -208,7 +208,10 @@ class Launcher:
         killed = [w for w, code in dead.items() if code < 0]
         if killed:
             return who if who in killed else killed[0]
-        return next((w for w in self.errors if w in dead), who)
+        # NOTE: a worker that exits 0 after the engine's shutdown message (the engine stops on
+        # a fault it found, e.g. a bad frame) is no cause: the reporter still in its teardown is.
+        return next((w for w in self.errors if w in dead),
+                    next(iter(self.errors), who) if dead.get(who) == 0 else who)
 
     def _stopping_together(self, grace: float = 0.3) -> bool:
         """True when a stop signal reaches the launcher within ``grace`` s of a child's death.

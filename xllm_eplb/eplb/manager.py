@@ -146,10 +146,17 @@ class EplbManager:
         counters: one ``[L, S]`` int64 prefix-sum array per rank. A malformed output is logged
         and never aggregated (its tokens are still processed). NOTE: the thread runner keeps
         references to these arrays until its next drain: the caller must not reuse them.
+
+        NOTE: timeouts are checked *before* the prepared tokens are observed. A rank that froze
+        (or slept) mid-round also blocks the forward, so its ready token arrives in the same
+        output that ends the freeze; observed first, it would make a layer READY long after its
+        deadline. Checked first, the layer is aborted at the deadline the output proves passed
+        and the late token is ignored as stale.
         """
         now = self.clock()
         with self._lock:
             self.hb.manager_at = now
+            self._abort_overdue(now)
             self._observe_prepared(prepared_tokens, now)
             self._enqueue(counters)
         if self._runner is None:
@@ -293,6 +300,11 @@ class EplbManager:
     # --- timeouts (lock held) ----------------------------------------------------------------
 
     def _check_timeouts(self, now: float) -> None:
+        """``tick``: abort an overdue layer, then the manager heartbeat."""
+        self._abort_overdue(now)
+        self.hb.manager_pass(now, self.pipe)
+
+    def _abort_overdue(self, now: float) -> None:
         """An aborted layer is disabled in the pipeline; the deployed table never had it."""
         ab = self.pipe.check_timeout(now, self.timeout)
         if ab is not None:
@@ -301,7 +313,6 @@ class EplbManager:
                               f"{ab.limit:g}s; skipping this layer for the current round.",
                               layer=ab.layer, token=ab.token, kind=ab.kind.replace(" ", "_"),
                               elapsed_s=round(ab.elapsed, 3)))
-        self.hb.manager_pass(now, self.pipe)
 
     # --- timer + policy ----------------------------------------------------------------------
 

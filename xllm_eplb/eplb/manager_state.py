@@ -11,7 +11,9 @@ Each published layer goes ``IDLE -> PREPARING -> READY -> (activation sent) -> c
   that carried it returns the token (= the prepare token); late/duplicate tokens are ignored.
 - ``check_timeout(now, timeout)``: ``timeout`` seconds from the first worker output observed
   after dispatch, or ``2 * timeout`` from dispatch when no output arrived at all; the layer is
-  aborted and skipped for this round.
+  aborted and skipped for this round. The manager checks it on every ``tick`` and *before*
+  each output's tokens are observed, so a token that arrives after the deadline (a rank that
+  froze or slept also blocks the forward that would carry it) is late and ignored.
 
 NOTE (xLLM's overlap-mode bug: the next layer became READY over a pending one): a READY layer
 whose activation has not been sent must never be overwritten. We guarantee it at dispatch: the

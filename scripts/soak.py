@@ -1,0 +1,320 @@
+#!/usr/bin/env python3
+"""Soak: EP4 on the built-in checkpoint, rebalancing every 2 s, for ``--minutes`` under a
+bounded client mix; every reply is checked against a reference run, and the processes' RSS,
+file descriptors, threads and the run's /dev/shm objects are tracked (issue #17).
+
+1. The checkpoint: ``--model DIR``, else one generated with ``xllm-eplb make-checkpoint``
+   (deepseek_v3, its defaults) into a temporary folder.
+2. Reference run: ``xllm-eplb serve --ep-size 4 --model DIR --enable_eplb=false``; every prompt
+   of the fixed pool (short and long, greedy and seeded-sampled) once, non-streaming.
+3. Soak run: the same server with ``--enable_eplb=true --eplb_update_interval=2``
+   (``--eplb_min_peak_load_improvement=0``: every round may publish) and ``--clients`` threads,
+   each with at most one request in flight, drawing prompts from the pool (streaming or not,
+   seeded by thread). Every reply's token ids must equal the reference's (``token_mismatches``).
+   After a warm-up (``--warmup-s``, clients paused for the snapshot) the start figures are
+   taken; RSS is sampled every 5 s; clients stop at the end and the end figures are taken.
+
+``rss_growth_max``: the largest per-process RSS growth over the warm-up value (a ratio, 0.05 =
+5 %); fds/threads: summed over the launcher and every child; shm: the run's /dev/shm objects.
+Targets over 10 minutes (docs/benchmarks.md): 0 failed requests, 0 mismatches, RSS growth
+<= 5 %, constant fds, threads and shm objects.
+
+    python scripts/soak.py --minutes 10 [--model DIR] [--json PATH] [--clients 4]
+    python scripts/soak.py --quick --json /tmp/soak.json        # 1 minute
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import psutil
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from xllm_eplb.commands.bench import stream_one  # noqa: E402
+
+WORDS = ("the engine moves experts between ranks while requests keep flowing and every token "
+         "stays the same as before the balancer ran").split()
+RSS_PERIOD_S = 5.0
+
+
+def prompt_pool(n: int = 12) -> list[dict]:
+    """Fixed request bodies: short/long prompts, greedy (control) and seeded-sampled."""
+    rng = random.Random(17)
+    pool = []
+    for i in range(n):
+        long = i % 3 == 0
+        words = [rng.choice(WORDS) for _ in range(rng.randint(40, 90) if long
+                                                   else rng.randint(2, 8))]
+        body = {"prompt": " ".join(words), "max_tokens": 48 if long else 12,
+                "ignore_eos": True, "return_token_ids": True}
+        body.update({"temperature": 0.0} if i % 2 == 0 else
+                    {"temperature": 0.9, "seed": 100 + i, "top_k": 40})
+        pool.append(body)
+    return pool
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """One ``xllm-eplb serve`` in its own process group."""
+
+    def __init__(self, model: Path, log_dir: Path, flags: list[str]):
+        self.port = free_port()
+        self.run_id = f"s{self.port}"
+        cmd = [sys.executable, "-m", "xllm_eplb", "serve", "--ep-size", "4", "--model",
+               str(model), "--workload=none", "--port", str(self.port), "--run_id",
+               self.run_id, "--log_dir", str(log_dir), *flags]
+        self.out = log_dir.parent / f"{log_dir.name}.out"
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self.out.open("w"),
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+
+    def wait_ready(self, timeout: float = 300.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if "xllm-eplb ready" in self.out.read_text():
+                return
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.3)
+        raise RuntimeError(f"server not ready: {self.out.read_text()[-2000:]}")
+
+    def procs(self) -> list[psutil.Process]:
+        try:
+            p = psutil.Process(self.proc.pid)
+            return [p, *p.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            return []
+
+    def get(self, path: str) -> dict:
+        c = http.client.HTTPConnection("127.0.0.1", self.port, timeout=30)
+        try:
+            c.request("GET", path)
+            return json.loads(c.getresponse().read())
+        finally:
+            c.close()
+
+    def stop(self) -> int:
+        try:
+            self.proc.send_signal(signal.SIGTERM)
+            return self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+            return -9
+
+
+def complete(port: int, body: dict, stream: bool) -> list[int] | str:
+    """Token ids of one completion, or an error string."""
+    try:
+        if stream:
+            r = stream_one("127.0.0.1", port, dict(body, stream=True), 300)
+            return r.get("error") or r["ids"]
+        c = http.client.HTTPConnection("127.0.0.1", port, timeout=300)
+        try:
+            c.request("POST", "/v1/completions", body=json.dumps(body).encode(),
+                      headers={"Content-Type": "application/json"})
+            r = c.getresponse()
+            raw = r.read()
+            if r.status != 200:
+                return f"HTTP {r.status}: {raw[:200]!r}"
+            return json.loads(raw)["choices"][0]["token_ids"]
+        finally:
+            c.close()
+    except (OSError, http.client.HTTPException, ValueError, KeyError) as e:
+        return f"{type(e).__name__}: {e}"
+
+
+class Clients:
+    """``n`` threads, one request in flight each; ``pause`` stops new requests."""
+
+    def __init__(self, port: int, pool: list[dict], ref: list[list[int]], n: int):
+        self.port, self.pool, self.ref = port, pool, ref
+        self.lock = threading.Lock()
+        self.ok = self.failed = self.mismatches = 0
+        self.errors: list[str] = []
+        self.stop, self.go = threading.Event(), threading.Event()
+        self.idle = [threading.Event() for _ in range(n)]
+        self.threads = [threading.Thread(target=self._run, args=(i,), daemon=True)
+                        for i in range(n)]
+
+    def start(self) -> None:
+        self.go.set()
+        for t in self.threads:
+            t.start()
+
+    def _run(self, i: int) -> None:
+        rng = random.Random(i)
+        while not self.stop.is_set():
+            if not self.go.is_set():
+                self.idle[i].set()
+                self.go.wait(0.2)
+                continue
+            self.idle[i].clear()
+            k = rng.randrange(len(self.pool))
+            got = complete(self.port, self.pool[k], stream=rng.random() < 0.5)
+            with self.lock:
+                if isinstance(got, str):
+                    self.failed += 1
+                    self.errors.append(got)
+                else:
+                    self.ok += 1
+                    self.mismatches += got != self.ref[k]
+        self.idle[i].set()
+
+    def pause(self) -> None:
+        self.go.clear()
+        for e in self.idle:
+            e.wait(300)
+
+    def resume(self) -> None:
+        for e in self.idle:
+            e.clear()
+        self.go.set()
+
+    def close(self) -> None:
+        self.stop.set()
+        self.go.set()
+        for t in self.threads:
+            t.join(300)
+
+
+def snapshot(server: Server) -> dict:
+    """RSS per process (by role), fds and threads summed, the run's shm objects."""
+    rss, fds, threads = {}, 0, 0
+    for p in server.procs():
+        try:
+            with p.oneshot():
+                name = "launcher" if p.pid == server.proc.pid else p.name()
+                rss[f"{name}:{p.pid}"] = p.memory_info().rss
+                fds += p.num_fds()
+                threads += p.num_threads()
+        except psutil.NoSuchProcess:
+            pass
+    shm = [n for n in os.listdir("/dev/shm") if f"xllm_eplb_{server.run_id}_" in n]
+    return {"rss": rss, "fds": fds, "threads": threads, "shm": len(shm)}
+
+
+def quiet_snapshot(server: Server, clients: Clients) -> dict:
+    clients.pause()
+    time.sleep(1.5)                      # in-flight frees, HTTP keep-alives close
+    snap = snapshot(server)
+    clients.resume()
+    return snap
+
+
+def reference(model: Path, tmp: Path, pool: list[dict]) -> list[list[int]]:
+    s = Server(model, tmp / "logs_ref", ["--enable_eplb=false"])
+    try:
+        s.wait_ready()
+        ref = [complete(s.port, b, stream=False) for b in pool]
+    finally:
+        s.stop()
+    bad = [r for r in ref if isinstance(r, str)]
+    if bad:
+        raise RuntimeError(f"reference run failed: {bad[0]}")
+    return ref
+
+
+def soak(model: Path, tmp: Path, pool, ref, minutes: float, n_clients: int,
+         warmup_s: float) -> dict:
+    s = Server(model, tmp / "logs_soak", ["--enable_eplb=true", "--eplb_update_interval=2",
+                                          "--eplb_min_peak_load_improvement=0"])
+    clients = None
+    try:
+        s.wait_ready()
+        clients = Clients(s.port, pool, ref, n_clients)
+        clients.start()
+        time.sleep(warmup_s)
+        start = quiet_snapshot(s, clients)
+        st0 = s.get("/eplb/status")
+        peak = dict(start["rss"])
+        end_at = time.monotonic() + max(minutes * 60.0 - warmup_s, 1.0)
+        while time.monotonic() < end_at:
+            time.sleep(min(RSS_PERIOD_S, max(end_at - time.monotonic(), 0.0)))
+            assert s.proc.poll() is None, f"server died: {s.out.read_text()[-2000:]}"
+            for k, v in snapshot(s)["rss"].items():
+                peak[k] = max(peak.get(k, 0), v)
+        clients.pause()
+        time.sleep(1.5)
+        end = snapshot(s)
+        st = s.get("/eplb/status")
+        clients.close()
+    finally:
+        code = s.stop()
+    growth = {k: peak[k] / v - 1.0 for k, v in start["rss"].items() if k in peak and v > 0}
+    return {"minutes": minutes, "clients": n_clients, "warmup_s": warmup_s,
+            "requests_ok": clients.ok, "requests_failed": clients.failed,
+            "token_mismatches": clients.mismatches,
+            "first_error": clients.errors[0] if clients.errors else "",
+            "rebalances": int(st["rounds"]), "layers_moved": int(st["layers_committed"]),
+            "layers_timed_out": int(st["layers_timed_out"]), "slots_moved": int(st["slots_moved"]),
+            "rebalances_after_warmup": int(st["rounds"]) - int(st0["rounds"]),
+            "rss_growth_max": max(growth.values()) if growth else 0.0,
+            "rss_start_mb": {k: round(v / 2**20, 1) for k, v in start["rss"].items()},
+            "fds_start": start["fds"], "fds_end": end["fds"],
+            "threads_start": start["threads"], "threads_end": end["threads"],
+            "shm_objects_start": start["shm"], "shm_objects_end": end["shm"],
+            "exit_code": code,
+            "shm_objects_after_exit": len([n for n in os.listdir("/dev/shm")
+                                           if f"xllm_eplb_{s.run_id}_" in n])}
+
+
+def make_model(tmp: Path) -> Path:
+    out = tmp / "ckpt"
+    subprocess.run([sys.executable, "-m", "xllm_eplb", "make-checkpoint", "--arch",
+                    "deepseek_v3", "--out", str(out)], cwd=ROOT, check=True,
+                   stdout=subprocess.DEVNULL)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--minutes", type=float, default=10.0)
+    ap.add_argument("--quick", action="store_true", help="1 minute")
+    ap.add_argument("--json", type=Path, help="write the results here")
+    ap.add_argument("--model", type=Path, help="checkpoint folder (default: generate one)")
+    ap.add_argument("--clients", type=int, default=4, help="client threads (one request each)")
+    ap.add_argument("--warmup-s", type=float, default=None,
+                    help="seconds before the start figures (default min(60, 10%% of the run))")
+    args = ap.parse_args()
+    minutes = 1.0 if args.quick else args.minutes
+    warm = args.warmup_s if args.warmup_s is not None else min(60.0, max(10.0, 6.0 * minutes))
+    pool = prompt_pool()
+    with tempfile.TemporaryDirectory(prefix="soak_") as d:
+        tmp = Path(d)
+        model = args.model or make_model(tmp)
+        t0 = time.monotonic()
+        ref = reference(model, tmp, pool)
+        res = soak(model, tmp, pool, ref, minutes, args.clients, warm)
+        res["wall_s"] = round(time.monotonic() - t0, 1)
+    keys = ("requests_ok", "requests_failed", "token_mismatches", "rebalances", "layers_moved",
+            "rss_growth_max", "fds_start", "fds_end", "threads_start", "threads_end",
+            "shm_objects_start", "shm_objects_end", "exit_code")
+    print("soak " + " ".join(f"{k}={res[k]:.4f}" if isinstance(res[k], float) else
+                             f"{k}={res[k]}" for k in keys), flush=True)
+    if res["first_error"]:
+        print(f"first error: {res['first_error']}")
+    if args.json:
+        args.json.write_text(json.dumps(res, indent=2))
+
+
+if __name__ == "__main__":
+    main()
