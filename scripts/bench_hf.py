@@ -74,9 +74,10 @@ def bench_single(model_dir: Path, prompts, new: int) -> tuple[float, list[list[i
     from xllm_eplb.model.decoder import Decoder
 
     P = len(prompts[0])
-    cfg = config_from_dict({"model": str(model_dir), "dtype": "float32",
-                            "max_batch_size": len(prompts),
-                            "max_prefill_tokens": len(prompts) * P})
+    cfg = config_from_dict({"model": {"model": str(model_dir), "dtype": "float32"},
+                            "eplb": {"ep_size": 2},   # validated; the reference has no EP
+                            "runtime": {"max_batch_size": len(prompts),
+                                        "max_prefill_tokens": len(prompts) * P}})
     model = Decoder.reference(cfg)
 
     def run(rows_prompts) -> list[list[int]]:

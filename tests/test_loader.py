@@ -147,3 +147,22 @@ def test_bad_tensors(hf_ckpts, tmp_path):
     with pytest.raises(InputFileError, match=r"index.json: names file "
                        r"'model-00001-of-00002.safetensors', which is missing"):
         Decoder.reference(cfg_for(p))
+
+
+def test_header_offsets_must_span_the_shapes_bytes(hf_ckpts, tmp_path):
+    """Tensors are read by their data_offsets: an entry whose span is not its shape's bytes is
+    a corrupt header (named), not a silently misread tensor."""
+    p = _copy(hf_ckpts, tmp_path / "a")
+    raw = (p / "model.safetensors").read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    hdr = json.loads(raw[8:8 + n])
+    name = "model.layers.2.mlp.experts.3.up_proj.weight"
+    hdr[name]["shape"] = [hdr[name]["shape"][0] // 2, hdr[name]["shape"][1]]   # half its span
+    body = json.dumps(hdr, separators=(",", ":")).encode()
+    assert len(body) <= n
+    body = body.ljust(n)                                # same header length: offsets stay valid
+    (p / "model.safetensors").write_bytes(raw[:8] + body + raw[8 + n:])
+    with pytest.raises(InputFileError, match=rf"corrupt safetensors header entry for tensor "
+                       rf"'{name}'.*as long as the shape's bytes") as ei:
+        Decoder.reference(cfg_for(p))
+    _one_line(ei)

@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import json
+
+import pytest
+
+from xllm_eplb.engine.choices import make_requests
+from xllm_eplb.engine.protocol import Plan
 from xllm_eplb.engine.scheduler import Request, Scheduler, is_eplb_boundary, is_pure_decode_step
 from xllm_eplb.engine.tokenizer import EOS_ID, decode, encode
 from xllm_eplb.model.batch import RankBatch, SeqRow
@@ -48,7 +54,7 @@ def test_budgets_limit_admission_fifo():
 def test_finish_by_length_and_eos_then_release_on_next_step():
     s = Scheduler(dp_size=2, max_batch_size=4, max_prefill_tokens=64)
     a = s.submit(_req(max_tokens=2))
-    e = s.submit(_req(max_tokens=9))
+    e = s.submit(_req(max_tokens=9, eos_ids=frozenset({EOS_ID})))
     s.pull()
     b = s.schedule()
     assert _sample_all(s, b) == []
@@ -66,7 +72,7 @@ def test_max_tokens_zero_finishes_at_submit_and_ignore_eos():
     s = Scheduler(dp_size=1, max_batch_size=4, max_prefill_tokens=64)
     r = s.submit(_req(max_tokens=0))
     assert r.done.is_set() and r.output == [] and not s.has_work
-    k = s.submit(_req(max_tokens=2, stop_at_eos=False))
+    k = s.submit(_req(max_tokens=2, stop_at_eos=False, eos_ids=frozenset({EOS_ID})))
     s.pull()
     s.update({row.req_id: EOS_ID for row in s.schedule()[0].rows})
     assert not k.done.is_set()
@@ -126,3 +132,41 @@ def test_cancel_retires_waiting_and_running_requests_with_the_reason():
     assert (waiting.finish_reason, waiting.error) == ("cancelled", "client gone")
     assert s.has_work                                  # one step sends the KV release
     assert s.schedule()[0].release == [running.req_id] and not s.has_work
+
+
+def _run_to_end(s: Scheduler, req: Request, tokens: list[int]) -> None:
+    """Feed ``tokens`` one step at a time until ``req`` finishes (or they run out)."""
+    s.submit(req)
+    s.pull()
+    for t in tokens:
+        s.schedule()
+        s.update({req.req_id: t})
+        if req.done.is_set():
+            return
+
+
+@pytest.mark.parametrize("gen_eos", [9, [300, 9]])
+def test_generation_stops_on_the_checkpoints_eos_not_on_byte_eos(tmp_path, gen_eos):
+    """A checkpoint's EOS comes from its generation_config.json (an int or a list) through the
+    served tokenizer into every request: id 257 (the byte tokenizer's EOS) is an ordinary token
+    of a checkpoint and does not stop it; ``ignore_eos`` runs to max_tokens."""
+    from xllm_eplb.engine.tokenizer import load_tokenizer
+
+    (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": 2, "vocab_size": 512}))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": gen_eos}))
+    tok = load_tokenizer(str(tmp_path))
+    assert set(tok.eos_ids) == set(gen_eos if isinstance(gen_eos, list) else [gen_eos])
+    stream = [EOS_ID, 2, 41, 9, 8, 7]
+    for ignore_eos, want, reason in ((False, stream[:4], "stop"), (True, stream, "length")):
+        plan = Plan("completion", [[1, 2, 3]], max_tokens=len(stream), seeds=[0],
+                    ignore_eos=ignore_eos)
+        (req,) = make_requests(plan, tok, None)
+        _run_to_end(Scheduler(1, 4, 64), req, stream)
+        assert (req.output, req.finish_reason) == (want, reason)
+
+
+def test_request_without_eos_ids_never_stops_on_257():
+    s = Scheduler(dp_size=1, max_batch_size=4, max_prefill_tokens=64)
+    r = _req(max_tokens=3)
+    _run_to_end(s, r, [EOS_ID, EOS_ID, EOS_ID])
+    assert r.output == [EOS_ID] * 3 and r.finish_reason == "length"

@@ -1,40 +1,67 @@
-"""`xllm-eplb serve --model DIR --ep-size 4` on save_pretrained folders: EPLB moves real expert
-weights live and greedy tokens stay identical to transformers.generate."""
+"""`xllm-eplb serve --model DIR --ep-size 4` on save_pretrained folders of every family: EPLB
+moves real expert weights live, greedy tokens stay identical to transformers.generate, and a
+request stops on the checkpoint's own EOS id (generation_config.json), not the byte tokenizer's."""
 
 from __future__ import annotations
 
+import json
+import shutil
+
 import pytest
 from hf_parity_util import hf_generate
+from hf_util import FAMILIES
 from test_serve import _get, _post, _wait
 
 PROMPTS = [[5, 17, 300, 42, 8, 9, 100, 77, 23], [7, 3], [11, 12, 13, 14, 15]]
-N_NEW = 16
+N_NEW = 12
 
 
-def _tokens(s):
+def _generate(s, ignore_eos: bool):
+    """-> [(token_ids, finish_reason)] per prompt, greedy."""
     out = []
     for p in PROMPTS:
         code, body = _post(s.url, {"prompt": p, "max_tokens": N_NEW, "temperature": 0.0,
-                                   "ignore_eos": True, "return_token_ids": True})
+                                   "ignore_eos": ignore_eos, "return_token_ids": True})
         assert code == 200, body
-        out.append(body["choices"][0]["token_ids"])
+        c = body["choices"][0]
+        out.append((c["token_ids"], c["finish_reason"]))
     return out
 
 
+def _eos_case(want: list[list[int]], family: str) -> tuple[object, list[tuple[list[int], str]]]:
+    """An EOS id the greedy output of prompt 0 reaches mid-way (first seen at step >= 2), as an
+    int (two families) or a list (the other two, as DeepSeek's generation_config has it), and
+    what a non-ignore_eos request must then return per prompt: the tokens up to and including
+    the first EOS (reason "stop"), else all of them (reason "length")."""
+    k = next(i for i in range(2, N_NEW - 1) if want[0][i] not in want[0][:i])
+    eos = want[0][k]
+    value = eos if FAMILIES.index(family) % 2 == 0 else [eos, 257]
+    stop_ids = {eos} | ({257} if isinstance(value, list) else set())
+    exp = []
+    for w in want:
+        cut = next((i for i, t in enumerate(w) if t in stop_ids), None)
+        exp.append((w, "length") if cut is None else (w[:cut + 1], "stop"))
+    return value, exp
+
+
 @pytest.mark.slow
+@pytest.mark.oracle
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("family", ["deepseek_v3", "qwen2_moe"])
-def test_serve_checkpoint_rebalances_with_transformers_tokens(family, hf_ckpts,
+@pytest.mark.parametrize("family", FAMILIES)
+def test_serve_checkpoint_rebalances_with_transformers_tokens(family, hf_ckpts, tmp_path,
                                                               start_server):  # noqa: F811
-    path = hf_ckpts[family]
-    want, _ = hf_generate(path, PROMPTS, N_NEW)
+    want, _ = hf_generate(hf_ckpts[family], PROMPTS, N_NEW)
+    path = tmp_path / family
+    shutil.copytree(hf_ckpts[family], path)
+    eos, want_eos = _eos_case(want, family)
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
     s = start_server("--model", str(path), "--eplb_update_interval=3", "--workload=synthetic",
                      "--workload_rate=6", "--workload_output_len=16", "--workload_prompt_len=8",
                      "--eplb_min_peak_load_improvement=0")
     s.wait_ready(180)
-    before = _tokens(s)
-    assert before == want
+    assert _generate(s, ignore_eos=True) == [(w, "length") for w in want]
     st = _wait(lambda: (lambda st: st if st["layers_committed"] >= 2 else None)(
         _get(s.url + "/eplb/status")), 150, "two committed layers", s)
     assert st["slots_moved"] > 0
-    assert _tokens(s) == want
+    assert _generate(s, ignore_eos=True) == [(w, "length") for w in want]
+    assert _generate(s, ignore_eos=False) == want_eos

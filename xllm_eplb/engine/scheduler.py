@@ -22,7 +22,6 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
-from xllm_eplb.engine.tokenizer import EOS_ID
 from xllm_eplb.model.batch import RankBatch, SeqRow
 
 
@@ -38,8 +37,10 @@ class Request:
     stop_at_eos: bool = True
     top_p: float = 1.0
     top_k: int = 0
-    #: generation stops (reason "stop") on any of these ids (EOS only when ``stop_at_eos``)
-    eos_ids: frozenset = frozenset({EOS_ID})
+    #: generation stops (reason "stop") on any of these ids when ``stop_at_eos``: the served
+    #: tokenizer's ``eos_ids`` (a checkpoint's generation_config.json); empty = no EOS. NOTE:
+    #: no default from a tokenizer: a checkpoint's id 257 is an ordinary token
+    eos_ids: frozenset = frozenset()
     stop_ids: frozenset = frozenset()
     #: ``stop_check(output) -> True`` ends the request with reason "stop" (stop strings)
     stop_check: Callable[[list[int]], bool] | None = None

@@ -92,7 +92,7 @@ class Decoder(RankModel):
         return cls(cfg, 0, None, None, device=device, _reference=True)
 
     def _source(self, ml: int, e: int) -> dict:
-        """Logical expert e of MoE layer ml, read from the checkpoint (mmap, on demand)."""
+        """Logical expert e of MoE layer ml, read from the checkpoint (positioned reads, on demand)."""
         return expert_weights(self.spec, self.reader, self.spec.moe_layers[ml], e, self.dtype)
 
     def _sharded(self, cfg: Config, phy2log) -> list[FusedMoE]:

@@ -2,9 +2,11 @@
 
 :class:`CheckpointReader` indexes every tensor of ``folder`` (``model.safetensors.index.json``
 when present, else the headers of every ``*.safetensors`` file), checking each header itself so
-a corrupt file fails with one clear error. Tensors are read through ``safetensors.safe_open``
-(memory-mapped) one at a time, on demand: a rank materialises only what it asks for. ``reads``
-records every tensor (and ``name[e]`` expert slice of a fused tensor) read so far.
+a corrupt file fails with one clear error. Tensors are read one at a time, on demand, with
+``os.preadv`` straight into the tensor that keeps them (an expert's gate and up rows into the
+halves of its ``w13``): a rank materialises only what it asks for, and its peak RSS holds no
+memory-mapped file pages and no staging copies (``scripts/bench_memory.py``). ``reads`` records
+every tensor (and ``name[e]`` expert slice of a fused tensor) read so far.
 
 Key names (prefix ``model.layers.{i}.``) follow :mod:`spec`'s families; experts may be stored
 per expert (``experts.{e}.gate_proj|up_proj|down_proj``, Mixtral ``w1|w3|w2``) or fused
@@ -14,6 +16,8 @@ per expert (``experts.{e}.gate_proj|up_proj|down_proj``, Mixtral ``w1|w3|w2``) o
 from __future__ import annotations
 
 import json
+import math
+import os
 import struct
 from pathlib import Path
 
@@ -50,17 +54,20 @@ def read_header(path: Path) -> dict:
     hdr.pop("__metadata__", None)
     for name, t in hdr.items():
         ok = (isinstance(t, dict) and t.get("dtype") in ST_DTYPES and isinstance(t.get("shape"), list)
+              and all(isinstance(d, int) and d >= 0 for d in t["shape"])
               and isinstance(t.get("data_offsets"), list) and len(t["data_offsets"]) == 2
-              and 8 + n + int(t["data_offsets"][1]) <= size)
+              and 8 + n + int(t["data_offsets"][1]) <= size
+              and int(t["data_offsets"][1]) - int(t["data_offsets"][0])
+              == math.prod(t["shape"]) * ST_DTYPES[t["dtype"]].itemsize)
         if not ok:
             raise InputFileError(f"{path}: corrupt safetensors header entry for tensor {name!r} "
                                  f"(dtype in {sorted(ST_DTYPES)}, shape, data_offsets inside "
-                                 f"the file)")
+                                 f"the file and as long as the shape's bytes)")
     return hdr
 
 
 class CheckpointReader:
-    """Index + lazy, memory-mapped reads of a checkpoint folder's tensors."""
+    """Index + lazy positioned reads (``os.preadv``) of a checkpoint folder's tensors."""
 
     def __init__(self, folder: str | Path):
         self.folder = Path(folder)
@@ -81,24 +88,49 @@ class CheckpointReader:
             raise InputFileError(f"{self.folder}: no *.safetensors file (a checkpoint folder "
                                  f"needs its weights in safetensors format)")
         self.meta: dict[str, tuple[Path, str, tuple[int, ...]]] = {}
+        self.offset: dict[str, int] = {}        # name -> absolute byte offset of its data
         for path in files:
+            with open(path, "rb") as f:
+                data_start = 8 + struct.unpack("<Q", f.read(8))[0]
             for name, t in read_header(path).items():
                 self.meta[name] = (path, t["dtype"], tuple(int(s) for s in t["shape"]))
+                self.offset[name] = data_start + int(t["data_offsets"][0])
         self.reads: list[str] = []
-        self._open: dict[Path, object] = {}
 
     def has(self, name: str) -> bool:
         return name in self.meta
 
-    def _handle(self, path: Path):
-        from safetensors import safe_open
+    def _pread(self, name: str, out: torch.Tensor, at: int) -> None:
+        """Fill contiguous ``out`` (the file's dtype) with its bytes from offset ``at``."""
+        path = self.meta[name][0]
+        view = memoryview(out.reshape(-1).view(torch.uint8).numpy())
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError as exc:
+            raise InputFileError(f"{path}: cannot read ({exc.strerror or exc})") from None
+        try:
+            done = 0
+            while done < len(view):
+                n = os.preadv(fd, [view[done:]], at + done)
+                if n <= 0:
+                    raise InputFileError(f"{path}: tensor {name!r} is cut short (the file ends "
+                                         f"before its data_offsets)")
+                done += n
+        finally:
+            os.close(fd)
 
-        if path not in self._open:
-            try:
-                self._open[path] = safe_open(str(path), framework="pt")
-            except Exception as exc:  # noqa: BLE001 - any unreadable file is the user's input
-                raise InputFileError(f"{path}: cannot open as safetensors ({exc})") from None
-        return self._open[path]
+    def _read(self, name: str, shape: tuple, at: int, dtype: torch.dtype,
+              out: torch.Tensor | None) -> torch.Tensor:
+        """``shape`` elements of ``name`` from byte ``at``, as ``dtype``; into ``out`` if given
+        (no copy when the file already holds ``dtype``)."""
+        src = ST_DTYPES[self.meta[name][1]]
+        if out is None:
+            out = torch.empty(shape, dtype=dtype)
+        buf = out if src == dtype and out.is_contiguous() else torch.empty(shape, dtype=src)
+        self._pread(name, buf, at)
+        if buf is not out:
+            out.copy_(buf)
+        return out
 
     def _check(self, name: str, shape: tuple | None) -> tuple[Path, tuple]:
         if name not in self.meta:
@@ -110,18 +142,24 @@ class CheckpointReader:
                                  f"needs {list(shape)}")
         return path, got
 
-    def get(self, name: str, shape: tuple | None, dtype: torch.dtype) -> torch.Tensor:
-        """One whole tensor, checked against ``shape``, cast to ``dtype``."""
-        path, _ = self._check(name, shape)
+    def get(self, name: str, shape: tuple | None, dtype: torch.dtype,
+            out: torch.Tensor | None = None) -> torch.Tensor:
+        """One whole tensor, checked against ``shape``, cast to ``dtype`` (written into
+        ``out``, a tensor of that shape, when given)."""
+        _, got = self._check(name, shape)
         self.reads.append(name)
-        return self._handle(path).get_tensor(name).to(dtype).contiguous()
+        return self._read(name, got, self.offset[name], dtype, out)
 
     def get_row(self, name: str, row: int, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
         """``name[row]`` of a stacked tensor (``shape`` is the whole tensor's), reading only
         that row's bytes."""
-        path, _ = self._check(name, shape)
+        _, got = self._check(name, shape)
+        if not 0 <= row < got[0]:
+            raise IndexError(f"{name}: row {row} of {got[0]}")
         self.reads.append(f"{name}[{row}]")
-        return self._handle(path).get_slice(name)[row].to(dtype).contiguous()
+        row_elems = math.prod(got[1:])
+        at = self.offset[name] + row * row_elems * ST_DTYPES[self.meta[name][1]].itemsize
+        return self._read(name, got[1:], at, dtype, None)
 
     def check_shape(self, name: str, shape: tuple) -> None:
         self._check(name, shape)
@@ -153,10 +191,11 @@ def expert_weights(spec: ModelSpec, reader: CheckpointReader, i: int, e: int,
                 "w2": reader.get_row(pre + "down_proj", e, (E, H, inter), dtype)}
     names = ("w1", "w3", "w2") if spec.family == "mixtral" else ("gate_proj", "up_proj",
                                                                   "down_proj")
-    g = reader.get(f"{pre}{e}.{names[0]}.weight", (inter, H), dtype)
-    u = reader.get(f"{pre}{e}.{names[1]}.weight", (inter, H), dtype)
+    w13 = torch.empty((2 * inter, H), dtype=dtype)        # gate and up read into its halves
+    reader.get(f"{pre}{e}.{names[0]}.weight", (inter, H), dtype, out=w13[:inter])
+    reader.get(f"{pre}{e}.{names[1]}.weight", (inter, H), dtype, out=w13[inter:])
     d = reader.get(f"{pre}{e}.{names[2]}.weight", (H, inter), dtype)
-    return {"w13": torch.cat([g, u], dim=0), "w2": d}
+    return {"w13": w13, "w2": d}
 
 
 def check_experts(spec: ModelSpec, reader: CheckpointReader) -> None:
