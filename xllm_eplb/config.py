@@ -85,6 +85,14 @@ class EplbConfig:
                             "(always on in tests)")
     eplb_heartbeat_seconds: float = opt(60.0, "period of `EPLB heartbeat` log lines", unit="s",
                                         lo=0, lo_open=True)
+    # --- noise-aware placement (issue 15) ---
+    eplb_peak_z: float = opt(
+        0.0, "incremental policy: plan for the per-step peak, each expert weighted by its "
+        "expected per-step count + this many standard deviations (0 = plan on the mean; needs "
+        "eplb_step_tokens)", lo=0)
+    eplb_step_tokens: int = opt(
+        0, "incremental policy with eplb_peak_z > 0: routed tokens (top-k occurrences) per "
+        "forward step over all EP ranks", lo=0)
 
 
 @dataclass(frozen=True)

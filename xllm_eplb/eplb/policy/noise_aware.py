@@ -8,9 +8,12 @@ whose noise no routing can move; replicated experts absorb theirs. Planning on
 ``w_e = m_e + z sqrt(m_e)`` (mean + z sigma) charges every expert for its noise: relative to the
 mean, cold and medium experts weigh more and the hottest ones less, so the redundant slots go to
 more distinct experts (more of the noisy load becomes movable) and the packing keeps room for the
-noise of what stays fixed. The plan itself is the ``incremental`` policy's fresh plan on ``w``.
+noise of what stays fixed.
 
-Not registered as a policy kind (yet): ``plan_noise_aware`` returns a slot table.
+Registered as an option of the ``incremental`` policy: ``make_policy("incremental", ...,
+peak_z=z, step_tokens=N)`` plans every layer (fresh or deployed) on ``w``; config:
+``eplb_peak_z`` / ``eplb_step_tokens``. :func:`plan_noise_aware` is its fresh plan from xLLM's
+initial layout (offline benchmarks).
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ def plan_noise_aware(load: np.ndarray, ep_size: int, redundant: int, tokens_per_
         raise ValueError(f"noise-aware placement: tokens_per_rank={tokens_per_rank} must be > 0 "
                          f"and z={z} >= 0")
     layers, e = w.shape
-    nw = noise_weights(w, tokens_per_rank * top_k * ep_size, z)
-    table = make_policy("incremental", ep_size, e, redundant).plan_table(
-        nw, np.tile(initial_phy2log(e, ep_size, redundant), (layers, 1)))
+    pol = make_policy("incremental", ep_size, e, redundant, peak_z=z,
+                      step_tokens=tokens_per_rank * top_k * ep_size)
+    table = pol.plan_table(w, np.tile(initial_phy2log(e, ep_size, redundant), (layers, 1)))
     return table if np.ndim(load) == 2 else table[0]
