@@ -71,7 +71,7 @@ class RoutingPlan:
 
 def prepare(phy2log: np.ndarray, num_logical: int, ep_size: int) -> RoutingPlan:
     """Precompute the routing structures of one layer's placement (``phy2log [D*S]``)."""
-    p = np.asarray(phy2log, dtype=np.int64)
+    p = np.array(phy2log, dtype=np.int64)     # a copy: the plan outlives the caller's array
     if p.ndim != 1 or p.size % ep_size or ((p < 0) | (p >= num_logical)).any():
         raise PlacementError(f"replica routing: slot table of shape {p.shape} is not "
                              f"[ep_size*slots] of ids in [0, {num_logical}) (ep_size={ep_size})")
