@@ -66,7 +66,7 @@ class RoutingPlan:
     static_idx: np.ndarray    # [D, n] flat [n, K] cell the static route of source r uses
     spread_shift: np.ndarray  # [D, n, K] (j - r) mod k: spread's remainder rule
     cell_j: np.ndarray        # [1, K] 1..K
-    rank_adj: tuple           # [D] per rank: its flexible cells ``(i, j, ((j2, rank2), ...))``
+    rank_adj: tuple           # [D] per rank: moves ``(i, j, j2, rank2)`` off its flexible cells
 
 
 def prepare(phy2log: np.ndarray, num_logical: int, ep_size: int) -> RoutingPlan:
@@ -106,13 +106,13 @@ def prepare(phy2log: np.ndarray, num_logical: int, ep_size: int) -> RoutingPlan:
 
 
 def _rank_adj(flex_rank: np.ndarray, fk: np.ndarray, d: int) -> tuple:
-    """Per rank (plain ints, for :func:`_augment`): the cells ``(i, j)`` of flexible expert
-    ``i``'s replica ``j`` on it, each with the other replicas ``((j2, rank2), ...)``; experts
+    """Per rank (plain ints, for :func:`_augment`): the moves ``(i, j, j2, rank2)`` from the cell
+    of flexible expert ``i``'s replica ``j`` on it to its replica ``j2`` on ``rank2``; experts
     ascending, then replica order (the fixed search order every rank shares)."""
     adj: list[list] = [[] for _ in range(d)]
     for i, (row, k) in enumerate(zip(flex_rank.tolist(), fk.tolist(), strict=True)):
         for j in range(k):
-            adj[row[j]].append((i, j, tuple((j2, row[j2]) for j2 in range(k) if j2 != j)))
+            adj[row[j]].extend((i, j, j2, row[j2]) for j2 in range(k) if j2 != j)
     return tuple(tuple(a) for a in adj)
 
 
@@ -151,42 +151,34 @@ def _augment(load: list, xs: list, adj: tuple, cap: int) -> bool:
     ``load [D]``) by augmenting paths; True once it is the integer optimum.
 
     Each pass takes the most loaded rank ``r0`` (lowest index on ties) with load ``T`` and
-    searches breadth-first (cells in ``adj`` order) for a rank with load <= T - 2 through moves
-    "expert i's tokens on rank a -> its replica on rank b" (``xs`` > 0 on a); along the path,
+    searches breadth-first (moves in ``adj`` order) through moves "expert i's tokens on rank a ->
+    its replica on rank b" (``xs`` > 0 on a); on the first level that reaches ranks with load
+    <= T - 2 it takes the least loaded of them (first found on ties), and along the path
     ``min(bottleneck, (T - end load) // 2)`` tokens move, so only r0 and the end change. When no
-    such path exists, the ranks reachable from r0 hold at least T - 1 each and every token of the
-    experts with tokens on them: any split puts that total on them, so its max is >= T (the
-    optimum). At most ``cap`` passes."""
+    such rank is reachable, the ranks reachable from r0 hold at least T - 1 each and every token
+    of the experts with tokens on them: any split puts that total on them, so its max is >= T
+    (the optimum). At most ``cap`` passes."""
     d = len(load)
     for _ in range(cap):
         top = max(load)
         r0 = load.index(top)
-        lim = top - 2
         frm = [-1] * d
         via: list = [None] * d
         frm[r0] = r0
-        frontier, end = [r0], -1
+        frontier, best, end = [r0], top - 1, -1
         while frontier and end < 0:
             nxt = []
             for r in frontier:
-                for i, j, others in adj[r]:
-                    if xs[i][j] <= 0:
-                        continue
-                    for j2, r2 in others:
-                        if frm[r2] < 0:
-                            frm[r2], via[r2] = r, (i, j, j2)
-                            if load[r2] <= lim:
-                                end = r2
-                                break
-                            nxt.append(r2)
-                    if end >= 0:
-                        break
-                if end >= 0:
-                    break
+                for i, j, j2, r2 in adj[r]:
+                    if frm[r2] < 0 and xs[i][j] > 0:
+                        frm[r2], via[r2] = r, (i, j, j2)
+                        nxt.append(r2)
+                        if load[r2] < best:
+                            best, end = load[r2], r2
             frontier = nxt
         if end < 0:
             return True
-        delta, r = (top - load[end]) // 2, end
+        delta, r = (top - best) // 2, end
         while r != r0:
             i, j, _ = via[r]
             delta = min(delta, xs[i][j])
