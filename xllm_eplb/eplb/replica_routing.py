@@ -67,6 +67,9 @@ class RoutingPlan:
     spread_shift: np.ndarray  # [D, n, K] (j - r) mod k: spread's remainder rule
     cell_j: np.ndarray        # [1, K] 1..K
     rank_adj: tuple           # [D] per rank: moves ``(i, j, j2, rank2)`` off its flexible cells
+    slot_cnt: np.ndarray      # [NS] replicas of each slot's expert
+    single_slot: np.ndarray   # [NS] bool, the slot's expert has one replica
+    flex_slots: np.ndarray    # [n, K] slots of each flexible expert in replica order, pad NS
 
 
 def prepare(phy2log: np.ndarray, num_logical: int, ep_size: int) -> RoutingPlan:
@@ -102,7 +105,8 @@ def prepare(phy2log: np.ndarray, num_logical: int, ep_size: int) -> RoutingPlan:
     spread_shift = (jj[None, None, :] - ranks[:, None, None]) % fk[None, :, None]
     return RoutingPlan(p, num_logical, d, cnt, rep_index, slot_of, static_slot, single_e,
                        slot_of[single_e, 0] // s, flex_e, flex_rank, mask, fk, static_idx,
-                       spread_shift, (jj + 1)[None, :], _rank_adj(flex_rank, fk, d))
+                       spread_shift, (jj + 1)[None, :], _rank_adj(flex_rank, fk, d), cnt[p],
+                       cnt[p] == 1, fs)
 
 
 def _rank_adj(flex_rank: np.ndarray, fk: np.ndarray, d: int) -> tuple:
@@ -204,17 +208,16 @@ def balanced_flex(counts: np.ndarray, plan: RoutingPlan, rounds: int = ROUNDS):
     ``balanced`` is never worse than either."""
     d = plan.ep_size
     tot = counts.sum(axis=0)
-    fixed = _sum_at(plan.single_rank, tot[plan.single_e], d + 1)
-    fixed[d] = _BIG
+    tp = tot[plan.phy2log]
+    q = tp // plan.slot_cnt
+    y = q + (plan.rep_index < tp - q * plan.slot_cnt)        # [NS] the even start per slot
+    fixed = np.append(np.where(plan.single_slot, y, 0).reshape(d, -1).sum(axis=1), _BIG)
     n, k = plan.flex_mask.shape
     if n == 0:
         return np.zeros((0, k), dtype=np.int64), fixed
-    tf = tot[plan.flex_e]
     rf = plan.flex_rank.ravel()
-    x = np.where(plan.flex_mask, (tf // plan.flex_k)[:, None]
-                 + (plan.cell_j <= (tf % plan.flex_k)[:, None]), 0)
-    load = (fixed + _sum_at(rf, x.ravel(), d + 1))[:d].tolist()
-    xs = x.tolist()
+    load = y.reshape(d, -1).sum(axis=1).tolist()
+    xs = np.append(y, 0)[plan.flex_slots].tolist()
     if _augment(load, xs, plan.rank_adj, max(1, int(rounds)) * (d + n)):
         return np.array(xs, dtype=np.int64), fixed
     best_x, best_pk = np.array(xs, dtype=np.int64), max(load)
