@@ -12,8 +12,8 @@ Examples::
     xllm-eplb simulate --generate 'sglang:decode_in1000out1000->decode_in500out1500,steps=2000' \\
         --ep-size 32 --redundant-experts-num 1 --policy incremental --eplb_update_interval=5 \\
         --out out/sim_real
-    xllm-eplb simulate --generate 'sglang:decode_in1000out1000,steps=500' --tokens-per-rank 16 \
-        --ep-size 32 --redundant-experts-num 1 --policy incremental \
+    xllm-eplb simulate --generate 'sglang:decode_in1000out1000,steps=500' --tokens-per-rank 16 \\
+        --ep-size 32 --redundant-experts-num 1 --policy incremental \\
         --eplb_replica_routing=balanced --out out/sim_routing
 
 Replica routing: without ``--eplb_replica_routing`` (flag or config file) the replay splits each
@@ -78,8 +78,9 @@ def _per_rank_spec(spec: str | None, tokens_per_rank: int | None, ep_size: int) 
     return f"{spec},tokens={tokens_per_rank * ep_size}"
 
 
-def _resolve_config(argv: list[str], tr, policy: str | None) -> Config:
-    """Every config flag, with the expert count taken from the trace.
+def _resolve_config(argv: list[str], tr, policy: str | None) -> tuple[Config, bool]:
+    """Every config flag, with the expert count taken from the trace; also whether
+    ``eplb_replica_routing`` was set (flag or config file) rather than left at its default.
 
     The trace fixes ``num_experts``: it is resolved (and the cross-field rules checked) with the
     trace's value; a ``--num_experts`` (flag or config file) that differs is an error.
