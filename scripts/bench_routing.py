@@ -3,7 +3,8 @@
 
 Placement: the ``incremental`` policy's fresh plan of ``decode_in1000out1000`` at EP32 + 32
 redundant slots (one per rank), from xLLM's initial layout (as scripts/bench_policy.py plans it);
-optionally also the noise-aware placement (``eplb/policy/noise_aware.py``).
+optionally also the noise-aware placement (``incremental`` with ``peak_z=z, step_tokens=D x
+tokens_per_rank x 8``, ``eplb/policy/noise_aware.py``), planned the same way.
 
 Sampling of one step of one layer: each of the ``D * tokens_per_rank`` tokens (source rank =
 token index // tokens_per_rank) picks top-8 *distinct* experts, drawn successively without
@@ -67,9 +68,9 @@ def cpu_us(fn, repeat: int) -> float:
     return best * 1e6
 
 
-def incremental_plan(loads: np.ndarray, d: int, r: int) -> np.ndarray:
+def incremental_plan(loads: np.ndarray, d: int, r: int, **opts) -> np.ndarray:
     e = loads.shape[1]
-    table = make_policy("incremental", d, e, r).plan_table(
+    table = make_policy("incremental", d, e, r, **opts).plan_table(
         loads, np.tile(initial_phy2log(e, d, r), (loads.shape[0], 1)))
     return table
 
@@ -138,10 +139,9 @@ def main(argv=None) -> int:
     for tpr in sizes:
         plans = [("incremental", base)]
         if args.noise_aware:
-            from xllm_eplb.eplb.policy.noise_aware import plan_noise_aware
             for z in args.z:
-                plans.append((f"noise_aware z={z:g}",
-                              plan_noise_aware(loads, d, r, tpr, z=z, top_k=TOP_K)))
+                plans.append((f"noise_aware z={z:g}", incremental_plan(
+                    loads, d, r, peak_z=z, step_tokens=d * tpr * TOP_K)))
         for name, table in plans:
             t0 = time.perf_counter()
             rng = np.random.default_rng(args.seed + tpr)      # same steps for every placement

@@ -151,3 +151,14 @@ def test_bad_input_names_the_rule():
         rr.route(np.zeros((2, 4), np.int64), plan, "lp")
     with pytest.raises(PlacementError, match="has no replica"):
         rr.prepare(np.array([0, 0, 1, 1]), 3, 2)
+
+
+@SETTINGS
+@given(cases())
+def test_balanced_reaches_the_integer_optimum(case):
+    """The augmenting-path solve stops only at the optimum: ceil of the LP's fractional optimum
+    (integral flows), unless its path cap is hit, which these sizes never reach."""
+    phy, e, d, counts = case
+    plan = rr.prepare(phy, e, d)
+    peak = int(rr.rank_loads(rr.slot_loads(counts, plan, "balanced"), d).max())
+    assert peak == int(np.ceil(lp_peak(phy, counts.sum(axis=0), d) - 1e-6))

@@ -94,6 +94,14 @@ class EplbConfig:
         4096, "expert-distribution recording (POST /eplb/record/start with trace=true): most "
         "steps kept in the per-step trace (int32 [steps, layers, experts] in memory); the "
         "totals keep counting beyond it", lo=1)
+    # --- noise-aware placement (issue 15) ---
+    eplb_peak_z: float = opt(
+        0.0, "incremental policy: plan for the per-step peak, each expert weighted by its "
+        "expected per-step count + this many standard deviations (0 = plan on the mean; needs "
+        "eplb_step_tokens)", lo=0)
+    eplb_step_tokens: int = opt(
+        0, "incremental policy with eplb_peak_z > 0: routed tokens (top-k occurrences) per "
+        "forward step over all EP ranks", lo=0)
 
 
 @dataclass(frozen=True)

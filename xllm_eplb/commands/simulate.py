@@ -12,6 +12,14 @@ Examples::
     xllm-eplb simulate --generate 'sglang:decode_in1000out1000->decode_in500out1500,steps=2000' \\
         --ep-size 32 --redundant-experts-num 1 --policy incremental --eplb_update_interval=5 \\
         --out out/sim_real
+    xllm-eplb simulate --generate 'sglang:decode_in1000out1000,steps=500' --tokens-per-rank 16 \\
+        --ep-size 32 --redundant-experts-num 1 --policy incremental \\
+        --eplb_replica_routing=balanced --out out/sim_routing
+
+Replica routing: without ``--eplb_replica_routing`` (flag or config file) the replay splits each
+expert's step total evenly over its replicas; with it, each step's counts are split over source
+ranks (the trace's ``sources``, else a seeded multinomial split) and routed by that mode
+(``sim/replay.py``). ``summary.json`` always has ``step_peak_over_ideal``.
 """
 
 from __future__ import annotations
@@ -50,8 +58,29 @@ def _load(trace: str | None, spec: str | None, steps: int | None, data_dir: str 
     return tr
 
 
-def _resolve_config(argv: list[str], tr, policy: str | None) -> Config:
-    """Every config flag, with the expert count taken from the trace.
+def _spec_keys(spec: str) -> dict:
+    from xllm_eplb.sim.generators import parse_spec
+    return parse_spec(spec)[2]
+
+
+def _per_rank_spec(spec: str | None, tokens_per_rank: int | None, ep_size: int) -> str | None:
+    """The ``--generate`` spec with ``tokens = ep_size x --tokens-per-rank`` (None: unchanged)."""
+    if tokens_per_rank is None:
+        return spec
+    if tokens_per_rank < 1:
+        raise ConfigError(f"--tokens-per-rank={tokens_per_rank}: must be >= 1")
+    if not spec:
+        raise ConfigError("--tokens-per-rank: sets the per-step sample size of a generated "
+                          "trace, so it needs --generate (a --trace fixes its own counts)")
+    if "tokens" in _spec_keys(spec):
+        raise ConfigError(f"--tokens-per-rank={tokens_per_rank} and --generate {spec!r} "
+                          f"(tokens=) both set the per-step sample size: give one")
+    return f"{spec},tokens={tokens_per_rank * ep_size}"
+
+
+def _resolve_config(argv: list[str], tr, policy: str | None) -> tuple[Config, bool]:
+    """Every config flag, with the expert count taken from the trace; also whether
+    ``eplb_replica_routing`` was set (flag or config file) rather than left at its default.
 
     The trace fixes ``num_experts``: it is resolved (and the cross-field rules checked) with the
     trace's value; a ``--num_experts`` (flag or config file) that differs is an error.
@@ -75,7 +104,7 @@ def _resolve_config(argv: list[str], tr, policy: str | None) -> Config:
     if policy:
         e = dataclasses.replace(cfg.eplb, eplb_policy_kind=normalize_policy_kind(policy))
         cfg = validate(dataclasses.replace(cfg, eplb=e))
-    return cfg
+    return cfg, sources.get("eplb_replica_routing", "default") != "default"
 
 
 def _dump(summary: dict) -> str:
@@ -97,6 +126,9 @@ def _text_summary(s: dict, out: Path) -> str:
         f"balancedness (windows from the first activation of any layer): "
         f"static={s['balancedness_static_global_start']:.4f} "
         f"eplb={s['balancedness_eplb_global_start']:.4f}",
+        f"step peak/ideal (mean from the first activation, routing "
+        f"{s['replica_routing']}): static={s['step_peak_over_ideal_static']:.4f} "
+        f"eplb={s['step_peak_over_ideal']:.4f}",
         f"modelled MoE step cost (sum over layers of the max rank load, mean per step): "
         f"static={s['step_cost_static_mean']:.0f} eplb={s['step_cost_eplb_mean']:.0f}",
         f"slots_moved={s['slots_moved']} weight_copies={s['weight_copies']} "
@@ -117,6 +149,9 @@ def _text_summary(s: dict, out: Path) -> str:
 @click.option("--policy", default=None,
               help="placement policy (same as --eplb_policy_kind)")
 @click.option("--steps", type=int, default=None, help="replay only the first K steps")
+@click.option("--tokens-per-rank", type=int, default=None,
+              help="generated traces: tokens per EP rank per step (the spec's tokens = this x "
+                   "ep_size)")
 @click.option("--step-seconds", type=float, default=0.05, show_default=True,
               help="simulated seconds per forward step")
 @click.option("--transfer-steps-per-layer", type=int, default=1, show_default=True,
@@ -129,8 +164,8 @@ def _text_summary(s: dict, out: Path) -> str:
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), required=True,
               help="output directory (summary.json, plots, simulate.log)")
 @handle_user_errors
-def simulate(trace_path, spec, data_dir, policy, steps, step_seconds, transfer_steps_per_layer,
-             window_steps, save_trace, plots, out_dir):
+def simulate(trace_path, spec, data_dir, policy, steps, tokens_per_rank, step_seconds,
+             transfer_steps_per_layer, window_steps, save_trace, plots, out_dir):
     """Replay a load trace through aggregator + estimator + manager + policy.
 
     Needs --ep-size (a config flag) and --trace or --generate; every config flag and --config
@@ -146,8 +181,14 @@ def simulate(trace_path, spec, data_dir, policy, steps, step_seconds, transfer_s
         raise ConfigError(f"--transfer-steps-per-layer={transfer_steps_per_layer}: must be >= 1")
     if window_steps < 1:
         raise ConfigError(f"--window-steps={window_steps}: must be >= 1")
+    argv = list(click.get_current_context().args)
+    if tokens_per_rank is not None:
+        _per_rank_spec(spec, tokens_per_rank, 1)                  # bad input first
+        probe = _load(None, f"{spec},steps=1", None, data_dir)    # its expert count only
+        spec = _per_rank_spec(spec, tokens_per_rank, int(_resolve_config(
+            argv, probe, policy)[0].eplb.ep_size))
     tr = _load(trace_path, spec, steps, data_dir)
-    cfg = _resolve_config(list(click.get_current_context().args), tr, policy)
+    cfg, routed = _resolve_config(argv, tr, policy)
     if save_trace:
         try:
             write_trace(tr, save_trace)
@@ -160,12 +201,13 @@ def simulate(trace_path, spec, data_dir, policy, steps, step_seconds, transfer_s
         raise ConfigError(f"--out={out_dir}: cannot create the output folder ({e})") from None
     (out / "simulate.log").unlink(missing_ok=True)        # one run per log, never appended
     setup_logging("simulate", cfg.serve.v, log_file=str(out / "simulate.log"), stream=None)
-    opts = ReplayOptions(step_seconds, transfer_steps_per_layer, window_steps)
+    opts = ReplayOptions(step_seconds, transfer_steps_per_layer, window_steps,
+                         routing=cfg.eplb.eplb_replica_routing if routed else None)
     res = replay(tr, cfg.eplb, opts)
     res.extra = {"trace": trace_path or spec, "ep_size": cfg.eplb.ep_size,
                  "redundant_experts_num": cfg.eplb.redundant_experts_num,
                  "layers": tr.layers, "experts": tr.experts,
-                 "step_seconds": step_seconds,
+                 "step_seconds": step_seconds, "tokens_per_rank": tokens_per_rank,
                  "transfer_steps_per_layer": transfer_steps_per_layer,
                  "estimator": cfg.eplb.eplb_use_estimator,
                  "eplb_update_interval": cfg.eplb.eplb_update_interval,

@@ -15,14 +15,20 @@ Modes:
   replica ``j`` gets ``c // k`` plus one if ``(j - r) mod k < c mod k`` (remainders rotate with
   the source rank);
 - ``balanced``: every rank computes the same split of each expert's step total over its replicas
-  that minimises the maximum rank load (:func:`balanced_slot_loads`), then source ``r`` takes its
-  share by the north-west-corner rule: e's tokens are lined up source by source (rank order) and
-  cut into e's replicas in replica order.
+  that minimises the maximum rank load, exactly, in whole tokens (:func:`balanced_flex`), then
+  source ``r`` takes its share by the north-west-corner rule: e's tokens are lined up source by
+  source (rank order) and cut into e's replicas in replica order.
 
 NOTE (cross-rank rule): ``balanced`` needs the counts of every source (an all-gather of
 ``counts [D, E]`` on the EP group each step and layer); every rank then runs the same integer
 arithmetic on the same array with stable tie-breaks (stable sorts, lowest index first), so each
 reaches the identical assignment with no broadcast. No float enters the solve: keep it so.
+
+Cost: the solve is a few vectorised numpy calls (totals, fixed loads, even start) plus a short
+integer loop over the flexible experts' cells (augmenting paths, :func:`_augment`); at 256
+experts, EP32 + 32 redundant slots it takes ~50-100 us per layer (``scripts/bench_routing.py``).
+A vectorised Jacobi scheme was slower there: each numpy call costs microseconds on arrays of
+~30 x 3, and it needed ~8 rounds of ~30 calls.
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ import numpy as np
 from xllm_eplb.eplb.placement import PlacementError
 
 MODES = ("static", "spread", "balanced")
-ROUNDS = 8                      # default solver rounds of ``balanced`` (see balanced_slot_loads)
+ROUNDS = 8                      # ``balanced``: at most ROUNDS x (D + n) augmentations
 _BIG = np.int64(1) << 40        # load of the padding rank: never below a real rank
 
 
@@ -59,15 +65,16 @@ class RoutingPlan:
     flex_k: np.ndarray        # [n] replica count
     static_idx: np.ndarray    # [D, n] flat [n, K] cell the static route of source r uses
     spread_shift: np.ndarray  # [D, n, K] (j - r) mod k: spread's remainder rule
-    rank_cells: np.ndarray    # [D+1, M] flat [n, K] cells on each rank, padded with n*K
     cell_j: np.ndarray        # [1, K] 1..K
-    cell_off: np.ndarray      # [n, 1] row offsets of the flat [n, K] cells
-    cell_tie: np.ndarray      # [n, K] flat cell index (tie-break key)
+    rank_adj: tuple           # [D] per rank: moves ``(i, j, j2, rank2)`` off its flexible cells
+    slot_cnt: np.ndarray      # [NS] replicas of each slot's expert
+    single_slot: np.ndarray   # [NS] bool, the slot's expert has one replica
+    flex_slots: np.ndarray    # [n, K] slots of each flexible expert in replica order, pad NS
 
 
 def prepare(phy2log: np.ndarray, num_logical: int, ep_size: int) -> RoutingPlan:
     """Precompute the routing structures of one layer's placement (``phy2log [D*S]``)."""
-    p = np.asarray(phy2log, dtype=np.int64)
+    p = np.array(phy2log, dtype=np.int64)     # a copy: the plan outlives the caller's array
     if p.ndim != 1 or p.size % ep_size or ((p < 0) | (p >= num_logical)).any():
         raise PlacementError(f"replica routing: slot table of shape {p.shape} is not "
                              f"[ep_size*slots] of ids in [0, {num_logical}) (ep_size={ep_size})")
@@ -98,23 +105,19 @@ def prepare(phy2log: np.ndarray, num_logical: int, ep_size: int) -> RoutingPlan:
     spread_shift = (jj[None, None, :] - ranks[:, None, None]) % fk[None, :, None]
     return RoutingPlan(p, num_logical, d, cnt, rep_index, slot_of, static_slot, single_e,
                        slot_of[single_e, 0] // s, flex_e, flex_rank, mask, fk, static_idx,
-                       spread_shift, _rank_cells(flex_rank, mask, d), (jj + 1)[None, :],
-                       (np.arange(flex_e.size) * k)[:, None],
-                       np.arange(flex_e.size * k).reshape(flex_e.size, k))
+                       spread_shift, (jj + 1)[None, :], _rank_adj(flex_rank, fk, d), cnt[p],
+                       cnt[p] == 1, fs)
 
 
-def _rank_cells(flex_rank: np.ndarray, mask: np.ndarray, d: int) -> np.ndarray:
-    """[D+1, M]: the flat [n, K] cells (replicas of flexible experts) on each rank, padded with
-    ``n*K``; row ``D`` (the padding rank) holds only padding."""
-    size = flex_rank.size
-    cells = np.nonzero(mask.ravel())[0]
-    rk = flex_rank.ravel()[cells]
-    per = np.bincount(rk, minlength=d + 1)
-    out = np.full((d + 1, max(1, int(per.max()))), size, dtype=np.int64)
-    order = np.argsort(rk, kind="stable")
-    first = np.concatenate(([0], np.cumsum(per)[:-1]))
-    out[rk[order], np.arange(cells.size) - first[rk[order]]] = cells[order]
-    return out
+def _rank_adj(flex_rank: np.ndarray, fk: np.ndarray, d: int) -> tuple:
+    """Per rank (plain ints, for :func:`_augment`): the moves ``(i, j, j2, rank2)`` from the cell
+    of flexible expert ``i``'s replica ``j`` on it to its replica ``j2`` on ``rank2``; experts
+    ascending, then replica order (the fixed search order every rank shares)."""
+    adj: list[list] = [[] for _ in range(d)]
+    for i, (row, k) in enumerate(zip(flex_rank.tolist(), fk.tolist(), strict=True)):
+        for j in range(k):
+            adj[row[j]].extend((i, j, j2, row[j2]) for j2 in range(k) if j2 != j)
+    return tuple(tuple(a) for a in adj)
 
 
 def _check_counts(counts, plan: RoutingPlan) -> np.ndarray:
@@ -147,106 +150,82 @@ def _flex_spread(cf: np.ndarray, plan: RoutingPlan) -> np.ndarray:
     return np.where(plan.flex_mask, q.sum(axis=0)[:, None] + extra, 0)
 
 
-def _water_fill(base, tot, j, off):
-    """Integer water-filling of each row's ``tot`` tokens over its replicas with base loads
-    ``base [n, K]`` (padding = _BIG): the replicas below the level ``lev`` are raised to it; the
-    remainder of the level's division adds one token to the first of them in replica order.
+def _augment(load: list, xs: list, adj: tuple, cap: int) -> bool:
+    """Lower the max rank load of the split ``xs [n][K]`` (plain ints, updated in place with
+    ``load [D]``) by augmenting paths; True once it is the integer optimum.
 
-    With ``bs`` the sorted bases, ``m`` replicas are under the level when ``bs[m-1] * m <= tot +
-    sum(bs[:m])`` (a prefix); ``lev = (tot + sum(bs[:m])) // m``, and exactly those ``m`` have
-    ``base <= lev``, so the result needs no unsorting."""
-    bs = np.sort(base, axis=1)
-    cum = np.cumsum(bs, axis=1)
-    m = (bs * j <= tot[:, None] + cum).sum(axis=1)
-    top = tot + cum.ravel()[off[:, 0] + m - 1]
-    lev = (top // m)[:, None]
-    under = base <= lev
-    bonus = under & (np.cumsum(under, axis=1) <= (top[:, None] - lev * m[:, None]))
-    return np.where(under, lev - base, 0) + bonus
-
-
-def _first_come(a, num):
-    """Cut each row of ``a [n, K]`` (>= 0) to ``num [n]`` (<= its sum) tokens, taken in replica
-    order: ``min(a_j, max(0, num - sum of a before j))``."""
-    before = np.cumsum(a, axis=1) - a
-    return np.minimum(a, np.maximum(num[:, None] - before, 0))
-
-
-def _prefix_bound(fixed, tot, plan: RoutingPlan, key=None) -> int:
-    """Lower bound on the max rank load of any split: for the ranks sorted by ``key`` [D+1]
-    (default: the fixed load; heaviest first), the first j ranks must carry their fixed load plus
-    every flexible expert whose replicas all lie among them; max over j of the ceiling of that
-    over j (integer loads)."""
-    d = plan.ep_size
-    o = np.argsort(-(fixed if key is None else key)[:d], kind="stable")
-    pos = np.empty(d + 1, dtype=np.int64)
-    pos[o] = np.arange(d)
-    pos[d] = -1
-    last = pos[plan.flex_rank].max(axis=1)
-    w = np.cumsum(fixed[o]) + np.cumsum(_sum_at(last, tot, d))
-    j = np.arange(1, d + 1)
-    return int(((w + j - 1) // j).max())
+    Each pass takes the most loaded rank ``r0`` (lowest index on ties) with load ``T`` and
+    searches breadth-first (moves in ``adj`` order) through moves "expert i's tokens on rank a ->
+    its replica on rank b" (``xs`` > 0 on a); on the first level that reaches ranks with load
+    <= T - 2 it takes the least loaded of them (first found on ties), and along the path
+    ``min(bottleneck, (T - end load) // 2)`` tokens move, so only r0 and the end change. When no
+    such rank is reachable, the ranks reachable from r0 hold at least T - 1 each and every token
+    of the experts with tokens on them: any split puts that total on them, so its max is >= T
+    (the optimum). At most ``cap`` passes."""
+    d = len(load)
+    for _ in range(cap):
+        top = max(load)
+        r0 = load.index(top)
+        frm = [-1] * d
+        via: list = [None] * d
+        frm[r0] = r0
+        frontier, best, end = [r0], top - 1, -1
+        while frontier and end < 0:
+            nxt = []
+            for r in frontier:
+                for i, j, j2, r2 in adj[r]:
+                    if frm[r2] < 0 and xs[i][j] > 0:
+                        frm[r2], via[r2] = r, (i, j, j2)
+                        nxt.append(r2)
+                        if load[r2] < best:
+                            best, end = load[r2], r2
+            frontier = nxt
+        if end < 0:
+            return True
+        delta, r = (top - best) // 2, end
+        while r != r0:
+            i, j, _ = via[r]
+            delta = min(delta, xs[i][j])
+            r = frm[r]
+        r = end
+        while r != r0:
+            i, j, j2 = via[r]
+            xs[i][j] -= delta
+            xs[i][j2] += delta
+            r = frm[r]
+        load[r0] -= delta
+        load[end] += delta
+    return False
 
 
 def balanced_flex(counts: np.ndarray, plan: RoutingPlan, rounds: int = ROUNDS):
     """The ``balanced`` split of the flexible experts: ``(x [n, K] int64, fixed [D+1])``.
 
-    Start: each expert's step total split evenly over its replicas. Then up to ``rounds`` Jacobi
-    rounds: every flexible expert water-fills its total over its replicas against the others'
-    current loads; where several experts want to pour into one rank, only the largest wish is
-    granted there, and each expert moves ``min(granted inflow, outflow)`` tokens (the larger side
-    cut in replica order). The best split seen wins. The loop stops once the max rank load meets
-    :func:`_prefix_bound` (then it is optimal; after round 2 the bound is sharpened with the ranks
-    in the order of the best loads). A split that does not meet the bound is compared with the
-    ``spread`` and ``static`` splits and the lowest max load wins (ties: the earlier), so
+    Start: each expert's step total split evenly over its replicas (remainder to the first
+    replicas); then :func:`_augment` (at most ``rounds x (D + n)`` paths) moves tokens until the
+    max rank load is the integer optimum. Should the cap stop it first, the split is compared
+    with the ``spread`` and ``static`` splits and the lowest max load wins (ties: the earlier), so
     ``balanced`` is never worse than either."""
     d = plan.ep_size
     tot = counts.sum(axis=0)
-    fixed = _sum_at(plan.single_rank, tot[plan.single_e], d + 1)
-    fixed[d] = _BIG
+    tp = tot[plan.phy2log]
+    q = tp // plan.slot_cnt
+    y = q + (plan.rep_index < tp - q * plan.slot_cnt)        # [NS] the even start per slot
+    fixed = np.append(np.where(plan.single_slot, y, 0).reshape(d, -1).sum(axis=1), _BIG)
     n, k = plan.flex_mask.shape
     if n == 0:
         return np.zeros((0, k), dtype=np.int64), fixed
-    tf = tot[plan.flex_e]
     rf = plan.flex_rank.ravel()
-    j, off = plan.cell_j, plan.cell_off
-    x = np.where(plan.flex_mask, (tf // plan.flex_k)[:, None]
-                 + (j <= (tf % plan.flex_k)[:, None]), 0)
-    load = fixed + _sum_at(rf, x.ravel(), d + 1)
-    best_x, best_pk = x, int(load[:d].max())
-    bound = _prefix_bound(fixed, tf, plan)
-    keyf = np.full(n * k + 1, -1, dtype=np.int64)           # last cell: the rank-list padding
-    for it in range(rounds):
-        if best_pk <= bound:
-            break
-        if it == 2:                  # sharper bound: the ranks in the order of the best loads
-            best_load = fixed + _sum_at(rf, best_x.ravel(), d + 1)
-            bound = max(bound, _prefix_bound(fixed, tf, plan, best_load))
-            if best_pk <= bound:
-                break
-        want = _water_fill(load[plan.flex_rank] - x, tf, j, off) - x
-        inc = np.maximum(want, 0)
-        dec = np.maximum(-want, 0)
-        # NOTE: one winner per receiving rank (largest wish, ties: lowest cell), so that the
-        # experts' simultaneous moves do not pile onto one rank; integer keys, no tie left open
-        keyf[:-1] = (inc * (n * k + 1) - plan.cell_tie).ravel()
-        top = keyf[plan.rank_cells].max(axis=1)
-        inc = np.where(keyf[:-1].reshape(n, k) == top[plan.flex_rank], inc, 0)
-        i_sum, o_sum = inc.sum(axis=1), dec.sum(axis=1)
-        mv = np.minimum(i_sum, o_sum)
-        if (i_sum > mv).any():
-            inc = _first_come(inc, mv)
-        x = x + inc - _first_come(dec, mv)
-        load = fixed + _sum_at(rf, x.ravel(), d + 1)
-        pk = int(load[:d].max())
+    load = y.reshape(d, -1).sum(axis=1).tolist()
+    xs = np.append(y, 0)[plan.flex_slots].tolist()
+    if _augment(load, xs, plan.rank_adj, max(1, int(rounds)) * (d + n)):
+        return np.array(xs, dtype=np.int64), fixed
+    best_x, best_pk = np.array(xs, dtype=np.int64), max(load)
+    cf = counts[:, plan.flex_e]
+    for alt in (_flex_spread(cf, plan), _flex_static(cf, plan)):
+        pk = int((fixed + _sum_at(rf, alt.ravel(), d + 1))[:d].max())
         if pk < best_pk:
-            best_x, best_pk = x, pk
-    if best_pk > bound:
-        cf = counts[:, plan.flex_e]
-        for alt in (_flex_spread(cf, plan), _flex_static(cf, plan)):
-            pk = int((fixed + _sum_at(rf, alt.ravel(), d + 1))[:d].max())
-            if pk < best_pk:
-                best_x, best_pk = alt, pk
+            best_x, best_pk = alt, pk
     return best_x, fixed
 
 

@@ -7,8 +7,15 @@ counters of the step's load under the placement the workers ran -> ``mgr.on_outp
 simulated clock ``+= step_seconds`` -> ``mgr.tick()`` (sync runner: timer, policy, timeouts).
 The same step is also measured under the static initial placement (EPLB off).
 
+Replica routing (``ReplayOptions.routing``): None = the aggregate model (each expert's step total
+split evenly over its replicas); a mode of ``eplb/replica_routing.py`` = the step's counts split
+over source ranks (the trace's ``sources``, else a multinomial split seeded by
+``routing_seed``) and routed by that mode, under both placements (``sim/routing.py``). The
+counters the manager sees are what each slot served.
+
 Metrics per step (over MoE layers): balancedness = mean over layers of mean/max rank load;
-peak/ideal = mean over layers of max/mean; modelled MoE step cost = sum over layers of the max
+peak/ideal = mean over layers of max/mean (its mean over the steps from the first activation on
+is ``step_peak_over_ideal``); modelled MoE step cost = sum over layers of the max
 rank load (tokens; the slowest rank gates every layer). Window metric: from the first activation
 on, per ``window_steps`` window the rank loads are summed, balancedness computed per layer and
 averaged over layers; the summary value is the mean over full windows.
@@ -28,6 +35,8 @@ from xllm_eplb.eplb.balance import balancedness
 from xllm_eplb.eplb.info import NO_LAYER
 from xllm_eplb.eplb.manager import EplbManager
 from xllm_eplb.eplb.placement import diff
+from xllm_eplb.errors import InputFileError
+from xllm_eplb.sim.routing import Router, split_sources
 from xllm_eplb.sim.trace import Trace
 from xllm_eplb.sim.workers import SimWorkers, slot_counts
 
@@ -38,6 +47,8 @@ class ReplayOptions:
     transfer_steps_per_layer: int = 1
     window_steps: int = 100
     use_estimator: bool | None = None   # None: follow eplb_use_estimator
+    routing: str | None = None          # replica routing mode; None: even split (see module doc)
+    routing_seed: int = 0               # seed of the source split when the trace has none
 
 
 class SimClock:
@@ -66,6 +77,7 @@ class ReplayResult:
     wall_seconds: float = 0.0
     window_steps: int = 100
     extra: dict = field(default_factory=dict)
+    routing: str | None = None
 
     @property
     def activated(self) -> np.ndarray:
@@ -104,6 +116,7 @@ def replay(trace: Trace, cfg: EplbConfig, opts: ReplayOptions | None = None) -> 
     static = mgr.active_placement.copy()
     workers = SimWorkers(static, ep, delays=int(opts.transfer_steps_per_layer))
     steps = trace.steps
+    step_slots = _step_slots(trace, ep, opts)
     rank_eplb = np.zeros((steps, trace.layers, ep), dtype=np.int64)
     rank_static = np.zeros_like(rank_eplb)
     activated = np.full(steps, NO_LAYER, dtype=np.int64)
@@ -117,9 +130,10 @@ def replay(trace: Trace, cfg: EplbConfig, opts: ReplayOptions | None = None) -> 
             workers.before_forward(info)
             before = workers.placement[info.update_layer_id].copy() \
                 if info.update_layer_id != NO_LAYER else None
-            cnt = workers.counters(load)
+            served, served_static = step_slots(t, workers.placement, static)
+            cnt = workers.counters(load, served)
             rank_eplb[t] = np.stack([counter_format.totals(c) for c in cnt], axis=1)
-            rank_static[t] = rank_totals(slot_counts(load, static), ep)
+            rank_static[t] = rank_totals(served_static, ep)
             tokens, act = workers.after_forward(info)
             if before is not None:
                 activated[t] = info.update_layer_id
@@ -136,7 +150,25 @@ def replay(trace: Trace, cfg: EplbConfig, opts: ReplayOptions | None = None) -> 
     finally:
         mgr.close()
     return ReplayResult(rank_eplb, rank_static, activated, moved, round_steps, stats, static,
-                        final, time.perf_counter() - t0, opts.window_steps)
+                        final, time.perf_counter() - t0, opts.window_steps, routing=opts.routing)
+
+
+def _step_slots(trace: Trace, ep: int, opts: ReplayOptions):
+    """``f(t, placement, static) -> (slots served [layers, D*S] under placement or None for the
+    even split, the same under static)`` for step ``t`` (see module doc)."""
+    if opts.routing is None:
+        return lambda t, placement, static: (None, slot_counts(trace.loads[t], static))
+    if trace.sources is not None and trace.sources.shape[2] != ep:
+        raise InputFileError(f"trace sources have {trace.sources.shape[2]} source ranks but "
+                             f"ep_size={ep}: they must match")
+    router = Router(opts.routing, trace.experts, ep)
+    rng = np.random.default_rng(opts.routing_seed)
+
+    def step(t, placement, static):
+        src = trace.sources[t] if trace.sources is not None else \
+            split_sources(trace.loads[t], ep, rng)
+        return router.slot_counts(src, placement), router.slot_counts(src, static)
+    return step
 
 
 # --- metrics ------------------------------------------------------------------------------------
@@ -200,6 +232,9 @@ def summarize(res: ReplayResult) -> dict:
         "balancedness_eplb_global_start": window_balancedness(res.rank_eplb, glob, w),
         "step_cost_static_mean": float(ss["step_cost"].mean()),
         "step_cost_eplb_mean": float(se["step_cost"].mean()),
+        "replica_routing": res.routing or "even split (aggregate)",
+        "step_peak_over_ideal": float(se["peak_over_ideal"][glob:].mean()),
+        "step_peak_over_ideal_static": float(ss["peak_over_ideal"][glob:].mean()),
         "policy": st["policy"],
         "round_steps": res.round_steps,
         "wall_seconds": round(res.wall_seconds, 3),

@@ -89,9 +89,13 @@ class SimWorkers:
                     self._tasks[r].append((self.step_index + d - 1, info.prepare_layer_id,
                                            info.prepare_token, ids))
 
-    def counters(self, logical: np.ndarray) -> list[np.ndarray]:
-        """This forward's per-rank prefix-sum counters ``[layers, slots]`` for a logical load."""
-        per_slot = slot_counts(np.asarray(logical, dtype=np.int64), self.placement)
+    def counters(self, logical: np.ndarray, per_slot: np.ndarray | None = None
+                 ) -> list[np.ndarray]:
+        """This forward's per-rank prefix-sum counters ``[layers, slots]`` for a logical load
+        (split evenly over the replicas), or for the given tokens per global slot ``per_slot
+        [layers, ranks*slots]`` (replica routing, ``sim/routing.py``)."""
+        if per_slot is None:
+            per_slot = slot_counts(np.asarray(logical, dtype=np.int64), self.placement)
         pr = counter_format.encode(per_slot.reshape(per_slot.shape[0], self.ep_size, self.slots))
         return [pr[:, r, :] for r in range(self.ep_size)]
 

@@ -50,6 +50,10 @@ def make_policy(kind: str, ep_size: int, num_logical: int, redundant: int,
       (0 = no floor, default 2.5);
     - ``rewrite_moves``: single-slot replica rewrites besides swaps (None = automatic, only on
       deployed layers where one replica exceeds the target);
+    - ``peak_z`` + ``step_tokens``: noise-aware placement (``policy/noise_aware.py``): plan on
+      each expert's expected per-step count + ``peak_z`` standard deviations, with
+      ``step_tokens`` routed tokens per forward step over all ranks (``peak_z`` 0 = off;
+      ``peak_z`` > 0 needs ``step_tokens`` > 0);
     - also ``move_cost``, ``target_slack``, ``must_slack``, ``count_slack``, ``max_iters``
       (see ``IncrementalPolicy``).
 
@@ -71,8 +75,11 @@ def make_policy(kind: str, ep_size: int, num_logical: int, redundant: int,
 
 def policy_from_config(cfg: EplbConfig, num_logical: int) -> EplbPolicy:
     """The policy ``cfg.eplb_policy_kind`` names, with the config options that kind takes
-    (incremental: ``eplb_migration_budget_slots``; node_aware: ``eplb_num_nodes``)."""
+    (incremental: ``eplb_migration_budget_slots``, ``eplb_peak_z``, ``eplb_step_tokens``;
+    node_aware: ``eplb_num_nodes``)."""
     k = normalize_kind(cfg.eplb_policy_kind)
-    opts = {"incremental": dict(budget_slots=int(cfg.eplb_migration_budget_slots)),
+    opts = {"incremental": dict(budget_slots=int(cfg.eplb_migration_budget_slots),
+                                peak_z=float(cfg.eplb_peak_z),
+                                step_tokens=float(cfg.eplb_step_tokens)),
             "node_aware": dict(num_nodes=int(cfg.eplb_num_nodes))}.get(k, {})
     return make_policy(k, int(cfg.ep_size), num_logical, int(cfg.redundant_experts_num), **opts)

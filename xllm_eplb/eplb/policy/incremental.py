@@ -23,7 +23,15 @@ min-max per-replica load)`` per layer:
    reached; with ``budget_slots > 0`` (or ``budget_bytes`` / ``slot_bytes``) the slots of one
    round are capped over all layers and spent where they buy the most peak reduction per slot;
 6. a layer still above ``must`` and its trigger is also planned from scratch (min-max counts, LPT,
-   swap search, slot stabilisation); that plan wins only when its benefit minus cost is higher.
+   swap search, slot stabilisation); that plan wins only when its benefit minus cost is higher;
+7. a fresh layer is never worse than the ``balanced`` or ``greedy`` policy's plan of the same
+   load: both are computed for it and the lowest peak wins (ties: this policy's own plan). The
+   noise floor of step 2 never applies to a fresh layer (it is planned to ``target``).
+
+Noise-aware placement (``peak_z > 0`` with ``step_tokens``): every step above plans on
+``noise_aware.noise_weights`` (each expert's expected per-step count plus ``peak_z`` standard
+deviations) instead of the mean load, i.e. for the expected per-step peak; the hysteresis noise
+floor still uses the raw load.
 """
 
 from __future__ import annotations
@@ -34,9 +42,12 @@ import numpy as np
 
 from xllm_eplb.eplb.balance import rank_loads_from_phy2log
 from xllm_eplb.eplb.placement import initial_phy2log
+from xllm_eplb.eplb.policy.balanced import plan_balanced
 from xllm_eplb.eplb.policy.base import EplbPolicy
 from xllm_eplb.eplb.policy.excess import excess_search
+from xllm_eplb.eplb.policy.greedy import plan_greedy
 from xllm_eplb.eplb.policy.localsearch import slot_values, swap_search
+from xllm_eplb.eplb.policy.noise_aware import noise_weights
 from xllm_eplb.eplb.policy.packing import (
     cyclic_fallback,
     pack_sequences,
@@ -56,7 +67,10 @@ class IncrementalPolicy(EplbPolicy):
     ``budget_bytes`` + ``slot_bytes`` (the same in bytes), ``move_cost`` (fraction of the ideal
     rank load one moved slot costs), ``target_slack``, ``must_slack``, ``count_slack``,
     ``trigger_slack``, ``settle_slack``, ``noise_z`` (0 = no noise floor), ``rewrite_moves``
-    (None = only on deployed layers where one replica exceeds the target; see the module doc), ``max_iters`` (search iterations, 0 = 8 x slots)."""
+    (None = only on deployed layers where one replica exceeds the target; see the module doc),
+    ``max_iters`` (search iterations, 0 = 8 x slots), ``peak_z`` + ``step_tokens``
+    (noise-aware placement: sigma multiple >= 0, 0 = plan on the mean; routed tokens, top-k
+    occurrences, per forward step over all ranks, > 0 when ``peak_z`` > 0)."""
 
     name = "incremental"
 
@@ -64,8 +78,10 @@ class IncrementalPolicy(EplbPolicy):
                  budget_bytes: int = 0, slot_bytes: int = 0, move_cost: float = 2e-4,
                  target_slack: float = 2e-3, must_slack: float = 4e-3, count_slack: float = 0.02,
                  max_iters: int = 0, trigger_slack: float = 0.02, settle_slack: float = 0.009,
-                 noise_z: float = 2.5, rewrite_moves=None):
+                 noise_z: float = 2.5, rewrite_moves=None, peak_z: float = 0.0,
+                 step_tokens: float = 0.0):
         super().__init__(ep_size, num_logical, redundant)
+        self.peak_z, self.step_tokens = _check_noise_aware(peak_z, step_tokens)
         if budget_bytes and slot_bytes:
             budget_slots = max(1, int(budget_bytes) // int(slot_bytes))
         for key, val in (("trigger_slack", trigger_slack), ("settle_slack", settle_slack),
@@ -85,7 +101,8 @@ class IncrementalPolicy(EplbPolicy):
         self.last_stats: dict = {}       # diagnostics of the latest plan() (bench, tests)
 
     def plan(self, logical, deployed):
-        w = np.asarray(logical, dtype=np.float64)
+        raw = np.asarray(logical, dtype=np.float64)
+        w = noise_weights(raw, self.step_tokens, self.peak_z) if self.peak_z > 0 else raw
         n, num_e = w.shape
         d, s = self.ep_size, self.slots
         base = np.asarray(deployed, dtype=np.int64).copy()
@@ -105,7 +122,7 @@ class IncrementalPolicy(EplbPolicy):
         fresh = ~strict | unseeded
         # hysteresis: a deployed layer is re-planned only above `trigger`, and then only down to
         # `settle`; a layer coming from xLLM's initial layout is planned down to `target`
-        settle, trigger = self._hysteresis(logical, ideal)
+        settle, trigger = self._hysteresis(logical, raw.sum(axis=1) / d)
         target = np.where(fresh, lb * (1 + self.target_slack), lb * (1 + settle))
         start = np.where(fresh, target, lb * (1 + trigger))
         slot_cost = self.move_cost * ideal
@@ -145,9 +162,39 @@ class IncrementalPolicy(EplbPolicy):
         if self.budget_slots <= 0:
             must = np.maximum(lb * (1 + self.must_slack), start)
             n_scratch = self._try_scratch(w, base, out, traj, pos, cur, must, slot_cost, c_opt)
+        n_peer = self._never_worse_than_peers(w if self.peak_z > 0 else logical, w, base, out,
+                                              np.nonzero(fresh)[0])
         self.last_stats = dict(scratch_layers=n_scratch, searched_layers=int(idx.size),
-                               fresh_fallback_layers=n_fb)
+                               fresh_fallback_layers=n_fb, peer_plan_layers=n_peer)
         return out
+
+    def _never_worse_than_peers(self, logical, w, base, out, idx) -> int:
+        """Step 7: for the fresh layers ``idx``, replace ``out[i]`` (in place) by the
+        ``balanced`` or ``greedy`` plan of the same load when its peak (even split, on ``w``) is
+        strictly lower; greedy's plan is slot-stabilised against the base. Returns the number of
+        layers replaced."""
+        if idx.size == 0:
+            return 0
+        d, s = self.ep_size, self.slots
+        lg = np.asarray(logical)[idx]
+        rows = [plan_balanced(lg, base[idx], d, s), plan_greedy(lg, d, s)]
+        replaced = 0
+        for j, i in enumerate(idx):
+            own = base[i] if out[i] is None else out[i]
+            best, best_pk = None, rank_loads_from_phy2log(own, w[i], d).max()
+            for k, cand in enumerate(rows):
+                row = cand[j]
+                if row is None:
+                    continue
+                if k == 1:
+                    row = stabilize_slots(row[None, :], base[i][None, :], d)[0]
+                pk = rank_loads_from_phy2log(row, w[i], d).max()
+                if pk < best_pk:
+                    best, best_pk = np.asarray(row, dtype=np.int64), pk
+            if best is not None:
+                out[i] = best
+                replaced += 1
+        return replaced
 
     def _search(self, sub, w, c, base, fresh, target, start, lb, slot_cost):
         """Moves for the layers of ``sub`` [k, D, S] (the repaired tables; other args [k, ...]).
@@ -254,6 +301,25 @@ class IncrementalPolicy(EplbPolicy):
         table = table.reshape(k, d, s)
         pk, _ = swap_search(table, w, counts.copy(), target, np.zeros(k), self.max_iters)
         return table, pk
+
+
+def _check_noise_aware(peak_z, step_tokens) -> tuple[float, float]:
+    """Validated ``(peak_z, step_tokens)`` of the noise-aware option (ConfigError naming the
+    option, the value and the rule)."""
+    try:
+        z, t = float(peak_z), float(step_tokens)
+    except (TypeError, ValueError):
+        raise ConfigError(f"incremental peak_z={peak_z!r}, step_tokens={step_tokens!r}: must be "
+                          f"numbers") from None
+    if not (np.isfinite(z) and z >= 0):
+        raise ConfigError(f"incremental peak_z={peak_z}: must be a finite number >= 0")
+    if not (np.isfinite(t) and t >= 0):
+        raise ConfigError(f"incremental step_tokens={step_tokens}: must be a finite number >= 0")
+    if z > 0 and t <= 0:
+        raise ConfigError(f"incremental peak_z={peak_z} needs step_tokens > 0 (routed tokens, "
+                          f"top-k occurrences, per forward step over all ranks), got "
+                          f"{step_tokens}")
+    return z, t
 
 
 def replay(table: np.ndarray, moves) -> np.ndarray:

@@ -8,17 +8,17 @@ whose noise no routing can move; replicated experts absorb theirs. Planning on
 ``w_e = m_e + z sqrt(m_e)`` (mean + z sigma) charges every expert for its noise: relative to the
 mean, cold and medium experts weigh more and the hottest ones less, so the redundant slots go to
 more distinct experts (more of the noisy load becomes movable) and the packing keeps room for the
-noise of what stays fixed. The plan itself is the ``incremental`` policy's fresh plan on ``w``.
+noise of what stays fixed.
 
-Not registered as a policy kind (yet): ``plan_noise_aware`` returns a slot table.
+Registered as an option of the ``incremental`` policy: ``make_policy("incremental", ...,
+peak_z=z, step_tokens=N)`` plans every layer (fresh or deployed) on ``w``; config:
+``eplb_peak_z`` / ``eplb_step_tokens``. This module only computes the weights (it imports no
+policy, so ``incremental`` can import it).
 """
 
 from __future__ import annotations
 
 import numpy as np
-
-from xllm_eplb.eplb.placement import initial_phy2log
-from xllm_eplb.eplb.policy import make_policy
 
 
 def noise_weights(load: np.ndarray, tokens_per_step: float, z: float) -> np.ndarray:
@@ -29,23 +29,3 @@ def noise_weights(load: np.ndarray, tokens_per_step: float, z: float) -> np.ndar
     tot = w.sum(axis=-1, keepdims=True)
     m = np.where(tot > 0, w / np.where(tot > 0, tot, 1.0), 0.0) * float(tokens_per_step)
     return m + float(z) * np.sqrt(m)
-
-
-def plan_noise_aware(load: np.ndarray, ep_size: int, redundant: int, tokens_per_rank: float,
-                     z: float = 2.0, top_k: int = 1) -> np.ndarray:
-    """Slot table int64 [D*S] for one layer's ``load [E]`` (or ``[L, D*S]`` for ``[L, E]``).
-
-    ``tokens_per_rank`` x ``top_k`` x ``ep_size`` is the step's routed token count (pass routed
-    occurrences per rank with ``top_k=1``); ``z`` the sigma multiple (0 = plan on the mean)."""
-    w = np.atleast_2d(np.asarray(load, dtype=np.float64))
-    if w.ndim != 2:
-        raise ValueError(f"noise-aware placement: load of shape {np.shape(load)} is not [E] or "
-                         f"[layers, E]")
-    if tokens_per_rank <= 0 or z < 0:
-        raise ValueError(f"noise-aware placement: tokens_per_rank={tokens_per_rank} must be > 0 "
-                         f"and z={z} >= 0")
-    layers, e = w.shape
-    nw = noise_weights(w, tokens_per_rank * top_k * ep_size, z)
-    table = make_policy("incremental", ep_size, e, redundant).plan_table(
-        nw, np.tile(initial_phy2log(e, ep_size, redundant), (layers, 1)))
-    return table if np.ndim(load) == 2 else table[0]
