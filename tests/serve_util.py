@@ -82,6 +82,9 @@ class Server:
             except ProcessLookupError:
                 pass
         self.proc.wait(10)
+        deadline = time.monotonic() + 10     # SIGKILLed children still hold the run's segments
+        while self.alive() and time.monotonic() < deadline:
+            time.sleep(0.1)
         from xllm_eplb.ipc.objects import clean
 
         clean(self.run_id)
