@@ -24,8 +24,9 @@ min-max per-replica load)`` per layer:
    round are capped over all layers and spent where they buy the most peak reduction per slot;
 6. a layer still above ``must`` and its trigger is also planned from scratch (min-max counts, LPT,
    swap search, slot stabilisation); that plan wins only when its benefit minus cost is higher;
-7. a fresh layer is never worse than the ``balanced`` or ``greedy`` policy's plan of the same
-   load: both are computed for it and the lowest peak wins (ties: this policy's own plan). The
+7. without a slot budget, a fresh layer is never worse than the ``balanced`` or ``greedy``
+   policy's plan of the same load: both are computed for it and the lowest peak wins (ties: this
+   policy's own plan; with ``budget_slots`` the budget rules, peers' plans move too much). The
    noise floor of step 2 never applies to a fresh layer (it is planned to ``target``).
 
 Noise-aware placement (``peak_z > 0`` with ``step_tokens``): every step above plans on
@@ -162,8 +163,10 @@ class IncrementalPolicy(EplbPolicy):
         if self.budget_slots <= 0:
             must = np.maximum(lb * (1 + self.must_slack), start)
             n_scratch = self._try_scratch(w, base, out, traj, pos, cur, must, slot_cost, c_opt)
-        n_peer = self._never_worse_than_peers(w if self.peak_z > 0 else logical, w, base, out,
-                                              np.nonzero(fresh)[0])
+        n_peer = 0
+        if self.budget_slots <= 0:               # a slot budget caps the moves: no peer plan
+            n_peer = self._never_worse_than_peers(w if self.peak_z > 0 else logical, w, base,
+                                                  out, np.nonzero(fresh)[0])
         self.last_stats = dict(scratch_layers=n_scratch, searched_layers=int(idx.size),
                                fresh_fallback_layers=n_fb, peer_plan_layers=n_peer)
         return out
