@@ -29,7 +29,9 @@ def test_validate_passes_on_a_good_config(tmp_path):
     (["--host", "192.0.2.77"], "--host=192.0.2.77: not an address of this machine"),
     (["--log_dir", "/etc/hostname/logs"], "--log_dir=/etc/hostname/logs: cannot create or "
                                           "write the log folder (/etc/hostname is not a folder)"),
-    (["--weights", "/no/such/weights.pt"], "/no/such/weights.pt"),
+    (["--routing_mode", "trace", "--routing_trace", "/no/such/trace.npy"], "/no/such/trace.npy"),
+    (["--num_experts_per_tok", "65"], "--num_experts_per_tok=65: must be <= --num_experts=64"),
+    (["--n_shared_experts", "0"], "n_shared_experts=0: the generated deepseek_v3 checkpoint"),
     (["--device", "cuda"], "device=cuda"),
 ])
 def test_validate_blames_the_right_flag(flags, msg):
