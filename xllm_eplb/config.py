@@ -103,7 +103,7 @@ class ModelConfig:
     hidden_size: int = opt(64, "model width", lo=1)
     moe_intermediate_size: int = opt(32, "routed expert FFN width", lo=1)
     intermediate_size: int = opt(128, "dense layer FFN width", lo=1)
-    num_attention_heads: int = opt(4, "attention heads (GQA families: divides hidden_size)", lo=1)
+    num_attention_heads: int = opt(4, "attention heads (divides hidden_size)", lo=1)
     vocab_size: int = opt(512, "vocabulary (>= 261: 256 byte tokens + 4 special tokens + 1 "
                           "merge in the generated tokenizer)", lo=261)
     max_position_embeddings: int = opt(1024, "longest sequence (prompt + output)", lo=2)

@@ -6,11 +6,12 @@ LM head. Attention is data-parallel (each rank attends over its own requests, al
 routed experts are sharded over the EP group as :class:`FusedMoE` slots, filled from the
 checkpoint for this rank's physical slots only; shared experts run locally.
 
-The worker-facing API: ``forward_step(batch, *, warmup, pure_decode,
-return_logits, return_routing) -> StepResult`` with per-layer slot counters (prefix sums,
+The worker-facing API: ``forward_step(batch, *, warmup, pure_decode, return_logits,
+return_routing) -> StepResult`` with per-layer slot counters (prefix sums,
 ``eplb.counters.encode``) that exclude graph-mode padding / filler rows and, with
 ``eplb_use_decode_only_load``, prefill rows. ``Decoder.reference(cfg)`` is the single-process
-model (every logical expert local, no dispatch; counters per logical expert).
+model (every logical expert local, no dispatch; counters per logical expert). Without
+``--model`` the checkpoint is the one :mod:`default_checkpoint` generated from the config.
 """
 
 from __future__ import annotations
