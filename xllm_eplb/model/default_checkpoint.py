@@ -26,15 +26,20 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import shutil
 import tempfile
+import time
 from dataclasses import asdict, replace
 from pathlib import Path
 
 from xllm_eplb.config import Config, layout_error
 from xllm_eplb.errors import ConfigError
 from xllm_eplb.model import checkpoint, checkpoint_configs, checkpoint_tokenizer
+from xllm_eplb.obs.logs import event
+
+log = logging.getLogger(__name__)
 
 # CheckpointSpec field -> the ModelConfig field that sets it (for error messages)
 FIELDS = {"num_layers": "num_layers", "first_k_dense": "first_k_dense_replace",
@@ -109,6 +114,7 @@ def ensure_checkpoint(cfg: Config) -> Path:
     except OSError as e:
         raise ConfigError(f"model_cache_dir={cfg.model.model_cache_dir}: cannot create a "
                           f"folder there ({e.strerror})") from None
+    t0 = time.perf_counter()
     try:
         checkpoint.make_checkpoint(arch, tmp, force=True, **asdict(spec))
         os.chmod(tmp, 0o755)
@@ -119,6 +125,8 @@ def ensure_checkpoint(cfg: Config) -> Path:
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    log.info(event("model default checkpoint written", path=str(final), arch=arch,
+                   seconds=f"{time.perf_counter() - t0:.2f}"))
     return final
 
 

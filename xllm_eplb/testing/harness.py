@@ -51,7 +51,7 @@ def _rank_program(rank: int, world: int, cfgs: list[Config], steps, phy2log, swi
     for cfg in cfgs:
         model = Decoder(cfg, rank, groups.ep_group, phy2log)
         res = run_steps(model, steps, rank, switch, warmup)
-        tags_bad = [fm.check_tags() for fm in model.moe_layers]
+        tags_bad = [fm.check_tags() + fm.check_checksums() for fm in model.moe_layers]
         results.append({"results": res, "bad_tags": tags_bad,
                         "kv_requests": len(model.kv)})
     return results
@@ -61,7 +61,8 @@ def run_sharded(cfgs: Config | list[Config], steps: list[list[RankBatch]], *,
                 phy2log: np.ndarray | None = None, switch: dict | None = None,
                 warmup_steps: tuple = (), timeout: float = 120.0) -> list[list[dict]]:
     """-> ``out[variant][rank]`` = {"results": [StepResult per step], "bad_tags": per-layer
-    canary failures, "kv_requests": open KV entries at the end}."""
+    canary failures (slots whose tag or weight checksum is wrong), "kv_requests": open KV
+    entries at the end}."""
     cfgs = [with_default_checkpoint(c) for c in ([cfgs] if isinstance(cfgs, Config) else cfgs)]
     world = cfgs[0].eplb.ep_size
     if any(c.eplb.ep_size != world for c in cfgs):
