@@ -82,3 +82,11 @@ def test_unwritable_cache_folder_is_one_clear_error(tmp_path):
     blocker.write_text("x")
     with pytest.raises(ConfigError, match=r"model_cache_dir=.*file/c: cannot create"):
         with_default_checkpoint(cfg_in(blocker / "c"))
+
+
+def test_workers_never_generate_build_model_needs_the_resolved_folder(tmp_path):
+    from xllm_eplb.model.decoder import build_model
+
+    with pytest.raises(ValueError, match="cfg.model.model is empty"):
+        build_model(cfg_in(tmp_path / "cache"), 0)
+    assert not (tmp_path / "cache").exists()
