@@ -6,12 +6,8 @@ STAMP   := $(VENV)/.installed
 TORCH   ?= torch==2.13.0
 EP_SIZE ?= 16
 SERVE_ARGS ?= --ep-size $(EP_SIZE) --config configs/eplb.yaml --enable_eplb=true --eplb_update_interval=20
-# the default checkpoint `make serve` serves: generated once, then reused from the cache
-CKPT_ARCH ?= deepseek_v3
-CKPT_DIR  ?= .cache/checkpoints/$(CKPT_ARCH)-tiny
-CKPT_ARGS ?=
 
-.PHONY: help install test test-fast serve checkpoint lint clean
+.PHONY: help install test test-fast serve lint clean
 
 help:  ## show this help
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -31,15 +27,10 @@ test: install  ## run the whole test suite
 test-fast: install  ## the in-process core only (no test marked slow or oracle), under 30 s
 	$(BIN)/python -m pytest tests -m "not slow and not oracle"
 
-CKPT_SRC := $(wildcard xllm_eplb/model/checkpoint*.py)
-
-$(CKPT_DIR)/config.json: $(CKPT_SRC) | $(STAMP)
-	$(BIN)/xllm-eplb make-checkpoint --arch $(CKPT_ARCH) --out $(CKPT_DIR) --force $(CKPT_ARGS)
-
-checkpoint: $(CKPT_DIR)/config.json  ## generate the default tiny checkpoint once (into CKPT_DIR)
-
-serve: install $(CKPT_DIR)/config.json  ## serve the generated checkpoint at 16 EP ranks with the built-in workload
-	$(BIN)/xllm-eplb serve --model $(CKPT_DIR) $(SERVE_ARGS)
+# no --model: the launcher generates the default deepseek_v3 checkpoint from the config's sizes
+# once into .cache/checkpoints/<family>-<hash>/ and serves it (reused by later runs)
+serve: install  ## serve the generated tiny checkpoint at 16 EP ranks with the built-in workload
+	$(BIN)/xllm-eplb serve $(SERVE_ARGS)
 
 lint: install  ## ruff check
 	$(BIN)/ruff check xllm_eplb tests scripts

@@ -1,6 +1,6 @@
 """Benchmark of the sharded MoE model on real gloo ranks (CPU).
 
-Reports, for the tiny default model at EP4:
+Reports, for the tiny default model (the generated default checkpoint) at EP4:
 1. exactness: sharded float64 logits vs the single-process reference (max abs diff);
 2. overhead of the load counters + masks as a share of the MoE layer time;
 3. plain vs overlapped ("fused") dispatch: median step time, median MoE time and the share of
@@ -24,19 +24,21 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from xllm_eplb.config import Config, EplbConfig, ModelConfig  # noqa: E402
-from xllm_eplb.model import topics  # noqa: E402
+from xllm_eplb.engine.workload import TopicPrompts  # noqa: E402
 from xllm_eplb.model.batch import RankBatch, SeqRow  # noqa: E402
+from xllm_eplb.model.default_checkpoint import with_default_checkpoint  # noqa: E402
 
 
 def make_workload(cfg: Config, ep: int, rows: int, prompt: int, steps: int, seed: int = 0):
     """steps[t][rank]: one prefill step then ``steps`` pure-decode steps, ``rows`` per rank;
-    prompts drawn from Zipf(1.2)-weighted topics."""
+    prompts drawn from Zipf(1.2)-weighted topics of the checkpoint ``cfg.model.model``."""
     rng = np.random.default_rng(seed)
-    T = topics.num_topics(cfg)
+    tp = TopicPrompts.for_checkpoint(cfg.model.model)
+    T = tp.num_topics
     topic_p = 1.0 / np.arange(1, T + 1) ** 1.2
     topic_p /= topic_p.sum()
-    out = [[RankBatch([SeqRow(r * rows + j, topics.topic_token_ids(
-        cfg, int(rng.choice(T, p=topic_p)), prompt, rng), 0, True) for j in range(rows)])
+    out = [[RankBatch([SeqRow(r * rows + j, tp.sample(int(rng.choice(T, p=topic_p)), prompt, rng),
+                              0, True) for j in range(rows)])
         for r in range(ep)]]
     for t in range(steps):
         out.append([RankBatch([SeqRow(r * rows + j, [int(rng.integers(0, 256))], prompt + t,
@@ -48,15 +50,15 @@ def _bench_rank(rank, world, cfgs, steps, reps):
     import torch
 
     from xllm_eplb.engine.scheduler import is_pure_decode_step
-    from xllm_eplb.model.transformer import MoETransformer
+    from xllm_eplb.model.decoder import Decoder
 
     torch.set_num_threads(1)
     out = {}
-    models = {name: MoETransformer(cfg, rank) for name, cfg in cfgs.items()}
+    models = {name: Decoder(cfg, rank) for name, cfg in cfgs.items()}
     for rep in range(reps):
         recs = {name: [] for name in models}
         for model in models.values():
-            model.release(list(model.kv.store))
+            model.release(list(model.kv.slot_of))
         for batches in steps:                        # interleave modes step by step: the
             for name, model in models.items():       # machine's noise hits all alike
                 res = model.forward_step(batches[rank], pure_decode=is_pure_decode_step(batches),
@@ -93,10 +95,10 @@ def main() -> int:
     from xllm_eplb.testing.dist import run_ranks
     from xllm_eplb.testing.harness import reference_steps
 
-    base = Config(eplb=EplbConfig(ep_size=args.ep), model=ModelConfig())
+    base = with_default_checkpoint(Config(eplb=EplbConfig(ep_size=args.ep), model=ModelConfig()))
     cfgs = {"plain": replace(base, eplb=replace(base.eplb, enable_fused_mc2=0)),
             "fused": replace(base, eplb=replace(base.eplb, enable_fused_mc2=1))}
-    exact_cfg = replace(base, model=replace(base.model, dtype="float64"))
+    exact_cfg = replace(base, model=replace(base.model, dtype="float64"))   # same files, fp64
     steps = make_workload(base, args.ep, rows, 16, steps_n)
     t0 = time.perf_counter()
     per_rank = run_ranks(_bench_rank, args.ep, {"exact64": exact_cfg, **cfgs}, steps, reps,

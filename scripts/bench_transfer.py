@@ -114,6 +114,16 @@ def _move(hooks, table, n_slots):
     return _slowest(transfer), _slowest(total), st
 
 
+def _random_expert(hidden: int, inter: int):
+    """``source(ml, e)`` of seeded random expert weights (the transfer moves bytes; their
+    values do not matter, and a checkpoint of these sizes would be large to write)."""
+    def source(ml: int, e: int) -> dict:
+        g = torch.Generator().manual_seed(1000 * ml + e)
+        return {"w13": torch.randn((2 * inter, hidden), generator=g),
+                "w2": torch.randn((hidden, inter), generator=g)}
+    return source
+
+
 def _transfer_bench(rank, world, a):
     from xllm_eplb.model.moe import FusedMoE
     from xllm_eplb.worker.comm import groups_from_world
@@ -123,7 +133,7 @@ def _transfer_bench(rank, world, a):
     cfg = _cfg(world, a.hidden, a.inter)
     groups = groups_from_world(cfg)
     A, B = _tables(world, a.slots)
-    fm = FusedMoE(cfg, 0, rank, A)
+    fm = FusedMoE(cfg, 0, rank, A, source=_random_expert(a.hidden, a.inter))
     holder = SimpleNamespace(moe_layers=[fm])
     slot_bytes = sum(t[0].numel() * t.element_size() for t in fm.expert_tensors().values())
     moved = a.slots * slot_bytes                       # received (and sent) per rank per move
@@ -181,17 +191,24 @@ def _alloc_check(hooks, fm, A, B):
             "staging_bytes": hooks.staging.nbytes}
 
 
+def _default_cfg(world: int) -> Config:
+    from xllm_eplb.model.default_checkpoint import with_default_checkpoint
+
+    return with_default_checkpoint(Config(eplb=EplbConfig(enable_eplb=True, ep_size=world)))
+
+
 def _overhead_bench(rank, world, a):
-    """Hooks' cost with nothing to move vs one forward of the default small model."""
+    """Hooks' cost with nothing to move vs one forward of the default small model (the
+    generated default checkpoint, written by ``main`` before the ranks start)."""
     from xllm_eplb.model.batch import RankBatch, SeqRow
-    from xllm_eplb.model.transformer import MoETransformer
+    from xllm_eplb.model.decoder import Decoder
     from xllm_eplb.worker.comm import groups_from_world
     from xllm_eplb.worker.executor import EplbExecutor
     from xllm_eplb.worker.migration import ModelEplbHooks
 
-    cfg = Config(eplb=EplbConfig(enable_eplb=True, ep_size=world))
+    cfg = _default_cfg(world)
     groups = groups_from_world(cfg)
-    model = MoETransformer(cfg, rank, groups.ep_group)
+    model = Decoder(cfg, rank, groups.ep_group)
     hooks = ModelEplbHooks(model, groups.eplb_group, cfg)
     ex = EplbExecutor(hooks, cfg)
     rng = np.random.default_rng(rank)
@@ -245,6 +262,7 @@ def main() -> None:
     if not 1 <= a.slots <= 3:
         ap.error(f"--slots={a.slots} must be in [1, 3] (5 slots per rank, 2 never move)")
     t0 = time.time()
+    _default_cfg(a.ranks)               # generate the default checkpoint once, here
     out = run_ranks(_rank_main, a.ranks, a, timeout=600)[0]
     alloc, ovh = out.pop("alloc"), out.pop("overhead")
     h = out["hooks"]

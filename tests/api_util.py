@@ -1,5 +1,6 @@
 """An API server (FastAPI + uvicorn, real HTTP) in front of a real scheduler and the
-single-process reference model, for the API and bench tests."""
+single-process reference model of the generated default checkpoint, for the API and bench
+tests."""
 
 from __future__ import annotations
 
@@ -25,9 +26,10 @@ class ReferenceLoop:
     """Step loop over one DP rank running the reference model (same weights as the workers)."""
 
     def __init__(self, cfg, max_batch_size: int = 4):
-        from xllm_eplb.model.transformer import MoETransformer
+        from xllm_eplb.model.decoder import Decoder
+        from xllm_eplb.model.default_checkpoint import with_default_checkpoint
 
-        self.model = MoETransformer.reference(cfg)
+        self.model = Decoder.reference(with_default_checkpoint(cfg))
         self.sched = Scheduler(1, max_batch_size, cfg.runtime.max_prefill_tokens)
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self.run, daemon=True)
@@ -49,7 +51,7 @@ class ReferenceLoop:
 def start_api(tokenizer, max_batch_size: int = 4, vocab_size: int | None = None,
               context: int = 96, max_prompt: int = 64):
     """An API server on a free loopback port in front of a :class:`ReferenceLoop`
-    (``vocab_size``: the toy model's, e.g. a checkpoint tokenizer's size)."""
+    (``vocab_size``: the generated checkpoint's, e.g. a checkpoint tokenizer's size)."""
     flat = {"ep_size": 4, "max_prefill_tokens": max_prompt, "max_position_embeddings": context}
     if vocab_size is not None:
         flat["vocab_size"] = vocab_size

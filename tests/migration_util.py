@@ -8,17 +8,20 @@ import numpy as np
 
 from xllm_eplb.config import Config, EplbConfig, ModelConfig
 from xllm_eplb.eplb import placement
+from xllm_eplb.model.default_checkpoint import with_default_checkpoint
 
 
 def tiny_cfg(ep_size: int = 4, redundant: int = 2, **eplb) -> Config:
-    """8 experts, 2 MoE layers, hidden 8, float64 (exact comparisons)."""
-    return Config(
+    """8 experts, 2 MoE layers, hidden 8, float64 (exact comparisons), served from the
+    generated checkpoint of these sizes (written once into the cache by the first caller: the
+    parent process, before it spawns ranks)."""
+    return with_default_checkpoint(Config(
         eplb=EplbConfig(enable_eplb=True, ep_size=ep_size, redundant_experts_num=redundant,
                         eplb_canary=True, **eplb),
         model=ModelConfig(num_layers=3, first_k_dense_replace=1, num_experts=8,
                           num_experts_per_tok=2, hidden_size=8, moe_intermediate_size=4,
-                          intermediate_size=16, num_attention_heads=2, vocab_size=258,
-                          max_position_embeddings=64, dtype="float64"))
+                          intermediate_size=16, num_attention_heads=2, vocab_size=261,
+                          max_position_embeddings=64, dtype="float64")))
 
 
 def with_eplb(cfg: Config, **changes) -> Config:
@@ -118,6 +121,7 @@ def four_rank_results(timeout: float = 150.0) -> dict:
     if not _RESULTS:
         from xllm_eplb.testing.dist import run_ranks
 
+        tiny_cfg()                      # the checkpoint is generated here, never per rank
         out = run_ranks(_both, 4, timeout=timeout)
         _RESULTS.update(migration=[o["migration"] for o in out],
                         executor=[o["executor"] for o in out])

@@ -66,7 +66,7 @@ def test_spec_section_11_defaults():
     ("eplb_estimator_decay", 0, "--eplb_estimator_decay=0: must be in (0, 1]"),
     ("eplb_estimator_decay", 1.01, "must be in (0, 1]"),
     ("port", 70000, "--port=70000: must be in [0, 65535]"),
-    ("vocab_size", 100, "--vocab_size=100: must be >= 258"),
+    ("vocab_size", 100, "--vocab_size=100: must be >= 261"),
     ("device", "tpu", "--device=tpu: must be one of cpu, cuda, npu"),
     ("v", "loud", "--v=loud: must be one of debug, info, warning, error"),
     ("workload_rate", 0, "--workload_rate=0: must be > 0"),

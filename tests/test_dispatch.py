@@ -58,10 +58,11 @@ def test_preconditions():
 
 
 def test_fallback_logged_once(caplog):
-    from xllm_eplb.model.transformer import MoETransformer
+    from xllm_eplb.model.decoder import Decoder
+    from xllm_eplb.model.default_checkpoint import with_default_checkpoint
 
-    cfg = Config(eplb=EplbConfig(ep_size=2, enable_fused_mc2=1))
-    m = MoETransformer.reference(cfg)
+    cfg = with_default_checkpoint(Config(eplb=EplbConfig(ep_size=2, enable_fused_mc2=1)))
+    m = Decoder.reference(cfg)
     assert m.dispatch_mode(pure_decode=True) == FUSED
     m.fused_failure = "bfloat16 unsupported on device=cuda"   # what a device without bf16 reports
     with caplog.at_level(logging.WARNING):

@@ -76,7 +76,7 @@ def _batch(rank):
 
 
 def _rank_main(rank, world):
-    from xllm_eplb.model.transformer import MoETransformer
+    from xllm_eplb.model.decoder import Decoder
     from xllm_eplb.worker.comm import groups_from_world
     from xllm_eplb.worker.executor import EplbExecutor, make_executor
 
@@ -85,7 +85,7 @@ def _rank_main(rank, world):
     logging.getLogger("xllm_eplb.worker").setLevel(logging.INFO)
     cfg = with_eplb(tiny_cfg(ep_size=world), eplb_heartbeat_seconds=0.05)
     groups = groups_from_world(cfg)
-    model = MoETransformer(cfg, rank, groups.ep_group)
+    model = Decoder(cfg, rank, groups.ep_group)
     hooks = _recording_hooks()(model, groups.eplb_group, cfg, canary=True)
     ex = EplbExecutor(hooks, cfg)
     batch = _batch(rank)

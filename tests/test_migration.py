@@ -1,7 +1,8 @@
 """Live expert-weight migration on 4 real gloo ranks: hundreds of placement changes.
 
-Every expert's weights are distinct seeded tensors and carry an identity tag, so after each
-move every slot is compared exactly with the weights of the expert its table names.
+Every expert's weights are distinct seeded tensors of the generated checkpoint and carry an
+identity tag, so after each move every slot is compared exactly with the weights of the expert
+its table names (read from the checkpoint file).
 """
 
 import pytest
@@ -53,15 +54,14 @@ def _moves(rank, world, seed, n, hooks, model, ref, summary):
 
 
 def _rank_main(rank, world):
-    from xllm_eplb.model.transformer import MoETransformer
-    from xllm_eplb.model.weights import expert_weights
+    from xllm_eplb.model.decoder import Decoder
     from xllm_eplb.worker.comm import groups_from_world
     from xllm_eplb.worker.migration import ModelEplbHooks
 
     cfg = tiny_cfg(ep_size=world)
     groups = groups_from_world(cfg)
-    model = MoETransformer(cfg, rank, groups.ep_group)
-    ref = {(ml, e): expert_weights(cfg, ml, e)
+    model = Decoder(cfg, rank, groups.ep_group)
+    ref = {(ml, e): model._source(ml, e)                  # read from the checkpoint file
            for ml in range(cfg.num_moe_layers) for e in range(cfg.model.num_experts)}
     summary = {"modes": {"full": 0, "slots": 0}, "changed": [0] * (cfg.slots_per_rank + 1),
                "recv": 0}

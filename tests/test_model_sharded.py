@@ -1,4 +1,5 @@
-"""Sharded MoE forward on real gloo ranks vs the single-process reference (one spawn, 4 ranks)."""
+"""Sharded MoE forward on real gloo ranks vs the single-process reference (one spawn, 4 ranks),
+on generated checkpoints (no --model: ``testing.harness`` generates them from the config)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ import pytest
 
 from xllm_eplb.config import Config, EplbConfig, ModelConfig, RuntimeConfig
 from xllm_eplb.eplb.placement import build_log2phy, initial_phy2log, validate_phy2log
-from xllm_eplb.model import topics
 from xllm_eplb.model.batch import RankBatch, SeqRow
+from xllm_eplb.model.checkpoint import read_topics
+from xllm_eplb.model.default_checkpoint import with_default_checkpoint
 from xllm_eplb.testing.harness import reference_steps, run_sharded
 
 pytestmark = pytest.mark.slow   # starts other processes (make test-fast skips it)
@@ -39,10 +41,12 @@ def replica_placement(cfg: Config, seed: int = 3) -> np.ndarray:
 
 def make_steps(cfg: Config) -> list[list[RankBatch]]:
     rng = np.random.default_rng(7)
-    T = topics.num_topics(cfg)
+    info = read_topics(with_default_checkpoint(cfg).model.model)
+    T, (lo, hi) = info["num_topics"], info["text_token_ids"]
 
-    def pre(rid, n, temp=0.0):
-        return SeqRow(rid, topics.topic_token_ids(cfg, rid % T, n, rng), 0, True, temp, 100 + rid)
+    def pre(rid, n, temp=0.0):            # n ordinary tokens of topic rid % T (id % T == topic)
+        pool = np.arange(lo + (rid % T - lo) % T, hi, T)
+        return SeqRow(rid, [int(x) for x in rng.choice(pool, size=n)], 0, True, temp, 100 + rid)
 
     def dec(rid, pos, temp=0.0):
         return SeqRow(rid, [int(rng.integers(0, 256))], pos, False, temp, 100 + rid)
@@ -77,7 +81,7 @@ def test_sharded_equals_reference_all_modes_counters_masks():
                   model=ModelConfig(num_layers=3, first_k_dense_replace=1, num_experts=E,
                                     num_experts_per_tok=3, hidden_size=32,
                                     moe_intermediate_size=16, intermediate_size=48,
-                                    dtype="float64", scoring_func="sigmoid"))
+                                    dtype="float64"))
     variants = {
         "plain": base,
         "fused": replace(base, eplb=replace(base.eplb, enable_fused_mc2=1)),
@@ -152,7 +156,7 @@ def test_two_ranks_trace_routing_float32_bf16(tmp_path):
         np.save(trace, np.random.default_rng(1).gamma(0.3, size=(5, 32)))
     m = ModelConfig(num_layers=3, num_experts=8, num_experts_per_tok=2, hidden_size=32,
                     moe_intermediate_size=16, intermediate_size=48, n_shared_experts=0,
-                    routing_mode="trace", routing_trace=str(trace))
+                    routing_mode="trace", routing_trace=str(trace), model_arch="qwen3_moe")
     base = Config(eplb=EplbConfig(ep_size=2, redundant_experts_num=1), model=m)
     fused = replace(base, eplb=replace(base.eplb, enable_fused_mc2=1))
     bf16 = replace(base, model=replace(m, dtype="bfloat16", routing_mode="model"))

@@ -1,5 +1,5 @@
-"""Single-process checks of the model: weights/slot contract, config errors, routing skew,
-trace routing, reproducible sampling, weight files."""
+"""Single-process checks of the model on generated checkpoints (no --model): weights/slot
+contract, config errors, routing skew, trace routing, reproducible sampling."""
 
 from __future__ import annotations
 
@@ -13,11 +13,14 @@ import torch
 from xllm_eplb.config import Config, EplbConfig, ModelConfig
 from xllm_eplb.eplb.placement import initial_phy2log
 from xllm_eplb.errors import ConfigError, InputFileError
-from xllm_eplb.model import topics
 from xllm_eplb.model.batch import RankBatch, SeqRow
+from xllm_eplb.model.checkpoint import read_topics
+from xllm_eplb.model.decoder import Decoder
+from xllm_eplb.model.default_checkpoint import with_default_checkpoint
+from xllm_eplb.model.loader import CheckpointReader, expert_weights
 from xllm_eplb.model.moe import FusedMoE
-from xllm_eplb.model.transformer import MoETransformer
-from xllm_eplb.model.weights import expert_weights, full_state_dict
+from xllm_eplb.model.resolve import resolve_config
+from xllm_eplb.model.spec import parse_spec
 
 SMALL = ModelConfig(num_layers=3, num_experts=16, num_experts_per_tok=2, hidden_size=32,
                     moe_intermediate_size=16, intermediate_size=48, dtype="float64")
@@ -26,14 +29,24 @@ TRACE = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data",
 
 
 def cfg_of(**model) -> Config:
-    return Config(eplb=EplbConfig(ep_size=4), model=replace(SMALL, **model))
+    """SMALL with ``model`` changes, served from its generated checkpoint."""
+    return with_default_checkpoint(Config(eplb=EplbConfig(ep_size=4),
+                                          model=replace(SMALL, **model)))
+
+
+def checkpoint_source(cfg: Config):
+    """(resolved cfg, ``source(ml, e)``: logical expert e of MoE layer ml read from the file)."""
+    spec = parse_spec(cfg.model.model)
+    reader = CheckpointReader(cfg.model.model)
+    return resolve_config(cfg, spec), (lambda ml, e: expert_weights(
+        spec, reader, spec.moe_layers[ml], e, torch.float64))
 
 
 def test_fused_moe_storage_contract():
-    cfg = cfg_of()
+    cfg, src = checkpoint_source(cfg_of())
     S, D = cfg.slots_per_rank, 4
     table = initial_phy2log(16, D, 1)
-    fm = FusedMoE(cfg, 1, 2, table)
+    fm = FusedMoE(cfg, 1, 2, table, source=src)
     ts = fm.expert_tensors()
     assert list(ts) == ["w13", "w2", "tag", "csum"] and all(t.shape[0] == S for t in ts.values())
     assert ts["w13"].shape == (S, 32, 32) and ts["w2"].shape == (S, 32, 16)
@@ -41,7 +54,7 @@ def test_fused_moe_storage_contract():
     ptrs = [t.data_ptr() for t in ts.values()] + [fm.log2phy.data_ptr(),
                                                     fm.local_expert_ids.data_ptr()]
     for s, e in enumerate(fm.local_expert_ids.tolist()):
-        w = expert_weights(cfg, 1, e)
+        w = src(1, e)
         assert torch.equal(fm.w13[s], w["w13"]) and torch.equal(fm.w2[s], w["w2"])
         assert fm.tag[s].tolist() == [e, 1]
     # a strict placement with a 3-replica expert: source rank r uses replica r % 3
@@ -53,7 +66,7 @@ def test_fused_moe_storage_contract():
     slots9 = np.flatnonzero(new == 9)
     assert slots9.tolist() == [4, 9, 11]
     for r in range(D):
-        fr = FusedMoE(cfg, 0, r, new)
+        fr = FusedMoE(cfg, 0, r, new, source=src)
         assert int(fr.log2phy[9]) == slots9[r % len(slots9)]
     assert (fm.global_phy2log == new).all() and fm.check_tags() == []
     fm.tag[3, 0] = 99                                          # canary catches a bad slot
@@ -70,56 +83,47 @@ def test_fused_moe_storage_contract():
     (dict(model=dict(num_experts=18)), ConfigError,
      "--num_experts=18: must be divisible by --ep_size=4"),
     (dict(model=dict(num_experts_per_tok=17)), ConfigError, "num_experts_per_tok=17"),
-    (dict(model=dict(hidden_size=30)), ConfigError, "num_attention_heads"),
+    (dict(model=dict(hidden_size=30, model_arch="qwen3_moe")), ConfigError,
+     "num_attention_heads=4: must divide hidden_size=30"),
+    (dict(model=dict(n_shared_experts=0)), ConfigError,
+     "n_shared_experts=0: the generated deepseek_v3 checkpoint always has a shared expert"),
     (dict(model=dict(routing_mode="trace")), ConfigError, "routing_trace"),
     (dict(model=dict(routing_mode="trace", routing_trace="/nonexistent.npy")), InputFileError,
      "does not exist"),
 ])
 def test_config_errors(kw, err, match):
     with pytest.raises(err, match=match):
-        MoETransformer(cfg_of(**kw["model"]), 0)
+        Decoder(cfg_of(**kw["model"]), 0)
 
 
-def test_weight_file_roundtrip_and_mismatch(tmp_path):
+def test_reference_timings_and_bad_placement():
     cfg = cfg_of()
-    sd = full_state_dict(cfg)
-    good = tmp_path / "w.pt"
-    torch.save(sd, good)
     batch = RankBatch([SeqRow(1, [5, 6, 7], 0, True)])
-    a = MoETransformer.reference(cfg).forward_step(batch, return_logits=True)
-    b = MoETransformer.reference(replace(cfg, model=replace(cfg.model, weights=str(good)))
-                                 ).forward_step(batch, return_logits=True)
-    assert torch.equal(a.logits, b.logits)
+    a = Decoder.reference(cfg).forward_step(batch, return_logits=True)
     assert len(a.timings["expert_cpu_s"]) == cfg.num_moe_layers      # reference: LogicalMoE
-    sd["layers.1.experts.w2"] = sd["layers.1.experts.w2"][:, :, :8]
-    bad = tmp_path / "bad.pt"
-    torch.save(sd, bad)
-    with pytest.raises(InputFileError, match=r"layers.1.experts.w2.*shape \[16, 32, 8\]"):
-        MoETransformer(replace(cfg, model=replace(cfg.model, weights=str(bad))), 0)
-    junk = tmp_path / "junk.pt"
-    junk.write_bytes(b"not a state dict")
-    with pytest.raises(InputFileError, match="junk.pt' as a torch state dict") as ei:
-        MoETransformer(replace(cfg, model=replace(cfg.model, weights=str(junk))), 0)
-    assert "\n" not in str(ei.value)                 # regression: torch's message is multi-line
     with pytest.raises(InputFileError, match=r"placement: shape \[2, 3\]"):
-        MoETransformer(cfg, 0, phy2log=np.zeros((2, 3), dtype=np.int64))
+        Decoder(cfg, 0, phy2log=np.zeros((2, 3), dtype=np.int64))
 
 
-def _topic_loads(model, cfg, topic, rid0):
+def _topic_loads(model, info, topic, rid0):
     rng = np.random.default_rng(topic)
-    rows = [SeqRow(rid0 + i, topics.topic_token_ids(cfg, topic, 24, rng), 0, True)
+    T, (lo, hi) = info["num_topics"], info["text_token_ids"]
+    pool = np.arange(lo + (topic - lo) % T, hi, T)              # ordinary ids of the topic
+    rows = [SeqRow(rid0 + i, [int(x) for x in rng.choice(pool, size=24)], 0, True)
             for i in range(4)]
     res = model.forward_step(RankBatch(rows), warmup=True)
     return np.diff(res.counters, axis=1, prepend=0)          # [L, E]
 
 
 def test_topic_skew_deeper_layers_and_shifting_mix():
-    cfg = Config(eplb=EplbConfig(ep_size=4), model=ModelConfig(num_layers=5, dtype="float64"))
-    model = MoETransformer.reference(cfg)
-    T, E = topics.num_topics(cfg), cfg.model.num_experts
-    a, b = _topic_loads(model, cfg, 0, 0), _topic_loads(model, cfg, 5, 100)
-    m, L = E // T, cfg.num_moe_layers
-    home = [a[ml][topics.home_experts(cfg, ml)[0]].sum() / a[ml].sum() for ml in range(L)]
+    cfg = with_default_checkpoint(Config(eplb=EplbConfig(ep_size=4),
+                                         model=ModelConfig(num_layers=5, dtype="float64")))
+    model = Decoder.reference(cfg)
+    info = read_topics(cfg.model.model)
+    T, E = info["num_topics"], cfg.model.num_experts
+    a, b = _topic_loads(model, info, 0, 0), _topic_loads(model, info, 5, 100)
+    m, L = E // T, model.cfg.num_moe_layers
+    home = [a[ml][info["home_experts"][ml][0]].sum() / a[ml].sum() for ml in range(L)]
     assert home[0] > 2 * m / E                   # hot set well above uniform (m/E)
     assert home[-1] > home[0] and home[-1] > 0.6  # deeper layers more skewed
     for ml in range(1, L):                       # another topic -> another hot set
@@ -137,9 +141,9 @@ def test_trace_routing_deterministic_and_batch_independent(tmp_path):
     cfg = cfg_of(routing_mode="trace", routing_trace=path)
     row = SeqRow(7, [1, 2, 3, 4], 0, True)
     other = SeqRow(8, [9, 9], 0, True)
-    r1 = MoETransformer.reference(cfg).forward_step(RankBatch([row]), return_routing=True)
-    r2 = MoETransformer.reference(cfg).forward_step(RankBatch([other, row]),
-                                                     return_routing=True)
+    r1 = Decoder.reference(cfg).forward_step(RankBatch([row]), return_routing=True)
+    r2 = Decoder.reference(cfg).forward_step(RankBatch([other, row]),
+                                              return_routing=True)
     for ml in range(cfg.num_moe_layers):
         assert (r1.routed[ml] == r2.routed[ml][2:]).all()
         assert (np.sort(r1.routed[ml], axis=1)[:, :-1] != np.sort(r1.routed[ml], axis=1)[:, 1:]
@@ -149,7 +153,7 @@ def test_trace_routing_deterministic_and_batch_independent(tmp_path):
 def test_seeded_sampling_independent_of_batch():
     cfg = cfg_of()
     def run(extra):
-        m = MoETransformer.reference(cfg)
+        m = Decoder.reference(cfg)
         toks, pos, out = [3, 4, 5], 0, []
         for step in range(4):
             rows = [SeqRow(1, toks, pos, step == 0, 1.0, 42)]
@@ -161,13 +165,13 @@ def test_seeded_sampling_independent_of_batch():
             out.append(toks[0])
         return out
     assert run(False) == run(True)
-    m = MoETransformer.reference(cfg)
+    m = Decoder.reference(cfg)
     with pytest.raises(ValueError, match="start_pos=2 but the KV cache holds 0"):
         m.forward_step(RankBatch([SeqRow(1, [3], 2, False)]))
 
 
 def test_bf16_and_float32_run():
     for dt in ("bfloat16", "float32"):
-        res = MoETransformer.reference(cfg_of(dtype=dt)).forward_step(
+        res = Decoder.reference(cfg_of(dtype=dt)).forward_step(
             RankBatch([SeqRow(1, [3, 4], 0, True)]), return_logits=True)
         assert torch.isfinite(res.logits).all() and 1 in res.sampled

@@ -36,13 +36,15 @@ def test_validate_passes_on_a_good_config(tmp_path):
     (["--host", "192.0.2.77"], "--host=192.0.2.77: not an address of this machine"),
     (["--log_dir", "/etc/hostname/logs"], "--log_dir=/etc/hostname/logs: cannot create or "
                                           "write the log folder (/etc/hostname is not a folder)"),
-    (["--weights", "/no/such/weights.pt"], "/no/such/weights.pt"),
     (["--device", "cuda"], "--device=cuda"),
     # regression: root passes every permission-bit check, /proc takes no new folder
     (["--log_dir", "/proc/xllm-eplb-nope/logs"], "--log_dir=/proc/xllm-eplb-nope/logs: cannot "
                                                  "create or write the log folder"),
     # regression: validate skipped the --model checks serve runs first
     (["--model", "/no/such/ckpt"], "--model=/no/such/ckpt: not a folder"),
+    (["--routing_mode", "trace", "--routing_trace", "/no/such/trace.npy"], "/no/such/trace.npy"),
+    (["--num_experts_per_tok", "65"], "--num_experts_per_tok=65: must be <= --num_experts=64"),
+    (["--n_shared_experts", "0"], "n_shared_experts=0: the generated deepseek_v3 checkpoint"),
 ])
 def test_validate_blames_the_right_flag(flags, msg):
     r = _validate(*flags)

@@ -64,17 +64,21 @@ for _b in REQUESTS:
 
 
 def _reference_tokens(argv: list[str]) -> list[list[int]]:
-    """Same requests through the single-process reference model (every expert local)."""
+    """Same requests through the single-process reference model (every expert local) of the
+    checkpoint the server generated (same flags -> same cache folder), with its tokenizer."""
     from xllm_eplb.engine.protocol import ApiLimits, ServedModel, parse_completion
-    from xllm_eplb.engine.tokenizer import ByteTokenizer
+    from xllm_eplb.engine.tokenizer import load_tokenizer
     from xllm_eplb.flags import load_config
     from xllm_eplb.model.batch import RankBatch, SeqRow
-    from xllm_eplb.model.transformer import MoETransformer
+    from xllm_eplb.model.decoder import Decoder
+    from xllm_eplb.model.default_checkpoint import with_default_checkpoint
 
     cfg, _ = load_config(argv)
-    model = MoETransformer.reference(cfg)
-    lim = ApiLimits(cfg.model.vocab_size, 512, cfg.model.max_position_embeddings)
-    served = ServedModel("xllm-eplb", ByteTokenizer(), lim)
+    cfg = with_default_checkpoint(cfg)
+    model = Decoder.reference(cfg)
+    tok = load_tokenizer(cfg.model.model)
+    lim = ApiLimits(model.cfg.model.vocab_size, 512, model.cfg.model.max_position_embeddings)
+    served = ServedModel("xllm-eplb", tok, lim)
     outs = []
     for i, body in enumerate(REQUESTS):
         r = parse_completion(body, served)
@@ -85,7 +89,7 @@ def _reference_tokens(argv: list[str]) -> list[list[int]]:
             pos += len(seq)
             seq = [res.sampled[i]]
             toks.append(res.sampled[i])
-            if toks[-1] == 257:
+            if toks[-1] in tok.eos_ids:
                 break
         outs.append(toks)
     return outs

@@ -9,10 +9,12 @@ import time
 import numpy as np
 import pytest
 
+from xllm_eplb.engine.tokenizer import load_tokenizer
 from xllm_eplb.engine.workload import SyntheticWorkload, topic_of_rank, zipf_probs
 from xllm_eplb.flags import config_from_dict
 from xllm_eplb.launcher import Progress, StartupError, check_port, describe_exit, ready_line
-from xllm_eplb.model import topics
+from xllm_eplb.model.checkpoint import read_topics
+from xllm_eplb.model.default_checkpoint import with_default_checkpoint
 
 
 def test_zipf_probs_and_drift_rotation():
@@ -24,17 +26,21 @@ def test_zipf_probs_and_drift_rotation():
 
 
 def test_workload_requests_are_topic_tokens_and_skewed():
-    cfg = config_from_dict({"ep_size": 4, "workload": "synthetic", "workload_prompt_len": 9,
-                            "workload_output_len": 5, "workload_skew": 2.0,
-                            "workload_drift_seconds": 100.0})
+    cfg = with_default_checkpoint(config_from_dict({
+        "ep_size": 4, "workload": "synthetic", "workload_prompt_len": 9,
+        "workload_output_len": 5, "workload_skew": 2.0, "workload_drift_seconds": 100.0}))
     sent = []
     wl = SyntheticWorkload(cfg, sent.append, seed=3, clock=lambda: 0.0)
-    T = topics.num_topics(cfg)
-    tok_topic = topics.token_topics(cfg)
+    info = read_topics(cfg.model.model)               # the generated checkpoint's topic rule
+    T, (lo, hi) = info["num_topics"], info["text_token_ids"]
+    assert T == 16 and wl.num_topics == T
+    tok_topic = np.arange(cfg.model.vocab_size) % T
+    bos = load_tokenizer(cfg.model.model).bos_id
     hist = np.zeros(T, int)
     for _ in range(300):
         r = wl.make_request(0.0)
-        assert r.prompt[0] == 256 and len(r.prompt) == 9 and r.max_tokens == 5
+        assert r.prompt[0] == bos and len(r.prompt) == 9 and r.max_tokens == 5
+        assert all(lo <= t < hi for t in r.prompt[1:])                 # ordinary tokens only
         assert r.source == "workload" and not r.stop_at_eos
         assert len({int(tok_topic[t]) for t in r.prompt[1:]}) == 1     # one topic per prompt
         hist[tok_topic[r.prompt[1]]] += 1
@@ -44,7 +50,8 @@ def test_workload_requests_are_topic_tokens_and_skewed():
 
 
 def test_workload_skips_arrivals_over_the_backlog():
-    cfg = config_from_dict({"ep_size": 4, "workload": "synthetic", "workload_rate": 500.0})
+    cfg = with_default_checkpoint(config_from_dict({"ep_size": 4, "workload": "synthetic",
+                                                    "workload_rate": 500.0}))
     sent = []
     wl = SyntheticWorkload(cfg, sent.append, backlog=lambda: len(sent), max_backlog=3)
     wl.start()

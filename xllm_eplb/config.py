@@ -106,7 +106,10 @@ class EplbConfig:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Shape of the small DeepSeek-style decoder the workers run."""
+    """The model the workers run. With ``--model DIR`` its config.json sets the architecture
+    fields below; without, a Hugging Face-format checkpoint of family ``model_arch`` is
+    generated once from them into ``model_cache_dir`` and served the same way
+    (docs/checkpoints.md)."""
 
     num_layers: int = opt(4, "decoder layers (dense + MoE)", lo=1)
     first_k_dense_replace: int = opt(1, "leading dense layers (MoE layers = num_layers - this)",
@@ -118,20 +121,29 @@ class ModelConfig:
     moe_intermediate_size: int = opt(32, "routed expert FFN width", lo=1)
     intermediate_size: int = opt(128, "dense layer FFN width", lo=1)
     num_attention_heads: int = opt(4, "attention heads (divides hidden_size)", lo=1)
-    vocab_size: int = opt(512, "vocabulary (>= 258: 256 bytes + BOS + EOS)", lo=258)
+    vocab_size: int = opt(512, "vocabulary (>= 261: 256 byte tokens + 4 special tokens + 1 "
+                          "merge in the generated tokenizer)", lo=261)
     max_position_embeddings: int = opt(1024, "longest sequence (prompt + output)", lo=2)
-    scoring_func: str = opt("softmax", "router scores", choices=("softmax", "sigmoid"))
+    scoring_func: str = opt("sigmoid", "router scores, reported from the checkpoint (sigmoid: "
+                            "deepseek_v3, softmax: the other families); a value set here is "
+                            "replaced", choices=("softmax", "sigmoid"))
     routing_mode: str = opt("model", "model = real router over token clusters; trace = sample "
                             "top-k from a load trace (benchmarks only)", choices=("model", "trace"))
     routing_trace: str = opt("", "trace-driven routing: path of an SGLang dump / .npy / .npz")
-    routing_skew: float = opt(1.0, "strength of the token-cluster/expert-gate alignment", lo=0)
+    routing_skew: float = opt(1.0, "generated checkpoint: strength of the token-topic/router "
+                              "alignment (0 = none)", lo=0)
     model: str = opt("", "Hugging Face checkpoint folder (config.json + *.safetensors) of a "
                      "deepseek_v3 / qwen3_moe / qwen2_moe / mixtral model; its config.json "
                      "then sets the architecture fields of this section")
     dtype: str = opt("auto", "parameter dtype (auto: the checkpoint's, float32 without one)",
                      choices=("auto", "float32", "float64", "bfloat16", "float16"))
-    seed: int = opt(0, "weight-initialisation seed (identical on every rank)", lo=0)
-    weights: str = opt("", "optional weight file (.pt state dict) to load instead of seeding")
+    seed: int = opt(0, "generated checkpoint: weight seed (identical on every rank)", lo=0)
+    # --- generated default checkpoint (issue 12) ---
+    model_arch: str = opt("deepseek_v3", "generated checkpoint (no --model): its family",
+                          choices=("deepseek_v3", "qwen3_moe", "qwen2_moe", "mixtral"))
+    model_cache_dir: str = opt(".cache/checkpoints", "generated checkpoint (no --model): the "
+                               "cache folder; one sub-folder per shape, seed and generator "
+                               "version, written once")
 
 
 @dataclass(frozen=True)

@@ -326,10 +326,13 @@ def _killed(killed: list[str], code: int, cfg: Config) -> int:
 def serve(cfg: Config, digest: str = "") -> int:
     """Run until a signal or a failure; returns the process exit code."""
     # NOTE: imported here, not at the top: the checkpoint resolver pulls in torch/safetensors
+    from xllm_eplb.model.default_checkpoint import with_default_checkpoint
     from xllm_eplb.model.resolve import resolve_config
 
     cfg = resolve_config(cfg)  # --model: the checkpoint's architecture fields, before any use
-    cfg = resolve_runtime(cfg, check_serve(cfg))   # every check before anything starts
+    port = check_serve(cfg)    # every check before anything starts (no --model: the sizes)
+    # no --model: generate the default checkpoint once, here, before anything is spawned
+    cfg = resolve_runtime(resolve_config(with_default_checkpoint(cfg)), port)
     try:
         setup_logging("launcher", cfg.serve.v, str(Path(cfg.serve.log_dir) / "launcher.log"))
     except OSError as e:

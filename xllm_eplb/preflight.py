@@ -1,6 +1,6 @@
 """Every check ``xllm-eplb serve`` runs before it starts anything, also run by
-``xllm-eplb config validate``: device, backend and model (weights file, routing trace), the
-initial placement file (``--eplb_init_placement``), the HTTP
+``xllm-eplb config validate``: device, backend and model (the sizes of the generated default
+checkpoint, routing trace), the initial placement file (``--eplb_init_placement``), the HTTP
 host (resolvable, an address of this machine) and port (free), and the log folder (writable).
 Each failure is one :class:`StartupError` naming the flag that is wrong.
 """
@@ -97,7 +97,7 @@ def check_serve(cfg: Config) -> int:
     """Run every pre-start check of ``serve``; returns the HTTP port (resolved for 0)."""
     from xllm_eplb.worker.comm import preflight
 
-    preflight(cfg)        # device / backend / model (weights, trace) checks
+    preflight(cfg)        # device / backend / model (sizes, trace) checks
     check_init_placement(cfg)
     port = check_port(cfg.serve.host, cfg.serve.port)
     check_log_dir(cfg.serve.log_dir)

@@ -3,9 +3,10 @@ what ``vllm bench serve`` users read.
 
 Sends ``--requests`` streamed ``/v1/completions`` from ``--concurrency`` client threads (one
 keep-alive-free HTTP connection per request, ``return_token_ids`` on, so every token is counted
-when it arrives). Prompts: by default seeded synthetic byte-token prompts whose topics are drawn
-Zipf(``--skew``) (token ``b`` belongs to topic ``b % --topics``, as in
-:mod:`xllm_eplb.model.topics`), so the load is skewed like the built-in workload; or the first
+when it arrives). Prompts: by default seeded synthetic prompts of token ids 0..255 whose topics
+are drawn Zipf(``--skew``) (token ``b`` belongs to topic ``b % --topics``, the rule of the
+generated checkpoints, see :mod:`xllm_eplb.model.checkpoint`), so the load is skewed like the
+built-in workload; or the first
 human turn of each conversation of a ShareGPT-format JSON file (``--dataset``). Temperature 0
 and ``ignore_eos`` make every request produce exactly ``--max-tokens`` tokens.
 

@@ -118,7 +118,7 @@ def show(cfg: Config, sources: dict[str, str]) -> None:
 
 @config_command("validate")
 def validate_cmd(cfg: Config) -> None:
-    """Run every check serve runs before it starts (flags, device, model and weight files,
+    """Run every check serve runs before it starts (flags, device, model sizes and files,
     host, port, log folder); exit 0 with 'configuration is valid' or 2 naming the flag."""
     from xllm_eplb.model.resolve import resolve_config
     from xllm_eplb.preflight import check_serve

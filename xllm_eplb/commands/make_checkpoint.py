@@ -2,8 +2,11 @@
 
 Example::
 
-    xllm-eplb make-checkpoint --arch deepseek_v3 --out .cache/checkpoints/deepseek_v3-tiny
-    xllm-eplb serve --model .cache/checkpoints/deepseek_v3-tiny --ep-size 4
+    xllm-eplb make-checkpoint --arch qwen3_moe --out /tmp/qwen3-tiny
+    xllm-eplb serve --model /tmp/qwen3-tiny --ep-size 4
+
+(``serve`` without ``--model`` generates such a checkpoint from its own config, see
+:mod:`xllm_eplb.model.default_checkpoint`.)
 
 The folder (``config.json``, ``model.safetensors``, ``generation_config.json``,
 ``tokenizer.json``, ``tokenizer_config.json``, ``xllm_eplb_topics.json``) loads in transformers'

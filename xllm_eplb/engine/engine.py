@@ -302,7 +302,7 @@ def _api(cfg: Config, engine_ref: dict):
 
     m, rt = cfg.model, cfg.runtime
     limits = ApiLimits(m.vocab_size, rt.max_prefill_tokens, m.max_position_embeddings)
-    # the checkpoint's tokenizer (--model, once that option exists), else the byte tokenizer
+    # the checkpoint's tokenizer (--model, or the default the launcher generated without it)
     tok = load_tokenizer(getattr(m, "model", "") or None)
     served = ServedModel(cfg.serve.served_model_name, tok, limits, created=int(time.time()))
 

@@ -6,7 +6,9 @@
 ``apply_chat_template(messages)`` (raises ``TokenizerError`` when there is no template).
 
 ``ByteTokenizer``: UTF-8 bytes are token ids 0..255, then BOS (256) and EOS (257); any id above
-EOS is a valid model output that has no text and decodes to nothing.
+EOS is a valid model output that has no text and decodes to nothing. No served model uses it
+(a run without ``--model`` serves the generated checkpoint and its BPE tokenizer); it is the
+tokenizer of API tests whose backend is not a checkpoint.
 
 ``HfTokenizer``: a Hugging Face checkpoint's ``tokenizer.json`` through the ``tokenizers``
 library; special tokens and the chat template from ``tokenizer_config.json`` (or
@@ -269,8 +271,8 @@ def _compile(source: str, path: Path):
 def load_tokenizer(model_dir: str | None) -> Tokenizer:
     """The tokenizer of a checkpoint folder: ``HfTokenizer`` when it has ``tokenizer.json``,
     else a ``has_text=False`` tokenizer (token-id prompts only). ``model_dir`` empty or None:
-    the ``ByteTokenizer`` of the built-in toy model. Raises TokenizerError for a file that fails
-    to load (naming the file and the reason)."""
+    a ``ByteTokenizer`` (no folder to read). Raises TokenizerError for a file that fails to
+    load (naming the file and the reason)."""
     if not model_dir:
         return ByteTokenizer()
     if (Path(model_dir) / "tokenizer.json").is_file():

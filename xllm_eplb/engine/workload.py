@@ -9,13 +9,13 @@ ignored) so the load is steady.
 
 Where prompt tokens come from (:class:`TopicPrompts`):
 
-- a checkpoint made by ``make-checkpoint`` (``--model DIR`` with ``xllm_eplb_topics.json``): the
+- a checkpoint made by ``make-checkpoint`` (``xllm_eplb_topics.json``; the generated default
+  checkpoint served without ``--model`` is one): the
   ordinary (non-special) ids of its tokenizer's vocabulary, topic ``t`` = the ids ``v`` with
   ``v % num_topics == t`` (the rule its embedding and routers were built with, see
   :mod:`xllm_eplb.model.checkpoint`), BOS = the tokenizer's;
 - any other checkpoint: one topic, all ordinary ids of its tokenizer (or of ``config.json``'s
-  ``vocab_size`` without one): no designed skew, so no drift to follow;
-- the built-in toy model (no ``--model``): byte tokens by :mod:`xllm_eplb.model.topics`.
+  ``vocab_size`` without one): no designed skew, so no drift to follow.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import numpy as np
 
 from xllm_eplb.config import Config
 from xllm_eplb.engine.scheduler import Request
-from xllm_eplb.engine.tokenizer import BOS_ID, load_tokenizer
+from xllm_eplb.engine.tokenizer import load_tokenizer
 from xllm_eplb.obs.logs import event
 
 log = logging.getLogger(__name__)
@@ -58,16 +58,12 @@ class TopicPrompts:
 
     @classmethod
     def for_config(cls, cfg: Config) -> "TopicPrompts":
-        """The checkpoint of ``cfg.model.model`` when set, else the built-in toy model."""
-        model_dir = getattr(cfg.model, "model", "")
-        return cls.for_checkpoint(model_dir) if model_dir else cls.for_toy(cfg)
-
-    @classmethod
-    def for_toy(cls, cfg: Config) -> "TopicPrompts":
-        from xllm_eplb.model import topics
-
-        T = topics.num_topics(cfg)
-        return cls([np.arange(t, topics.NUM_BYTES, T) for t in range(T)], BOS_ID, "toy model")
+        """The pools of ``cfg.model.model`` (the launcher fills it with the generated default
+        checkpoint when ``--model`` is empty)."""
+        if not cfg.model.model:
+            raise ValueError("TopicPrompts.for_config: cfg.model.model is empty (resolve it with "
+                             "model.default_checkpoint.with_default_checkpoint first)")
+        return cls.for_checkpoint(cfg.model.model)
 
     @classmethod
     def for_checkpoint(cls, model_dir: str) -> "TopicPrompts":

@@ -1,10 +1,12 @@
-"""The worker's model: a small DeepSeek-style MoE decoder sharded by expert parallelism.
+"""The worker's model: a Hugging Face MoE checkpoint sharded by expert parallelism.
 
-- ``transformer.MoETransformer`` / ``StepResult``: one rank's model and one step's output;
+- ``decoder.Decoder``: one rank's model of a checkpoint, every family (``spec``, ``blocks``,
+  ``attention``, ``rope``, ``loader``, ``params``, ``resolve``); ``step.StepResult``: one step's
+  output, ``step.sample``: sampling;
+- ``default_checkpoint``: the checkpoint generated from the config when ``--model`` is empty
+  (``checkpoint*``: the generator behind ``xllm-eplb make-checkpoint``);
 - ``moe.FusedMoE``: per-rank expert storage per physical slot (the EPLB migration contract);
 - ``dispatch``: plain / overlapped all_to_all dispatch and the mode resolution of spec §9;
-- ``routing``: top-k routers (model gate or recorded load trace);
-- ``topics``: token topic clusters that make routing skewed (workload helpers);
-- ``weights``: deterministic seeded weights, ``expert_weights(cfg, layer, e)``, weight files;
+- ``routing``: top-k routers (the family's gate or a recorded load trace);
 - ``batch``: ``SeqRow`` / ``RankBatch``.
 """

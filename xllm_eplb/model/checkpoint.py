@@ -13,7 +13,7 @@ the same files; nothing here imports transformers:
 - ``xllm_eplb_topics.json``: which tokens belong to which topic and which experts serve it (read
   by the synthetic workload, ignored by transformers).
 
-Untrained routers route near-uniformly, so the weights build the skew in (as the toy model did):
+Untrained routers route near-uniformly, so the weights build the skew in:
 
 - token id ``v`` belongs to topic ``v % T`` with ``T = min(16, E // top_k)``; topic ``t`` has a
   unit direction ``dir[t]`` [H]; embedding row ``v = sqrt(H) * (skew * dir[topic(v)] + noise)``,

@@ -6,11 +6,12 @@ LM head. Attention is data-parallel (each rank attends over its own requests, al
 routed experts are sharded over the EP group as :class:`FusedMoE` slots, filled from the
 checkpoint for this rank's physical slots only; shared experts run locally.
 
-The worker-facing API is the toy model's: ``forward_step(batch, *, warmup, pure_decode,
-return_logits, return_routing) -> StepResult`` with per-layer slot counters (prefix sums,
+The worker-facing API: ``forward_step(batch, *, warmup, pure_decode, return_logits,
+return_routing) -> StepResult`` with per-layer slot counters (prefix sums,
 ``eplb.counters.encode``) that exclude graph-mode padding / filler rows and, with
 ``eplb_use_decode_only_load``, prefill rows. ``Decoder.reference(cfg)`` is the single-process
-model (every logical expert local, no dispatch; counters per logical expert).
+model (every logical expert local, no dispatch; counters per logical expert). Without
+``--model`` the checkpoint is the one :mod:`default_checkpoint` generated from the config.
 """
 
 from __future__ import annotations
@@ -29,17 +30,15 @@ from xllm_eplb.model import blocks
 from xllm_eplb.model import dispatch as dsp
 from xllm_eplb.model.attention import AttnBatch, KVCache
 from xllm_eplb.model.batch import RankBatch
-from xllm_eplb.model.layers import sample
-from xllm_eplb.model.loader import CheckpointReader, check_experts, expert_weights
+from xllm_eplb.model.loader import CheckpointReader, check_experts, expert_weights, torch_dtype
 from xllm_eplb.model.moe import FusedMoE, LogicalMoE
 from xllm_eplb.model.params import load_params
 from xllm_eplb.model.rank_model import RankModel
 from xllm_eplb.model.resolve import resolve_config
 from xllm_eplb.model.routing import FamilyRouter, load_trace, trace_probs
 from xllm_eplb.model.spec import parse_spec
-from xllm_eplb.model.transformer import StepResult, graph_bucket
+from xllm_eplb.model.step import StepResult, graph_bucket, sample
 from xllm_eplb.model.validate import validate_model_config, validate_phy2log
-from xllm_eplb.model.weights import torch_dtype
 
 log = logging.getLogger(__name__)
 
@@ -190,7 +189,8 @@ class Decoder(RankModel):
         last = [s + n - 1 for s, n in spans]
         hn = blocks.rms_norm(h[last], self.top["norm"], spec.rms_norm_eps)
         logits = torch.nn.functional.linear(hn, self.top["lm_head"]).to(torch.float64).cpu()
-        sampled = {r.req_id: sample(logits[j], r.temperature, r.seed, r.start_pos + len(r.token_ids))
+        sampled = {r.req_id: sample(logits[j], r.temperature, r.seed, r.start_pos + len(r.token_ids),
+                                    r.top_p, r.top_k)
                    for j, r in enumerate(batch.rows)}
         if warmup:
             self.release([r.req_id for r in batch.rows])
@@ -242,13 +242,13 @@ class Decoder(RankModel):
         return out, cnt, dt, ids, cpu
 
 
-def build_model(cfg: Config, ep_rank: int, ep_group=None, *, device=None):
-    """The worker's model: a :class:`Decoder` of ``cfg.model.model`` when set, else the built-in
-    toy decoder (``transformer.MoETransformer``). Both start from ``initial_placement(cfg)``
-    (``--eplb_init_placement`` or xLLM's layout) and load only this rank's slots of it."""
+def build_model(cfg: Config, ep_rank: int, ep_group=None, *, device=None) -> Decoder:
+    """The worker's model: a :class:`Decoder` of ``cfg.model.model`` (the launcher has filled
+    it with the generated default checkpoint when ``--model`` was empty), starting from
+    ``initial_placement(cfg)`` (``--eplb_init_placement`` or xLLM's layout) and loading only this
+    rank's slots of it."""
+    if not cfg.model.model:
+        raise ValueError("build_model: cfg.model.model is empty; the launcher resolves it "
+                         "with model.default_checkpoint.with_default_checkpoint first")
     phy2log = initial_placement(resolve_config(cfg))
-    if cfg.model.model:
-        return Decoder(cfg, ep_rank, ep_group, phy2log, device=device)
-    from xllm_eplb.model.transformer import MoETransformer
-
-    return MoETransformer(cfg, ep_rank, ep_group, phy2log, device=device)
+    return Decoder(cfg, ep_rank, ep_group, phy2log, device=device)

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from xllm_eplb.config import Config
 from xllm_eplb.errors import InputFileError
 from xllm_eplb.model.spec import ModelSpec
 
@@ -30,6 +31,13 @@ ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
              "BF16": torch.bfloat16, "I64": torch.int64, "I32": torch.int32}
 INDEX = "model.safetensors.index.json"
 MAX_HEADER = 100 << 20
+TORCH_DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
+                "float16": torch.float16, "auto": torch.float32}
+
+
+def torch_dtype(cfg: Config) -> torch.dtype:
+    """``cfg.model.dtype`` as a torch dtype (``auto`` unresolved: float32)."""
+    return TORCH_DTYPES[cfg.model.dtype]
 
 
 def read_header(path: Path) -> dict:

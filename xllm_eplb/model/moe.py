@@ -11,7 +11,7 @@ Storage contract (the EPLB migration path relies on it):
   ``check_checksums``) compares the tags with ``local_expert_ids`` and the weights with the
   checksum that travelled with them.
 - ``source(layer, e) -> {"w13", "w2"}``: where :meth:`load_placement` materialises logical
-  expert ``e`` from (the checkpoint reader; default: the seeded toy weights).
+  expert ``e`` from (the checkpoint reader, ``Decoder._source``).
 - ``local_expert_ids`` torch int64 [S] (updated in place), ``global_phy2log`` host numpy int64
   [D*S] (mirror of the active global slot table), ``log2phy`` torch int64 [E] (updated in place):
   logical id -> the global physical slot this rank sends that expert's tokens to.
@@ -23,7 +23,7 @@ over the replicas, so with D ranks and c replicas each replica serves about D/c 
 
 Expert compute time: every ``compute`` call adds its thread CPU seconds (``time.thread_time``,
 independent of how the machine's cores are shared between ranks) to ``compute_cpu_s``;
-``take_compute_cpu()`` reads and resets it (the transformer does once per layer and step).
+``take_compute_cpu()`` reads and resets it (the decoder does once per layer and step).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ import torch.nn.functional as F
 
 from xllm_eplb.config import Config
 from xllm_eplb.eplb import placement
-from xllm_eplb.model.weights import expert_weights, torch_dtype
+from xllm_eplb.model.loader import torch_dtype
 
 GATHER_LIMIT = 1 << 20   # elements of gathered w13 rows below which compute() gathers weights
 
@@ -45,14 +45,14 @@ class FusedMoE:
     """Routed experts of MoE layer ``layer_id`` (MoE-local, 0..L-1) on rank ``ep_rank``.
 
     ``phy2log``: the global slot table of this layer, int64 [D*S]; its slice
-    ``[ep_rank*S, (ep_rank+1)*S)`` is materialised from :func:`expert_weights`.
+    ``[ep_rank*S, (ep_rank+1)*S)`` is materialised from ``source``.
     """
 
     def __init__(self, cfg: Config, layer_id: int, ep_rank: int, phy2log: np.ndarray,
-                 device: torch.device | str = "cpu", source=None):
+                 device: torch.device | str = "cpu", *, source):
         m = cfg.model
         self.cfg = cfg
-        self.source = source or (lambda layer, e: expert_weights(cfg, layer, e))
+        self.source = source
         self.layer_id = int(layer_id)
         self.ep_rank = int(ep_rank)
         self.ep_size = int(cfg.eplb.ep_size)
@@ -78,7 +78,7 @@ class FusedMoE:
         return np.asarray(phy2log, dtype=np.int64)[self.ep_rank * S:(self.ep_rank + 1) * S]
 
     def load_placement(self, phy2log: np.ndarray) -> None:
-        """Materialise every local slot of ``phy2log`` [D*S] from the seeded/file weights and
+        """Materialise every local slot of ``phy2log`` [D*S] from ``source`` and
         activate the table (model construction and tests; EPLB moves weights by copy)."""
         p = np.asarray(phy2log, dtype=np.int64)
         if p.shape != (self.ep_size * self.slots_per_rank,):
@@ -195,10 +195,9 @@ class LogicalMoE:
     ``w13`` [E, 2inter, H], ``w2`` [E, H, I]; same weights as any FusedMoE slot holding the expert.
     """
 
-    def __init__(self, cfg: Config, layer_id: int, device: torch.device | str = "cpu",
-                 source=None):
-        src = source or (lambda layer, e: expert_weights(cfg, layer, e))
-        ws = [src(layer_id, e) for e in range(cfg.model.num_experts)]
+    def __init__(self, cfg: Config, layer_id: int, device: torch.device | str = "cpu", *,
+                 source):
+        ws = [source(layer_id, e) for e in range(cfg.model.num_experts)]
         self.layer_id = layer_id
         self.num_logical = cfg.model.num_experts
         self.w13 = torch.stack([w["w13"] for w in ws]).to(device)

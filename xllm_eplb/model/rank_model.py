@@ -1,5 +1,5 @@
-"""``RankModel``: what every EP rank's model shares whatever its layers (the toy decoder and the
-checkpoint ``Decoder``): slot count, releasing finished requests, the dispatch-mode choice.
+"""``RankModel``: what an EP rank's model shares whatever its layers (the checkpoint
+``Decoder``): slot count, releasing finished requests, the dispatch-mode choice.
 
 A subclass sets ``cfg``, ``kv`` (with ``release(req_id)``), ``fused_failure`` (why the fused
 path cannot run here, or "") and ``_fallback_logged = False``.

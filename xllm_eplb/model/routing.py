@@ -1,8 +1,6 @@
-"""Routers: top-k logical experts per token, from the model's gate or from a load trace.
+"""Routers: top-k logical experts per token, from the checkpoint's gate or from a load trace.
 
-``routing_mode=model`` (default): ``scores = softmax(x @ gate^T)`` or ``sigmoid(...)``; with
-sigmoid the DeepSeek score-correction bias ``gate_bias`` [E] is added for *selection only* and the
-k chosen scores are renormalised to sum to 1; with softmax the chosen scores are the weights.
+``routing_mode=model`` (default): the family's router (:class:`FamilyRouter`).
 
 ``routing_mode=trace`` (benchmarks only, clearly not a model): each layer's top-k is sampled
 without replacement from the layer's expert-load distribution of a recorded trace (an SGLang
@@ -85,33 +83,18 @@ def trace_probs(trace: np.ndarray, num_layers: int, num_experts: int) -> np.ndar
 
 
 class Router:
-    """Top-k router of one MoE layer. ``__call__(xn [T, H], keys int64 [T, 3]) ->
-    (topk_ids int64 [T, k], topk_weights [T, k] in x's dtype)``; keys = (req_id, position,
-    token id), used only by trace mode."""
+    """Trace-driven top-k of one MoE layer, shared by every family's router:
+    ``_trace(xn [T, H], keys int64 [T, 3]) -> (topk_ids int64 [T, k], topk_weights [T, k] in
+    x's dtype)``; keys = (req_id, position, token id)."""
 
-    def __init__(self, cfg: Config, moe_layer: int, gate: torch.Tensor, bias: torch.Tensor,
+    def __init__(self, cfg: Config, moe_layer: int, gate: torch.Tensor, bias: torch.Tensor | None,
                  probs: np.ndarray | None = None):
         self.k = cfg.model.num_experts_per_tok
         self.num_experts = cfg.model.num_experts
-        self.scoring = cfg.model.scoring_func
         self.mode = cfg.model.routing_mode
         self.gate, self.bias = gate, bias
         self.seed = int(cfg.model.seed) * 131 + moe_layer
         self.log_probs = None if probs is None else np.log(probs)
-
-    def __call__(self, xn: torch.Tensor, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.mode == "trace":
-            return self._trace(xn, keys)
-        logits = xn @ self.gate.t()
-        if self.scoring == "sigmoid":
-            scores = torch.sigmoid(logits)
-            ids = torch.topk(scores + self.bias, self.k, dim=-1).indices
-            w = scores.gather(1, ids)
-            w = w / w.sum(dim=-1, keepdim=True)
-        else:
-            scores = torch.softmax(logits, dim=-1)
-            w, ids = torch.topk(scores, self.k, dim=-1)
-        return ids, w
 
     def _trace(self, xn: torch.Tensor, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         T = xn.shape[0]
@@ -132,12 +115,14 @@ class FamilyRouter(Router):
 
     - softmax (mixtral, qwen2_moe, qwen3_moe): fp32 softmax of ``x @ gate^T`` -> top-k ->
       renormalised if ``norm_topk_prob`` (mixtral: always);
-    - sigmoid (deepseek_v3), all fp32: ``s = sigmoid(x @ gate^T)``; ``c = s + bias``; group
+    - sigmoid (deepseek_v3), all fp32 (fp64 for a float64 model): ``s = sigmoid(x @ gate^T)``; ``c = s + bias``; group
       score = sum of the top-2 ``c`` per group, keep ``topk_group`` groups (others -inf); top-k
       of ``c``; weights = the unbiased ``s`` of the chosen experts, divided by (sum + 1e-20) if
       ``norm_topk_prob``, times ``routed_scaling_factor``.
 
-    Trace mode is inherited unchanged. Weights come back in x's dtype.
+    "fp32" is at least fp32: a float64 model (tests) routes in float64, so its sharded and
+    single-process paths agree to float64 rounding. Trace mode is inherited unchanged. Weights
+    come back in x's dtype.
     """
 
     def __init__(self, cfg: Config, spec, moe_layer: int, gate: torch.Tensor,
@@ -151,7 +136,8 @@ class FamilyRouter(Router):
         s = self.spec
         if s.scoring == "sigmoid":
             return self._grouped_sigmoid(xn)
-        probs = torch.softmax(torch.nn.functional.linear(xn, self.gate).float(), dim=-1)
+        rdt = torch.promote_types(xn.dtype, torch.float32)
+        probs = torch.softmax(torch.nn.functional.linear(xn, self.gate).to(rdt), dim=-1)
         w, ids = torch.topk(probs, self.k, dim=-1)
         if s.norm_topk_prob:
             w = w / w.sum(dim=-1, keepdim=True)
@@ -159,8 +145,9 @@ class FamilyRouter(Router):
 
     def _grouped_sigmoid(self, xn: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         s, E = self.spec, self.num_experts
-        scores = torch.nn.functional.linear(xn.float(), self.gate.float()).sigmoid()
-        choice = scores + self.bias.float()
+        rdt = torch.promote_types(xn.dtype, torch.float32)
+        scores = torch.nn.functional.linear(xn.to(rdt), self.gate.to(rdt)).sigmoid()
+        choice = scores + self.bias.to(rdt)
         if s.n_group > 1 and s.topk_group < s.n_group:
             g = choice.view(-1, s.n_group, E // s.n_group).topk(2, dim=-1)[0].sum(dim=-1)
             keep = torch.zeros_like(g).scatter_(1, torch.topk(g, s.topk_group, dim=-1)[1], 1.0)

@@ -1,10 +1,11 @@
 """Run the sharded model without the engine: N real processes (one per EP rank), fed batches.
 
 ``run_sharded(cfgs, steps)`` spawns ``ep_size`` ranks with ``testing.dist.run_ranks``; every
-rank builds one :class:`MoETransformer` per config variant (so several dispatch modes share one
+rank builds one :class:`Decoder` per config variant (so several dispatch modes share one
 spawn) and runs the same steps: ``steps[t][rank]`` is rank's :class:`RankBatch` at step t.
 ``reference_steps(cfg, steps)`` runs the single-process reference on the merged batches and
-splits its outputs per rank the same way. Results come back as :class:`StepResult` with numpy
+splits its outputs per rank the same way. A config without ``--model`` serves the generated
+default checkpoint (:func:`with_default_checkpoint`, called here in the parent, never per rank). Results come back as :class:`StepResult` with numpy
 logits (no tensor crosses a process boundary).
 """
 
@@ -17,7 +18,9 @@ import numpy as np
 from xllm_eplb.config import Config
 from xllm_eplb.engine.scheduler import is_pure_decode_step
 from xllm_eplb.model.batch import RankBatch
-from xllm_eplb.model.transformer import MoETransformer, StepResult
+from xllm_eplb.model.decoder import Decoder
+from xllm_eplb.model.default_checkpoint import with_default_checkpoint
+from xllm_eplb.model.step import StepResult
 from xllm_eplb.testing.dist import run_ranks
 from xllm_eplb.worker.comm import groups_from_world
 
@@ -27,7 +30,7 @@ def _np(res: StepResult) -> StepResult:
     return replace(res, logits=lg)
 
 
-def run_steps(model: MoETransformer, steps: list[list[RankBatch]], rank: int,
+def run_steps(model: Decoder, steps: list[list[RankBatch]], rank: int,
               switch: dict | None = None, warmup_steps: tuple = ()) -> list[StepResult]:
     """Run ``steps`` on one rank's model. ``switch``: step index -> new placement
     [L_moe, D*S] materialised (weights + tables) before that step's forward."""
@@ -46,9 +49,9 @@ def _rank_program(rank: int, world: int, cfgs: list[Config], steps, phy2log, swi
     groups = groups_from_world(cfgs[0])
     results = []
     for cfg in cfgs:
-        model = MoETransformer(cfg, rank, groups.ep_group, phy2log)
+        model = Decoder(cfg, rank, groups.ep_group, phy2log)
         res = run_steps(model, steps, rank, switch, warmup)
-        tags_bad = [fm.check_tags() for fm in model.moe_layers]
+        tags_bad = [fm.check_tags() + fm.check_checksums() for fm in model.moe_layers]
         results.append({"results": res, "bad_tags": tags_bad,
                         "kv_requests": len(model.kv)})
     return results
@@ -58,8 +61,9 @@ def run_sharded(cfgs: Config | list[Config], steps: list[list[RankBatch]], *,
                 phy2log: np.ndarray | None = None, switch: dict | None = None,
                 warmup_steps: tuple = (), timeout: float = 120.0) -> list[list[dict]]:
     """-> ``out[variant][rank]`` = {"results": [StepResult per step], "bad_tags": per-layer
-    canary failures, "kv_requests": open KV entries at the end}."""
-    cfgs = [cfgs] if isinstance(cfgs, Config) else list(cfgs)
+    canary failures (slots whose tag or weight checksum is wrong), "kv_requests": open KV
+    entries at the end}."""
+    cfgs = [with_default_checkpoint(c) for c in ([cfgs] if isinstance(cfgs, Config) else cfgs)]
     world = cfgs[0].eplb.ep_size
     if any(c.eplb.ep_size != world for c in cfgs):
         raise ValueError("run_sharded: every config variant needs the same ep_size")
@@ -75,7 +79,7 @@ def reference_steps(cfg: Config, steps: list[list[RankBatch]]) -> list[list[Step
     """Single-process reference: ``out[t][rank]`` with that rank's rows' sampled tokens and
     logits; counters (per logical expert, [L_moe, E]) are of the whole merged step and are
     stored on rank 0's entry only (others get zeros)."""
-    model = MoETransformer.reference(cfg)
+    model = Decoder.reference(with_default_checkpoint(cfg))
     out = []
     for batches in steps:
         merged = RankBatch([r for b in batches for r in b.rows],
