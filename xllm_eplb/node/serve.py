@@ -71,6 +71,7 @@ def _rendezvous(cfg: Config, store) -> tuple[Config, str]:
 def serve_nodes(cfg: Config, digest: str = "") -> int:
     """Run this node until a signal, node 0's stop or a failure; returns the exit code."""
     # NOTE: imported here: the checkpoint resolver pulls in torch/safetensors
+    from xllm_eplb.model.default_checkpoint import with_default_checkpoint
     from xllm_eplb.model.resolve import resolve_config
 
     cfg = _checks(resolve_topology(resolve_config(cfg)))
@@ -86,7 +87,9 @@ def serve_nodes(cfg: Config, digest: str = "") -> int:
         setproctitle.setproctitle(f"xllm-eplb:launcher-node{node}")
     store_port = cfg.runtime.master_port
     store = open_store(cfg, master=node == 0)
-    cfg, origin = _rendezvous(cfg, store)
+    cfg, origin = _rendezvous(cfg, store)   # compares the flags as given, not local paths
+    # no --model: every node generates the same default checkpoint (content-addressed) itself
+    cfg = resolve_config(with_default_checkpoint(cfg))
     log.info(event("launcher config", node=node, nnodes=cfg.runtime.nnodes,
                    run_id=cfg.runtime.run_id, dist_port=cfg.runtime.master_port,
                    ranks=f"{node_ranks(cfg).start}-{node_ranks(cfg).stop - 1}")
