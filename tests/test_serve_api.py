@@ -63,6 +63,19 @@ def _wait_for(pred, timeout: float, what: str):
     raise AssertionError(f"timed out waiting for {what}")
 
 
+def _served_tokenizer():
+    """The tokenizer of the checkpoint a server started with ``FLAGS`` generated (same flags,
+    same cache folder under the repository root, where the servers run)."""
+    from xllm_eplb.engine.tokenizer import load_tokenizer
+    from xllm_eplb.flags import load_config
+    from xllm_eplb.model.default_checkpoint import with_default_checkpoint
+
+    root = Path(__file__).resolve().parents[1]
+    cfg, _ = load_config(["--config", str(root / "configs" / "eplb.yaml"), "--ep-size", "4",
+                          *FLAGS, f"--model_cache_dir={root / '.cache' / 'checkpoints'}"])
+    return load_tokenizer(with_default_checkpoint(cfg).model.model)
+
+
 @pytest.mark.timeout(240)
 def test_openai_client_streaming_cancellation_and_stall(start_server):
     s = start_server(*FLAGS, "--stall_seconds=1")
@@ -76,8 +89,13 @@ def test_openai_client_streaming_cancellation_and_stall(start_server):
     assert [t for ch in chunks for t in ch.choices[0].model_extra["token_ids"]] == \
         full.model_extra["token_ids"]
     assert "".join(ch.choices[0].text for ch in chunks) == full.text
-    with pytest.raises(openai.BadRequestError, match="chat template"):
-        c.chat.completions.create(model="xllm-eplb", messages=[{"role": "user", "content": "x"}])
+    # chat: the generated default checkpoint ships a ChatML template; the prompt the server
+    # counted is exactly that template rendered and encoded by the checkpoint's tokenizer
+    msgs = [{"role": "user", "content": "x"}]
+    tok = _served_tokenizer()
+    want = len(tok.encode(tok.apply_chat_template(msgs), add_special_tokens=False))
+    chat = c.chat.completions.create(model="xllm-eplb", messages=msgs, max_tokens=4)
+    assert chat.usage.prompt_tokens == want and chat.usage.completion_tokens >= 1
     with pytest.raises(openai.BadRequestError):
         c.completions.create(model="xllm-eplb", prompt="x", extra_body={"ignore_eos": "no"})
 
