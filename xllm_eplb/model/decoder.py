@@ -26,6 +26,7 @@ from xllm_eplb.eplb import counters as ctr
 from xllm_eplb.eplb.placement import initial_phy2log
 from xllm_eplb.model import blocks
 from xllm_eplb.model import dispatch as dsp
+from xllm_eplb.model import replica_dispatch as rdp
 from xllm_eplb.model.attention import AttnBatch, KVCache
 from xllm_eplb.model.batch import RankBatch
 from xllm_eplb.model.layers import sample
@@ -84,6 +85,12 @@ class Decoder(RankModel):
         self.fused_failure = dsp.fused_precondition_failure(
             cfg.runtime.device, m.dtype, cfg.runtime.enable_graph, True)
         self._fallback_logged = False
+        e = cfg.eplb
+        if e.moe_capacity_mode != "none" and self.ep_rank == 0 and not _reference:
+            log.warning("MoE capacity mode=%s factor=%g fallback_routing=%s outputs_exact=false "
+                        "(rows over capacity are %s)", e.moe_capacity_mode,
+                        e.moe_capacity_factor, str(e.moe_fallback_routing).lower(),
+                        "re-routed or dropped" if e.moe_fallback_routing else "dropped")
 
     @classmethod
     def reference(cls, cfg: Config, device: str | None = None) -> "Decoder":
@@ -198,6 +205,10 @@ class Decoder(RankModel):
         counter_s += time.perf_counter() - tc
         timings = {"total_s": time.perf_counter() - t0, "moe_s": moe_s,
                    "comm_wait_s": stats.wait_s, "counter_s": counter_s,
+                   "route_exchange_s": stats.extra.get("route_exchange_s", 0.0),
+                   "route_solve_s": stats.extra.get("route_solve_s", 0.0),
+                   "dropped": int(stats.extra.get("cap_dropped", 0)),
+                   "rerouted": int(stats.extra.get("cap_rerouted", 0)),
                    "expert_cpu_s": expert_cpu}
         return StepResult(sampled, prefix, logits if return_logits else None, warmup, mode,
                           timings, routed if return_routing else None,
@@ -231,8 +242,13 @@ class Decoder(RankModel):
         else:
             fm = self.moe_layers[ml]
             fm.compute_cpu_s = 0.0
-            y, cnt, extra = dsp.moe_dispatch(fm, x, fm.route(ids), counted, self.ep_group, mode,
-                                             stats, overlap=shared)
+            e = self.cfg.eplb
+            nxt = (self.routers[ml].next_choice(x, keys, ids)
+                   if e.moe_fallback_routing and e.moe_capacity_mode != "none" else None)
+            routed = rdp.route_step(fm, ids, self.ep_group, e, stats, nxt)
+            y, cnt, extra = dsp.moe_dispatch(fm, x, routed.phys, counted, self.ep_group, mode,
+                                             stats, overlap=shared, splits=routed.splits,
+                                             dropped=e.moe_capacity_mode != "none")
             dt = stats.extra.pop("count_s", 0.0)
             cpu = fm.take_compute_cpu()
         out = (w.unsqueeze(-1) * y).sum(dim=1)

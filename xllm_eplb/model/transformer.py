@@ -27,6 +27,7 @@ from xllm_eplb.config import Config
 from xllm_eplb.eplb import counters as counter_format
 from xllm_eplb.eplb.placement import initial_phy2log
 from xllm_eplb.model import dispatch as dsp
+from xllm_eplb.model import replica_dispatch as rdp
 from xllm_eplb.model.batch import RankBatch
 from xllm_eplb.model.layers import KVCache, attention, positions_encoding, rms_norm, sample, swiglu
 from xllm_eplb.model.moe import FusedMoE, LogicalMoE
@@ -215,6 +216,8 @@ class MoETransformer(RankModel):
         counter_s += time.perf_counter() - tc
         timings = {"total_s": time.perf_counter() - t0, "moe_s": moe_s,
                    "comm_wait_s": stats.wait_s, "counter_s": counter_s,
+                   "route_exchange_s": stats.extra.get("route_exchange_s", 0.0),
+                   "route_solve_s": stats.extra.get("route_solve_s", 0.0),
                    "expert_cpu_s": expert_cpu}
         return StepResult(sampled, ctr, logits if return_logits else None, warmup, mode, timings,
                           routed if return_routing else None,
@@ -241,8 +244,10 @@ class MoETransformer(RankModel):
         else:
             fm = self.moe_layers[ml]
             fm.compute_cpu_s = 0.0                 # count only this layer's dispatch
-            y, cnt, extra = dsp.moe_dispatch(fm, xn, fm.route(ids), counted, self.ep_group, mode,
-                                             stats, overlap=shared)
+            routed = rdp.route_layer(fm, ids, self.ep_group, self.cfg.eplb.eplb_replica_routing,
+                                     stats)
+            y, cnt, extra = dsp.moe_dispatch(fm, xn, routed.phys, counted, self.ep_group, mode,
+                                             stats, overlap=shared, splits=routed.splits)
             dt = stats.extra.pop("count_s", 0.0)
             cpu = fm.take_compute_cpu()
         out = (w.unsqueeze(-1) * y).sum(dim=1)
