@@ -98,7 +98,8 @@ def _run(model, rank, eplb: bool, args, dist) -> dict:
     policy = make_policy("balanced", D, E, cfg.eplb.redundant_experts_num)
     B, n_out, plen = args["batch"], args["out_len"], args["prompt_len"]
     window = np.zeros((L, E), dtype=np.int64)
-    rec = {k: [] for k in ("dt", "decode", "comm", "total", "dropped", "rerouted", "slots")}
+    rec = {k: [] for k in ("dt", "decode", "comm", "total", "dropped", "rerouted", "slots",
+                           "logits")}
     tokens: list[list[int]] = []
     reqs: list[dict] = []
     rid = 0
@@ -116,7 +117,8 @@ def _run(model, rank, eplb: bool, args, dist) -> dict:
         decode = step % n_out != 0
         t0 = time.perf_counter()
         res = model.forward_step(RankBatch(rows, release), pure_decode=decode,
-                                 return_routing=eplb)
+                                 return_routing=eplb, return_logits=True)
+        rec["logits"].append(res.logits.numpy().astype(np.float32))
         rec["dt"].append(time.perf_counter() - t0)
         for r in reqs:
             r["pos"] = len(r["toks"])
@@ -151,7 +153,7 @@ def _rebalance(model, policy, window, dist, torch) -> None:
             model.moe_layers[ml].load_placement(np.asarray(row, dtype=np.int64))
 
 
-def summarize(per_rank: list[dict], base_tokens) -> dict:
+def summarize(per_rank: list[dict], base: list[dict]) -> dict:
     dt = np.array([r["dt"] for r in per_rank]).max(axis=0)          # slowest rank per step
     dec = np.array(per_rank[0]["decode"])
     slots = np.concatenate([r["slots"] for r in per_rank], axis=2)  # [steps, L, D*S]
@@ -164,12 +166,18 @@ def summarize(per_rank: list[dict], base_tokens) -> dict:
     comm = sum(sum(r["comm"]) for r in per_rank)
     total = sum(sum(r["total"]) for r in per_rank)
     toks = [r["tokens"] for r in per_rank]
+    # largest logit difference from the baseline at any step (the same prompts everywhere)
+    diff = max(float(np.abs(a - b).max()) if a.shape == b.shape else float("inf")
+               for r, q in zip(per_rank, base, strict=True)
+               for a, b in zip(r["logits"], q["logits"], strict=True))
     return {"p50_ms": 1e3 * float(np.percentile(dt[dec], 50)),
             "p99_ms": 1e3 * float(np.percentile(dt[dec], 99)),
             "drop_rate": dropped / max(1, served + dropped),
             "reroute_rate": rerouted / max(1, served + dropped),
             "util_cv": float(cv), "comm_share": comm / max(1e-12, total),
-            "outputs_identical_to_baseline": toks == base_tokens if base_tokens else True}
+            "outputs_identical_to_baseline": toks == [q["tokens"] for q in base],
+            "max_logit_diff_vs_baseline": diff,
+            "distinct_tokens": len({x for r in toks for seq in r for x in seq})}
 
 
 def make_ckpt(folder: Path) -> str:
@@ -202,7 +210,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="bench_capacity_") as tmp:
         ckpt = make_ckpt(Path(tmp) / "ckpt")
         per = run_ranks(_rank, D, ckpt, ROWS, args, timeout=1800)
-    base = [p["baseline"]["tokens"] for p in per]
+    base = [p["baseline"] for p in per]
     table = {name: summarize([p[name] for p in per], base) for name in ROWS}
     for name, row in ROWS.items():
         table[name]["changes_outputs"] = "moe_capacity_mode" in row

@@ -2,7 +2,7 @@
 """Per-step replica routing in ``serve``: MoE critical path and routing cost of each mode.
 
 One run: a generated HF-format checkpoint (``xllm-eplb make-checkpoint --arch deepseek_v3``, 64
-experts, top-4), then one real server per ``--eplb_replica_routing`` mode (static, spread,
+experts, top-4, 3 MoE layers, width ``--hidden`` and expert width ``--expert-width``), then one real server per ``--eplb_replica_routing`` mode (static, spread,
 balanced) at EP4 on CPU with redundant slots and EPLB on (so replicas sit on the hot experts),
 each driven by the same client requests (``xllm_eplb.commands.bench``: Zipf-skewed topic prompts,
 temperature 0). A warm-up phase lets the first EPLB rounds commit; the measured phase is read as
@@ -10,9 +10,12 @@ deltas of ``/eplb/status``:
 
 - ``critical_path_ms_per_step``: per decode step, the sum over MoE layers of the slowest rank's
   expert compute thread CPU (the work the routing mode redistributes), and ``ratio_vs_static``;
-- ``route_share_of_moe``: seconds the ranks spent on the count exchange + solve over their MoE
-  wall seconds (the cost the mode adds; 0 under static);
-- ``comm_share_of_moe``: seconds blocked on communication over MoE wall seconds;
+- ``solve_us_per_layer`` / ``solve_share_of_moe``: wall time of the per-step solve (replica
+  routing: ``replica_routing.route`` + ``assign_tokens``) per layer, and over the MoE wall time;
+- ``comm_share_of_moe``: seconds blocked on communication (the count all-gather included) over
+  MoE wall seconds; the all-gather replaces the split-size all_to_all, so
+  ``exchange_plus_solve_share_of_moe`` = (comm per step - static's comm per step + solve per
+  step) / static's MoE time per step is what the mode adds;
 - the generated tokens of every mode must equal static's (asserted, reported).
 
     python scripts/bench_routing_serve.py [--quick] [--json PATH]
@@ -38,6 +41,7 @@ sys.path.insert(0, str(ROOT))
 from xllm_eplb.commands.bench import make_prompts, run_bench  # noqa: E402
 
 MODES = ("static", "spread", "balanced")
+LAYERS = 3                         # MoE layers of the generated checkpoint (plus one dense)
 
 
 def free_port() -> int:
@@ -96,20 +100,24 @@ def run_mode(ckpt: Path, mode: str, warm, measure, args, tmp: Path) -> dict:
     def d(key):
         return s1["critical_path"].get(key, 0.0) - s0["critical_path"].get(key, 0.0)
 
-    dsteps = max(1.0, d("decode_steps"))
+    dsteps, steps = max(1.0, d("decode_steps")), max(1.0, d("steps"))
     moe = max(1e-12, d("moe_s"))
+    per_rank_step = 1e3 / args.ep / steps
     return {"critical_path_ms_per_step": 1e3 * d("decode_critical_s") / dsteps,
             "mean_rank_ms_per_step": 1e3 * d("decode_expert_cpu_s") / args.ep / dsteps,
-            "moe_ms_per_step_per_rank": 1e3 * moe / args.ep / max(1.0, d("steps")),
-            "route_share_of_moe": d("route_s") / moe, "comm_share_of_moe": d("comm_s") / moe,
+            "moe_ms_per_step_per_rank": moe * per_rank_step,
+            "comm_ms_per_step_per_rank": d("comm_s") * per_rank_step,
+            "solve_us_per_layer": 1e3 * d("route_s") * per_rank_step / LAYERS,
+            "solve_share_of_moe": d("route_s") / moe, "comm_share_of_moe": d("comm_s") / moe,
             "decode_steps": dsteps, "layers_committed": s1.get("layers_committed", 0),
             "ok": res["ok"], "errors": res["errors"], "outputs": res["outputs"]}
 
 
-def make_ckpt(folder: Path) -> Path:
+def make_ckpt(folder: Path, args) -> Path:
     subprocess.run([sys.executable, "-m", "xllm_eplb", "make-checkpoint", "--arch",
-                    "deepseek_v3", "--out", str(folder)], cwd=ROOT, check=True,
-                   stdout=subprocess.DEVNULL)
+                    "deepseek_v3", "--out", str(folder), "--num-layers", str(LAYERS + 1),
+                    "--hidden-size", str(args.hidden), "--moe-intermediate-size",
+                    str(args.expert_width)], cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
     return folder
 
 
@@ -125,6 +133,8 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt-len", type=int, default=24)
     ap.add_argument("--max-tokens", type=int, default=None, help="default 16 / 32")
     ap.add_argument("--skew", type=float, default=1.2)
+    ap.add_argument("--hidden", type=int, default=256, help="model width of the checkpoint")
+    ap.add_argument("--expert-width", type=int, default=256, help="expert FFN width")
     args = ap.parse_args(argv)
     args.concurrency = args.concurrency or (16 if args.quick else 32)
     args.max_tokens = args.max_tokens or (16 if args.quick else 32)
@@ -132,11 +142,17 @@ def main(argv=None) -> int:
     warm = make_prompts(n_warm, args.prompt_len, 16, args.skew, seed=1)
     measure = make_prompts(n_meas, args.prompt_len, 16, args.skew, seed=2)
     with tempfile.TemporaryDirectory(prefix="bench_routing_serve_") as tmp:
-        ckpt = make_ckpt(Path(tmp) / "ckpt")
+        ckpt = make_ckpt(Path(tmp) / "ckpt", args)
         res = {m: run_mode(ckpt, m, warm, measure, args, Path(tmp)) for m in MODES}
-    base = res["static"]["critical_path_ms_per_step"]
-    out = {m: {k: v for k, v in r.items() if k != "outputs"}
-           | {"ratio_vs_static": r["critical_path_ms_per_step"] / base} for m, r in res.items()}
+    st = res["static"]
+    out = {}
+    for m, r in res.items():
+        # the exchange replaces the split-size all_to_all: its net cost is the comm difference
+        added = (r["comm_ms_per_step_per_rank"] - st["comm_ms_per_step_per_rank"]
+                 + r["solve_us_per_layer"] * LAYERS / 1e3)
+        out[m] = {k: v for k, v in r.items() if k != "outputs"} | {
+            "ratio_vs_static": r["critical_path_ms_per_step"] / st["critical_path_ms_per_step"],
+            "exchange_plus_solve_share_of_moe": added / st["moe_ms_per_step_per_rank"]}
     same = all(res[m]["outputs"] == res["static"]["outputs"] for m in MODES)
     summary = {"tokens_identical_across_modes": same, "modes": out,
                "args": vars(args) | {"json": str(args.json)}}

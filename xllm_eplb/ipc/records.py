@@ -74,8 +74,9 @@ class StepTimings(Record):
     ``expert_cpu_s`` [L_moe]: per MoE layer, the local expert compute thread CPU (the model's
     ``StepResult.timings["expert_cpu_s"]``; the engine's critical path is built from it).
     ``moe_s``: wall clock of the step's MoE layers (routing, dispatch, experts, combine);
-    ``comm_s``: the part of it blocked on communication; ``route_s``: the part spent on the
-    per-step replica routing (count exchange + solve; 0 under ``static``). ``dropped`` /
+    ``comm_s``: the part of it blocked on communication (the per-step count exchange of
+    ``balanced`` / capacity included); ``route_s``: the part spent solving the per-step replica
+    routing and capacity (0 under ``static`` without capacity). ``dropped`` /
     ``rerouted``: routed rows (top-k occurrences) the expert capacity dropped / the fallback
     sent to another expert, summed over MoE layers (``moe_capacity_mode``).
     """

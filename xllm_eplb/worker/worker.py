@@ -61,13 +61,13 @@ def step_timings(model_timings: dict, *, step_s: float, cpu_s: float,
                  eplb_s: float) -> StepTimings:
     """The worker's seconds plus the model's per-MoE-layer expert CPU list
     (``StepResult.timings["expert_cpu_s"]`` [L_moe], required) and its MoE wall clock, comm
-    wait and replica-routing seconds (0 where the model does not report them)
+    wait (the count exchange included) and replica-routing solve seconds (0 where the model does not report them)
     -> ``ForwardOutput.timings``."""
     t = model_timings
     return StepTimings(step_s=step_s, cpu_s=cpu_s, eplb_s=eplb_s,
                        expert_cpu_s=[float(s) for s in t["expert_cpu_s"]],
                        moe_s=float(t.get("moe_s", 0.0)), comm_s=float(t.get("comm_wait_s", 0.0)),
-                       route_s=float(t.get("route_exchange_s", 0.0) + t.get("route_solve_s", 0.0)),
+                       route_s=float(t.get("route_solve_s", 0.0)),
                        dropped=int(t.get("dropped", 0)), rerouted=int(t.get("rerouted", 0)))
 
 
