@@ -128,3 +128,44 @@ def _check_run(fam, fused, mode, ref, got):
     assert (moved == 0) == (mode == "static"), (where, moved)   # the mode really re-routes
     # the switch really changed the table and every rank rebuilt the plan from it
     assert not (got[0]["plans"][SWITCH - 1][0] == got[0]["plans"][SWITCH][0]).all(), where
+
+
+def test_spread_slots_give_each_replica_the_pure_modules_share():
+    """``spread`` on the dispatch path (no [D, D*S] matrix) = ``replica_routing.route`` row, for
+    every source rank, dropped (-1) rows left alone; and the plan follows an in-place switch."""
+    import torch
+
+    from xllm_eplb.config import Config, EplbConfig, ModelConfig
+    from xllm_eplb.model.moe import FusedMoE
+    from xllm_eplb.model.replica_dispatch import spread_slots
+
+    E, Rr = 16, 3
+    cfg = Config(eplb=EplbConfig(ep_size=D, redundant_experts_num=Rr),
+                 model=ModelConfig(num_experts=E, hidden_size=8, moe_intermediate_size=4))
+    rng = np.random.default_rng(5)
+    tables = []
+    for _ in range(2):
+        perm = rng.permutation(E).reshape(D, E // D)
+        tables.append(np.concatenate([np.append(perm[r], [e for e in rng.permutation(E)
+                                                         if e not in perm[r]][:Rr])
+                                      for r in range(D)]).astype(np.int64))
+
+    def src(layer, e):
+        return {"w13": torch.full((8, 8), float(e)), "w2": torch.full((8, 4), float(e))}
+
+    for r in range(D):
+        moe = FusedMoE(cfg, 0, r, tables[0], source=src)
+        for table in tables:
+            moe.global_phy2log[:] = table                 # what a migration's switch does
+            ids = torch.as_tensor(np.stack([rng.choice(E, 4, replace=False) for _ in range(11)]))
+            ids[3, 2] = -1
+            got = spread_slots(moe, ids).reshape(-1).numpy()
+            assert got[3 * 4 + 2] == -1 and (got[np.arange(got.size) != 14] >= 0).all()
+            flat = ids.reshape(-1).numpy()
+            c = np.zeros((D, E), dtype=np.int64)
+            c[r] = np.bincount(flat[flat >= 0], minlength=E)
+            plan = moe.routing_plan()
+            assert (plan.phy2log == table).all()
+            assert (table[got[got >= 0]] == flat[flat >= 0]).all()      # same logical expert
+            want = rr.route(c, plan, "spread")[r]
+            assert (np.bincount(got[got >= 0], minlength=table.size) == want).all()

@@ -111,7 +111,7 @@ class Telemetry:
         self.cp = dict(critical_s=0.0, expert_cpu_s=0.0, steps=0, decode_steps=0,
                        decode_critical_s=0.0, decode_expert_cpu_s=0.0, forward_cpu_s=0.0,
                        routed_tokens=0, eplb_engine_s=0.0, eplb_worker_s=0.0,
-                       moe_s=0.0, comm_s=0.0, route_s=0.0)
+                       moe_s=0.0, comm_s=0.0, route_s=0.0, moe_cpu_s=0.0)
         self.exec_seen = [0] * ep_size
         self.prep_seen = [0] * ep_size
         self.last_output_at = [0.0] * ep_size
@@ -151,7 +151,7 @@ class Telemetry:
             self.cp["forward_cpu_s"] += sum(o.timings.cpu_s for o in outputs)
             self.cp["eplb_worker_s"] += sum(o.timings.eplb_s for o in outputs)
             self.cp["eplb_engine_s"] += eplb_engine_s
-            for key in ("moe_s", "comm_s", "route_s"):        # summed over ranks
+            for key in ("moe_s", "comm_s", "route_s", "moe_cpu_s"):   # summed over ranks
                 self.cp[key] += sum(getattr(o.timings, key) for o in outputs)
             self.cp["routed_tokens"] += int(loads.sum())
             m.util_cv.set(self.serving.add(outputs, slots, seconds))

@@ -75,8 +75,9 @@ class StepTimings(Record):
     ``StepResult.timings["expert_cpu_s"]``; the engine's critical path is built from it).
     ``moe_s``: wall clock of the step's MoE layers (routing, dispatch, experts, combine);
     ``comm_s``: the part of it blocked on communication (the per-step count exchange of
-    ``balanced`` / capacity included); ``route_s``: the part spent solving the per-step replica
-    routing and capacity (0 under ``static`` without capacity). ``dropped`` /
+    ``balanced`` / capacity included); ``route_s``: thread CPU seconds spent solving the per-step
+    replica routing and capacity (0 under ``static`` without capacity), ``moe_cpu_s``: the
+    main-thread CPU of the MoE layers (its denominator). ``dropped`` /
     ``rerouted``: routed rows (top-k occurrences) the expert capacity dropped / the fallback
     sent to another expert, summed over MoE layers (``moe_capacity_mode``).
     """
@@ -89,6 +90,7 @@ class StepTimings(Record):
     moe_s: float = 0.0
     comm_s: float = 0.0
     route_s: float = 0.0
+    moe_cpu_s: float = 0.0             # main-thread CPU of the step's MoE layers
     dropped: int = 0                   # routed rows dropped by expert capacity this step
     rerouted: int = 0                  # rows re-routed by the capacity fallback this step
 

@@ -172,6 +172,7 @@ class Decoder(RankModel):
         cs = self.rotary.tables(pos[:n_real], self.dtype)
         stats = dsp.CommStats()
         moe_s, counter_s, counts, routed, expert_cpu = 0.0, 0.0, [], [], []
+        moe_cpu = 0.0
         for i, p in enumerate(self.layers):
             x = blocks.rms_norm(h, p["in_norm"], spec.rms_norm_eps)
             if n_real:
@@ -181,9 +182,10 @@ class Decoder(RankModel):
             if i not in self.moe_index:
                 h = h + blocks.mlp(x, p["mlp_w13"], p["mlp_w2"])
                 continue
-            tm = time.perf_counter()
+            tm, tc = time.perf_counter(), time.thread_time()
             y, cnt, dt_cnt, ids, cpu = self._moe(self.moe_index[i], p, x, keys, counted, mode,
                                                  stats)
+            moe_cpu += time.thread_time() - tc
             if return_routing:
                 routed.append(ids.cpu().numpy())
             moe_s += time.perf_counter() - tm
@@ -206,7 +208,7 @@ class Decoder(RankModel):
         timings = {"total_s": time.perf_counter() - t0, "moe_s": moe_s,
                    "comm_wait_s": stats.wait_s, "counter_s": counter_s,
                    "route_exchange_s": stats.extra.get("route_exchange_s", 0.0),
-                   "route_solve_s": stats.extra.get("route_solve_s", 0.0),
+                   "route_solve_s": stats.extra.get("route_solve_s", 0.0), "moe_cpu_s": moe_cpu,
                    "dropped": int(stats.extra.get("cap_dropped", 0)),
                    "rerouted": int(stats.extra.get("cap_rerouted", 0)),
                    "expert_cpu_s": expert_cpu}
