@@ -3,7 +3,10 @@
 
 One run: a generated HF-format checkpoint (``xllm-eplb make-checkpoint --arch deepseek_v3``, 64
 experts, top-4, 3 MoE layers, width ``--hidden`` and expert width ``--expert-width``), then one real server per ``--eplb_replica_routing`` mode (static, spread,
-balanced) at EP4 on CPU with redundant slots and EPLB on (so replicas sit on the hot experts),
+balanced) at EP4 on CPU with redundant slots and EPLB on with no publication gate
+(``--eplb_min_peak_load_improvement=0``: every mode gets the policy's placements, which depend
+only on the logical loads, not on how the mode spread the physical load; replicas sit on the
+hot experts),
 each driven by the same client requests (``xllm_eplb.commands.bench``: Zipf-skewed topic prompts,
 temperature 0). A warm-up phase lets the first EPLB rounds commit; the measured phase is read as
 deltas of ``/eplb/status``:
@@ -60,6 +63,7 @@ def start(ckpt: Path, mode: str, args, log_dir: Path):
     cmd = [sys.executable, "-m", "xllm_eplb", "serve", "--model", str(ckpt), "--ep-size",
            str(args.ep), "--port", str(port), "--log_dir", str(log_dir), "--workload=none",
            "--max_batch_size=32", "--enable_eplb=true", "--eplb_update_interval=2",
+           "--eplb_min_peak_load_improvement=0",
            f"--redundant_experts_num={args.redundant}", f"--eplb_replica_routing={mode}",
            f"--enable_fused_mc2={args.fused}"]
     out = log_dir / "stdout.txt"

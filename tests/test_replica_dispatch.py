@@ -75,6 +75,11 @@ def _rank(rank, world, paths):
                 cfg = replace(base, eplb=replace(base.eplb, eplb_replica_routing=mode,
                                                  enable_fused_mc2=fused))
                 out[(fam, fused, mode)] = _generate(rank, cfg, tables)
+        # a capacity nothing reaches (and the fallback that never fires) leaves outputs exact
+        cfg = replace(base, eplb=replace(base.eplb, eplb_replica_routing="balanced",
+                                         moe_capacity_mode="dynamic", moe_capacity_factor=50.0,
+                                         moe_fallback_routing=True))
+        out[(fam, 0, "capacity_unreached")] = _generate(rank, cfg, tables)
     return out
 
 
@@ -100,6 +105,8 @@ def test_modes_same_tokens_and_counters_match_the_pure_assignment(hf_ckpts):
             for mode in MODES:
                 got = [per[q][(fam, fused, mode)] for q in range(D)]
                 _check_run(fam, fused, mode, ref, got)
+        got = [per[q][(fam, 0, "capacity_unreached")] for q in range(D)]
+        _check_run(fam, 0, "balanced", [per[q][(fam, 0, "static")] for q in range(D)], got)
 
 
 def _check_run(fam, fused, mode, ref, got):
