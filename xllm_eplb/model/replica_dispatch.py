@@ -156,6 +156,7 @@ def route_step(moe, ids: torch.Tensor, group, eplb_cfg, stats,
     the kept counts are known on every rank, so they also give the split sizes; with fallback
     the re-routed rows are local knowledge, so ``balanced`` exchanges the final counts once
     more and static / spread use the ordinary split-size exchange.
+    Every dispatched row takes capacity (graph-mode padding rows included).
     NOTE (cross-rank rule): whether a layer exchanges, and how often, depends on config only."""
     mode, cap_mode = eplb_cfg.eplb_replica_routing, eplb_cfg.moe_capacity_mode
     if cap_mode == "none":

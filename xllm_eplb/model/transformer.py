@@ -218,6 +218,8 @@ class MoETransformer(RankModel):
                    "comm_wait_s": stats.wait_s, "counter_s": counter_s,
                    "route_exchange_s": stats.extra.get("route_exchange_s", 0.0),
                    "route_solve_s": stats.extra.get("route_solve_s", 0.0),
+                   "dropped": int(stats.extra.get("cap_dropped", 0)),
+                   "rerouted": int(stats.extra.get("cap_rerouted", 0)),
                    "expert_cpu_s": expert_cpu}
         return StepResult(sampled, ctr, logits if return_logits else None, warmup, mode, timings,
                           routed if return_routing else None,
@@ -244,10 +246,13 @@ class MoETransformer(RankModel):
         else:
             fm = self.moe_layers[ml]
             fm.compute_cpu_s = 0.0                 # count only this layer's dispatch
-            routed = rdp.route_layer(fm, ids, self.ep_group, self.cfg.eplb.eplb_replica_routing,
-                                     stats)
+            e = self.cfg.eplb
+            nxt = (self.routers[ml].next_choice(xn, keys, ids)
+                   if e.moe_fallback_routing and e.moe_capacity_mode != "none" else None)
+            routed = rdp.route_step(fm, ids, self.ep_group, e, stats, nxt)
             y, cnt, extra = dsp.moe_dispatch(fm, xn, routed.phys, counted, self.ep_group, mode,
-                                             stats, overlap=shared, splits=routed.splits)
+                                             stats, overlap=shared, splits=routed.splits,
+                                             dropped=e.moe_capacity_mode != "none")
             dt = stats.extra.pop("count_s", 0.0)
             cpu = fm.take_compute_cpu()
         out = (w.unsqueeze(-1) * y).sum(dim=1)
