@@ -173,7 +173,8 @@ def test_worker_timings_carry_expert_cpu_to_the_critical_path():
                       step_s=0.5, cpu_s=0.375, eplb_s=0.0625)
     t1 = step_timings({"total_s": 0.5, "moe_s": 0.25, "expert_cpu_s": [0.5, 0.0]},
                       step_s=0.5, cpu_s=0.5, eplb_s=0.0)
-    assert t0 == StepTimings(step_s=0.5, cpu_s=0.375, eplb_s=0.0625, expert_cpu_s=[0.125, 0.25])
+    assert t0 == StepTimings(step_s=0.5, cpu_s=0.375, eplb_s=0.0625, expert_cpu_s=[0.125, 0.25],
+                             moe_s=0.25)
     outs = [decode(encode(ForwardOutput(step=1, rank=r, counters=np.zeros((2, 1), np.int64),
                                         timings=t), "run"), "run")
             for r, t in enumerate((t0, t1))]

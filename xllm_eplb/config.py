@@ -102,6 +102,19 @@ class EplbConfig:
     eplb_step_tokens: int = opt(
         0, "incremental policy with eplb_peak_z > 0: routed tokens (top-k occurrences) per "
         "forward step over all EP ranks", lo=0)
+    # --- capacity and fallback (#16) -----------------------------------------------------
+    moe_capacity_mode: str = opt(
+        "none", "expert capacity per step and logical expert: none (never drop), static "
+        "(ceil(factor x tokens x top_k / experts) each), dynamic (that total shared in "
+        "proportion to the step's load, each at least half of it); rows over capacity are "
+        "dropped for that expert (or re-routed with moe_fallback_routing)",
+        choices=("none", "static", "dynamic"))
+    moe_capacity_factor: float = opt(1.25, "expert capacity factor (moe_capacity_mode static / "
+                                     "dynamic)", lo=0, lo_open=True)
+    moe_fallback_routing: bool = opt(
+        False, "a row whose expert is full goes to the token's next choice, then to the "
+        "least-loaded expert with room, and is dropped only when all are full; CHANGES "
+        "OUTPUTS (explicit opt-in; needs moe_capacity_mode static or dynamic)")
 
 
 @dataclass(frozen=True)
@@ -437,6 +450,9 @@ def _cross_rules(cfg: Config) -> list[tuple[str, Any, str]]:
     if e.eplb_p2p_max_inflight_bytes < e.eplb_p2p_chunk_bytes:
         bad.append(("eplb_p2p_max_inflight_bytes", e.eplb_p2p_max_inflight_bytes,
                     f"must be >= --eplb_p2p_chunk_bytes={e.eplb_p2p_chunk_bytes}"))
+    if e.moe_fallback_routing and e.moe_capacity_mode == "none":      # --- capacity (#16) ---
+        bad.append(("moe_fallback_routing", True, "needs --moe_capacity_mode=static or "
+                                                  "dynamic (nothing is ever full without one)"))
     devices = DEVICES_FOR_BACKEND.get(r.backend, ())
     if r.backend != "auto" and devices and r.device not in devices:
         bad.append(("backend", r.backend, f"needs --device={devices[0]} "

@@ -274,6 +274,13 @@ class Engine:
         out["critical_path"]["manager_thread_cpu_s"] = float(out["policy_cpu_seconds"])
         out["requests"] = self.sched.load()
         out["nnodes"], out["rank_node"] = self.cfg.runtime.nnodes, list(self.rank_node)
+        e = self.cfg.eplb
+        out["capacity"] = {"mode": e.moe_capacity_mode, "factor": e.moe_capacity_factor,
+                           "fallback_routing": e.moe_fallback_routing,
+                           "replica_routing": e.eplb_replica_routing,
+                           **self.tele.serving_summary()}
+        # capacity without fallback drops rows, with fallback re-routes them: both change outputs
+        out["outputs_exact"] = e.moe_capacity_mode == "none"
         return out
 
 

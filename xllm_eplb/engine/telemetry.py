@@ -47,6 +47,46 @@ def rank_loads(counters: list[np.ndarray]) -> np.ndarray:
     return np.stack([counter_format.totals(c) for c in counters], axis=1)
 
 
+class ServingStats:
+    """Seed-style serving numbers (#16): dropped / re-routed rows, expert-utilisation spread per
+    step, recent step latencies (P50/P99) and the communication share of worker step time."""
+
+    def __init__(self, steps: int = 1024):
+        self.lat: collections.deque = collections.deque(maxlen=steps)
+        self.dropped = self.rerouted = self.served = 0
+        self.cv_sum, self.cv_steps, self.cv_last = 0.0, 0, 0.0
+        self.comm_s = self.step_s = 0.0
+
+    def add(self, outputs, slot_loads: np.ndarray, seconds: float) -> float:
+        """One non-warm-up step: ``slot_loads`` [L, D*S] served rows. -> the step's
+        utilisation std/mean (mean over layers with load)."""
+        self.lat.append(seconds)
+        self.dropped += sum(o.timings.dropped for o in outputs)
+        self.rerouted += sum(o.timings.rerouted for o in outputs)
+        self.served += int(slot_loads.sum())
+        self.comm_s += sum(o.timings.comm_s for o in outputs)
+        self.step_s += sum(o.timings.step_s for o in outputs)
+        mean = slot_loads.mean(axis=1)
+        live = mean > 0
+        if live.any():
+            self.cv_last = float((slot_loads[live].std(axis=1) / mean[live]).mean())
+            self.cv_sum += self.cv_last
+            self.cv_steps += 1
+        return self.cv_last
+
+    def summary(self) -> dict:
+        lat = np.asarray(self.lat, dtype=np.float64)
+        asked = self.served + self.dropped
+        return {"tokens_dropped": self.dropped, "tokens_rerouted": self.rerouted,
+                "drop_rate": self.dropped / asked if asked else 0.0,
+                "reroute_rate": self.rerouted / asked if asked else 0.0,
+                "expert_utilisation_cv_mean": self.cv_sum / self.cv_steps if self.cv_steps
+                else 0.0, "expert_utilisation_cv_last": self.cv_last,
+                "step_p50_s": float(np.percentile(lat, 50)) if lat.size else 0.0,
+                "step_p99_s": float(np.percentile(lat, 99)) if lat.size else 0.0,
+                "comm_share": self.comm_s / self.step_s if self.step_s > 0 else 0.0}
+
+
 def critical_path(outputs) -> tuple[float, float, int]:
     """(sum over MoE layers of the slowest rank's expert CPU seconds, sum over layers and ranks
     of expert CPU seconds, layers) from the workers' ``timings.expert_cpu_s`` [L_moe]."""
@@ -73,12 +113,14 @@ class Telemetry:
         self.steps = collections.Counter()
         self.cp = dict(critical_s=0.0, expert_cpu_s=0.0, steps=0, decode_steps=0,
                        decode_critical_s=0.0, decode_expert_cpu_s=0.0, forward_cpu_s=0.0,
-                       routed_tokens=0, eplb_engine_s=0.0, eplb_worker_s=0.0)
+                       routed_tokens=0, eplb_engine_s=0.0, eplb_worker_s=0.0,
+                       moe_s=0.0, comm_s=0.0, route_s=0.0, moe_cpu_s=0.0)
         self.exec_seen = [0] * ep_size
         self.prep_seen = [0] * ep_size
         self.last_output_at = [0.0] * ep_size
         self.hb: dict[int, WorkerHeartbeat] = {}
         self.eplb: dict = {}
+        self.serving = ServingStats()
 
     # --- per step --------------------------------------------------------------------------
     def on_step(self, kind: str, outputs, seconds: float, eplb_engine_s: float = 0.0) -> None:
@@ -101,6 +143,9 @@ class Telemetry:
                 m.rank_tokens.labels(str(r)).inc(int(n))
         crit, total, _ = critical_path(outputs)
         m.moe_critical_path.inc(crit)
+        slots = np.concatenate([counter_format.decode(o.counters) for o in outputs], axis=1)
+        m.tokens_dropped.inc(sum(o.timings.dropped for o in outputs))
+        m.tokens_rerouted.inc(sum(o.timings.rerouted for o in outputs))
         for o in outputs:
             m.moe_compute.labels(str(o.rank)).inc(sum(o.timings.expert_cpu_s))
         with self.lock:
@@ -109,7 +154,11 @@ class Telemetry:
             self.cp["forward_cpu_s"] += sum(o.timings.cpu_s for o in outputs)
             self.cp["eplb_worker_s"] += sum(o.timings.eplb_s for o in outputs)
             self.cp["eplb_engine_s"] += eplb_engine_s
+            for key in ("moe_s", "comm_s", "route_s", "moe_cpu_s"):   # summed over ranks
+                self.cp[key] += sum(getattr(o.timings, key) for o in outputs)
             self.cp["routed_tokens"] += int(loads.sum())
+            m.util_cv.set(self.serving.add(outputs, slots, seconds))
+            m.comm_share.set(self.serving.summary()["comm_share"])
             per = self.recent.per_layer()
             if self.initial_balance is None and self.recent.full:
                 self.initial_balance = per.copy()
@@ -207,6 +256,10 @@ class Telemetry:
             out.update(initial_balancedness_mean=float(init.mean()),
                        initial_balancedness_min=float(init.min()))
         return out
+
+    def serving_summary(self) -> dict:
+        with self.lock:
+            return self.serving.summary()
 
     def critical_path_summary(self) -> dict:
         with self.lock:

@@ -73,12 +73,26 @@ class StepTimings(Record):
     ``eplb_s``: main-thread CPU of the executor hooks (the EPLB cost of the step);
     ``expert_cpu_s`` [L_moe]: per MoE layer, the local expert compute thread CPU (the model's
     ``StepResult.timings["expert_cpu_s"]``; the engine's critical path is built from it).
+    ``moe_s``: wall clock of the step's MoE layers (routing, dispatch, experts, combine);
+    ``comm_s``: the part of it blocked on communication (the per-step count exchange of
+    ``balanced`` / capacity included); ``route_s``: thread CPU seconds spent solving the per-step
+    replica routing and capacity (0 under ``static`` without capacity), ``moe_cpu_s``: the
+    main-thread CPU of the MoE layers (its denominator). ``dropped`` /
+    ``rerouted``: routed rows (top-k occurrences) the expert capacity dropped / the fallback
+    sent to another expert, summed over MoE layers (``moe_capacity_mode``).
     """
 
     step_s: float = 0.0
     cpu_s: float = 0.0
     eplb_s: float = 0.0
     expert_cpu_s: list[float] = field(default_factory=list)
+    # --- replica routing / capacity ---
+    moe_s: float = 0.0
+    comm_s: float = 0.0
+    route_s: float = 0.0
+    moe_cpu_s: float = 0.0             # main-thread CPU of the step's MoE layers
+    dropped: int = 0                   # routed rows dropped by expert capacity this step
+    rerouted: int = 0                  # rows re-routed by the capacity fallback this step
 
 
 @dataclass

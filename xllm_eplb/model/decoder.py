@@ -28,6 +28,7 @@ from xllm_eplb.eplb.placement import initial_phy2log
 from xllm_eplb.eplb.placement_file import initial_placement
 from xllm_eplb.model import blocks
 from xllm_eplb.model import dispatch as dsp
+from xllm_eplb.model import replica_dispatch as rdp
 from xllm_eplb.model.attention import AttnBatch, KVCache
 from xllm_eplb.model.batch import RankBatch
 from xllm_eplb.model.loader import CheckpointReader, check_experts, expert_weights, torch_dtype
@@ -84,6 +85,12 @@ class Decoder(RankModel):
         self.fused_failure = dsp.fused_precondition_failure(
             cfg.runtime.device, m.dtype, cfg.runtime.enable_graph, True)
         self._fallback_logged = False
+        e = cfg.eplb
+        if e.moe_capacity_mode != "none" and self.ep_rank == 0 and not _reference:
+            log.warning("MoE capacity mode=%s factor=%g fallback_routing=%s outputs_exact=false "
+                        "(rows over capacity are %s)", e.moe_capacity_mode,
+                        e.moe_capacity_factor, str(e.moe_fallback_routing).lower(),
+                        "re-routed or dropped" if e.moe_fallback_routing else "dropped")
 
     @classmethod
     def reference(cls, cfg: Config, device: str | None = None) -> "Decoder":
@@ -165,6 +172,7 @@ class Decoder(RankModel):
         cs = self.rotary.tables(pos[:n_real], self.dtype)
         stats = dsp.CommStats()
         moe_s, counter_s, counts, routed, expert_cpu = 0.0, 0.0, [], [], []
+        moe_cpu = 0.0
         for i, p in enumerate(self.layers):
             x = blocks.rms_norm(h, p["in_norm"], spec.rms_norm_eps)
             if n_real:
@@ -174,9 +182,10 @@ class Decoder(RankModel):
             if i not in self.moe_index:
                 h = h + blocks.mlp(x, p["mlp_w13"], p["mlp_w2"])
                 continue
-            tm = time.perf_counter()
+            tm, tc = time.perf_counter(), time.thread_time()
             y, cnt, dt_cnt, ids, cpu = self._moe(self.moe_index[i], p, x, keys, counted, mode,
                                                  stats)
+            moe_cpu += time.thread_time() - tc
             if return_routing:
                 routed.append(ids.cpu().numpy())
             moe_s += time.perf_counter() - tm
@@ -199,6 +208,10 @@ class Decoder(RankModel):
         counter_s += time.perf_counter() - tc
         timings = {"total_s": time.perf_counter() - t0, "moe_s": moe_s,
                    "comm_wait_s": stats.wait_s, "counter_s": counter_s,
+                   "route_exchange_s": stats.extra.get("route_exchange_s", 0.0),
+                   "route_solve_s": stats.extra.get("route_solve_s", 0.0), "moe_cpu_s": moe_cpu,
+                   "dropped": int(stats.extra.get("cap_dropped", 0)),
+                   "rerouted": int(stats.extra.get("cap_rerouted", 0)),
                    "expert_cpu_s": expert_cpu}
         return StepResult(sampled, prefix, logits if return_logits else None, warmup, mode,
                           timings, routed if return_routing else None,
@@ -232,8 +245,13 @@ class Decoder(RankModel):
         else:
             fm = self.moe_layers[ml]
             fm.compute_cpu_s = 0.0
-            y, cnt, extra = dsp.moe_dispatch(fm, x, fm.route(ids), counted, self.ep_group, mode,
-                                             stats, overlap=shared)
+            e = self.cfg.eplb
+            nxt = (self.routers[ml].next_choice(x, keys, ids)
+                   if e.moe_fallback_routing and e.moe_capacity_mode != "none" else None)
+            routed = rdp.route_step(fm, ids, self.ep_group, e, stats, nxt)
+            y, cnt, extra = dsp.moe_dispatch(fm, x, routed.phys, counted, self.ep_group, mode,
+                                             stats, overlap=shared, splits=routed.splits,
+                                             dropped=e.moe_capacity_mode != "none")
             dt = stats.extra.pop("count_s", 0.0)
             cpu = fm.take_compute_cpu()
         out = (w.unsqueeze(-1) * y).sum(dim=1)

@@ -142,52 +142,69 @@ def _count(moe, stats, *metas) -> torch.Tensor:
 
 
 def moe_dispatch(moe: FusedMoE, x: torch.Tensor, phys: torch.Tensor, counted: torch.Tensor,
-                 group, mode: str, stats: CommStats, overlap=None
-                 ) -> tuple[torch.Tensor, torch.Tensor, object]:
+                 group, mode: str, stats: CommStats, overlap=None, splits=None,
+                 dropped: bool | None = None) -> tuple[torch.Tensor, torch.Tensor, object]:
     """Route ``x`` [T, H] to global slots ``phys`` [T, k] and back.
 
-    ``counted`` [T] bool (False = not counted in the load). Returns (expert outputs [T, k, H]
-    unweighted, this rank's slot loads int64 [S] as observed by the receiver, the result of
-    ``overlap()`` or None).
+    ``counted`` [T] bool (False = not counted in the load). ``splits``: (rows to each rank [D],
+    rows from each rank [D]) when every rank already knows them from the step's exchanged
+    counts (``replica_dispatch.Routed.splits``; then the split-size all_to_all is skipped; every
+    rank passes them or none does). ``dropped``: ``phys`` may hold -1 (a row dropped by expert
+    capacity: not dispatched, its output row is 0). Returns (expert outputs [T, k, H] unweighted, this rank's
+    slot loads int64 [S] as observed by the receiver, the result of ``overlap()`` or None).
     """
     T, k = phys.shape
     S, D, H = moe.slots_per_rank, moe.ep_size, x.shape[1]
     flat = phys.reshape(-1)
+    live = None if dropped is None else torch.nonzero(flat >= 0).flatten()
+    if live is not None:
+        flat = flat[live]
     dest = torch.div(flat, S, rounding_mode="floor")
     order = torch.argsort(dest, stable=True)
+    if live is not None:
+        order = live[order]                  # positions in [T*k] of the kept rows, by dest
+        flat = phys.reshape(-1)
     tok = torch.div(order, k, rounding_mode="floor")
     xs = x[tok]
     meta = torch.stack([flat[order] % S, counted[tok].to(torch.int64)], dim=1)
     send = torch.bincount(dest, minlength=D).to(torch.int64)
-    recv = torch.empty_like(send)
+    if splits is not None and send.tolist() != list(splits[0]):
+        raise RuntimeError(f"rank {moe.ep_rank}: routed rows per rank {send.tolist()} differ "
+                           f"from the exchanged split sizes {list(splits[0])}")
+    recv = (torch.empty_like(send) if splits is None
+            else torch.tensor(splits[1], dtype=torch.int64, device=send.device))
     if mode == FUSED:
-        ys, extra, counts = _fused(moe, xs, meta, send, recv, group, stats, overlap)
+        ys, extra, counts = _fused(moe, xs, meta, send, recv, group, stats, overlap,
+                                   known=splits is not None)
     else:
-        _timed(stats, lambda: _a2a(recv, send, None, None, group))
+        if splits is None:
+            _timed(stats, lambda: _a2a(recv, send, None, None, group))
         s_l, r_l = send.tolist(), recv.tolist()
         xr, mr = _post_rows(xs, meta, r_l, s_l, group).wait(stats)   # no compute in between
         yr = moe.compute(xr, mr[:, 0])
         counts = _count(moe, stats, mr)
-        ys = x.new_empty((T * k, H))
+        ys = x.new_empty((sum(s_l), H))
         _timed(stats, lambda: _a2a(ys, yr, s_l, r_l, group))
         extra = overlap() if overlap is not None else None
-    y = torch.empty_like(ys)
-    y[order] = ys
+    y = ys.new_zeros((T * k, H)) if live is not None else torch.empty_like(ys)
+    y[order] = ys                            # dropped rows (capacity) stay 0
     return y.reshape(T, k, H), counts, extra
 
 
-def _fused(moe, xs, meta, send, recv, group, stats, overlap):
+def _fused(moe, xs, meta, send, recv, group, stats, overlap, known=False):
     """Overlapped path: local rows never travel. The remote rows are packed while the split
-    sizes are exchanged; the local experts and the ``overlap`` work (shared expert) run while
-    the remote rows are in flight. -> (expert outputs in send order [n, H], overlap() result, slot loads [S])."""
+    sizes are exchanged (``known``: ``recv`` already holds them, nothing to exchange); the local
+    experts and the ``overlap`` work (shared expert) run while the remote rows are in flight.
+    -> (expert outputs in send order [n, H], overlap() result, slot loads [S])."""
     me, H = moe.ep_rank, xs.shape[1]
-    w0 = _a2a(recv, send, None, None, group, async_op=True)
+    w0 = None if known else _a2a(recv, send, None, None, group, async_op=True)
     s_r = send.tolist()
     lo, n_local = sum(s_r[:me]), s_r[me]
     x_loc, m_loc = xs[lo:lo + n_local], meta[lo:lo + n_local]
     x_rem = torch.cat([xs[:lo], xs[lo + n_local:]])          # prepared while counts travel
     m_rem = torch.cat([meta[:lo], meta[lo + n_local:]])
-    _timed(stats, w0.wait)
+    if w0 is not None:
+        _timed(stats, w0.wait)
     r_r = recv.tolist()
     s_r[me] = r_r[me] = 0
     inflight = _post_rows(x_rem, m_rem, r_r, s_r, group)

@@ -21,6 +21,10 @@ replica with index ``r % count(e)`` among e's slots in global rank-major order
 (``placement.build_log2phy``). Each source rank is deterministic; different source ranks spread
 over the replicas, so with D ranks and c replicas each replica serves about D/c source ranks.
 
+Per-step replica choice (``eplb_replica_routing``): ``model/replica_dispatch.py`` uses
+``log2phy`` for ``static`` and :meth:`FusedMoE.routing_plan` (cached per active table) for
+``spread`` / ``balanced``.
+
 Expert compute time: every ``compute`` call adds its thread CPU seconds (``time.thread_time``,
 independent of how the machine's cores are shared between ranks) to ``compute_cpu_s``;
 ``take_compute_cpu()`` reads and resets it (the decoder does once per layer and step).
@@ -36,6 +40,7 @@ import torch.nn.functional as F
 
 from xllm_eplb.config import Config
 from xllm_eplb.eplb import placement
+from xllm_eplb.eplb import replica_routing as rr
 from xllm_eplb.model.loader import torch_dtype
 
 GATHER_LIMIT = 1 << 20   # elements of gathered w13 rows below which compute() gathers weights
@@ -70,6 +75,7 @@ class FusedMoE:
         self.log2phy = torch.empty(self.num_logical, dtype=torch.int64, device=self.device)
         self.global_phy2log = np.empty(self.ep_size * S, dtype=np.int64)
         self.compute_cpu_s = 0.0
+        self._plan: rr.RoutingPlan | None = None
         self.load_placement(phy2log)
 
     # ---- placement -------------------------------------------------------------------------
@@ -108,6 +114,17 @@ class FusedMoE:
         self.global_phy2log[:] = p
         self.local_expert_ids.copy_(torch.as_tensor(self.local_slice(p)))
         self.log2phy.copy_(torch.as_tensor(l2p))
+
+    def routing_plan(self) -> rr.RoutingPlan:
+        """The per-step replica routing precomputation of the active table
+        (``replica_routing.prepare``), rebuilt whenever ``global_phy2log`` changed: a live
+        migration switches the table in place, so the cache is checked against it on every call
+        ([D*S] compare, microseconds)."""
+        p = self._plan
+        if p is None or not np.array_equal(p.phy2log, self.global_phy2log):
+            p = self._plan = rr.prepare(self.global_phy2log.copy(), self.num_logical,
+                                        self.ep_size)
+        return p
 
     def expert_tensors(self) -> dict[str, torch.Tensor]:
         """The per-slot tensors that move with an expert: name -> tensor [S, ...]."""

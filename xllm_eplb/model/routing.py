@@ -96,7 +96,20 @@ class Router:
         self.seed = int(cfg.model.seed) * 131 + moe_layer
         self.log_probs = None if probs is None else np.log(probs)
 
+    def next_choice(self, xn: torch.Tensor, keys: torch.Tensor, ids: torch.Tensor
+                    ) -> torch.Tensor:
+        """Each token's next choice after its top-k ``ids`` [T, k]: int64 [T], the expert the
+        router ranks k+1-th (capacity fallback, ``eplb/capacity.fallback``)."""
+        if self.mode == "trace":
+            return self._trace_scores(xn, keys, self.k + 1)[0][:, self.k]
+        score = self._choice_scores(xn).float().scatter(1, ids, float("-inf"))
+        return torch.argmax(score, dim=-1)
+
     def _trace(self, xn: torch.Tensor, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._trace_scores(xn, keys, self.k)
+
+    def _trace_scores(self, xn: torch.Tensor, keys: torch.Tensor, n: int
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
         T = xn.shape[0]
         kk = keys.cpu().numpy().astype(np.uint64)
         with np.errstate(over="ignore"):
@@ -105,8 +118,8 @@ class Router:
                 h = _splitmix64(h ^ kk[:, c])
         u = hashed_uniform(h, self.num_experts)
         score = self.log_probs[None, :] - np.log(-np.log(u))
-        ids = np.argsort(-score, axis=1, kind="stable")[:, : self.k]
-        w = torch.full((T, self.k), 1.0 / self.k, dtype=xn.dtype, device=xn.device)
+        ids = np.argsort(-score, axis=1, kind="stable")[:, :n]
+        w = torch.full((T, n), 1.0 / self.k, dtype=xn.dtype, device=xn.device)
         return torch.as_tensor(ids, dtype=torch.int64, device=xn.device), w
 
 
@@ -143,7 +156,13 @@ class FamilyRouter(Router):
             w = w / w.sum(dim=-1, keepdim=True)
         return ids, w.to(xn.dtype)
 
-    def _grouped_sigmoid(self, xn: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _choice_scores(self, xn: torch.Tensor) -> torch.Tensor:
+        if self.spec.scoring == "sigmoid":
+            return self._grouped_choice(xn)[1]
+        return torch.softmax(torch.nn.functional.linear(xn, self.gate).float(), dim=-1)
+
+    def _grouped_choice(self, xn: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(sigmoid scores [T, E], selection scores [T, E]: + bias, groups not kept -inf)."""
         s, E = self.spec, self.num_experts
         rdt = torch.promote_types(xn.dtype, torch.float32)
         scores = torch.nn.functional.linear(xn.to(rdt), self.gate.to(rdt)).sigmoid()
@@ -153,6 +172,11 @@ class FamilyRouter(Router):
             keep = torch.zeros_like(g).scatter_(1, torch.topk(g, s.topk_group, dim=-1)[1], 1.0)
             mask = keep.bool().unsqueeze(-1).expand(-1, s.n_group, E // s.n_group).reshape(-1, E)
             choice = choice.masked_fill(~mask, float("-inf"))
+        return scores, choice
+
+    def _grouped_sigmoid(self, xn: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        s = self.spec
+        scores, choice = self._grouped_choice(xn)
         ids = torch.topk(choice, self.k, dim=-1)[1]
         w = scores.gather(1, ids)
         if s.norm_topk_prob:

@@ -115,6 +115,15 @@ class EngineMetrics:
         self.latency = self._h("request_latency_seconds", "arrival to last token", _LATENCY)
         self.ttft = self._h("time_to_first_token_seconds", "arrival to first token", _LATENCY)
         self.queue = self._g("requests_in_queue", "requests by state", ("state",))
+        # --- capacity and fallback (#16) ---
+        self.tokens_dropped = self._c("moe_tokens_dropped", "routed rows (top-k occurrences) "
+                                      "dropped by expert capacity")
+        self.tokens_rerouted = self._c("moe_tokens_rerouted", "routed rows the capacity "
+                                       "fallback sent to another expert")
+        self.util_cv = self._g("expert_utilisation_cv", "last step: standard deviation over "
+                               "physical slots of their load, over the mean (mean over layers)")
+        self.comm_share = self._g("comm_share", "recent steps: worker seconds blocked on "
+                                  "communication over worker step seconds")
 
     def _define_health(self):
         self.worker_up = self._g("worker_up", "1 while the rank answers forward steps",

@@ -60,9 +60,16 @@ def _setup_logs(cfg: Config, rank: int) -> None:
 def step_timings(model_timings: dict, *, step_s: float, cpu_s: float,
                  eplb_s: float) -> StepTimings:
     """The worker's seconds plus the model's per-MoE-layer expert CPU list
-    (``StepResult.timings["expert_cpu_s"]`` [L_moe], required) -> ``ForwardOutput.timings``."""
+    (``StepResult.timings["expert_cpu_s"]`` [L_moe], required) and its MoE wall clock, comm
+    wait (the count exchange included) and replica-routing solve seconds (0 where the model does not report them)
+    -> ``ForwardOutput.timings``."""
+    t = model_timings
     return StepTimings(step_s=step_s, cpu_s=cpu_s, eplb_s=eplb_s,
-                       expert_cpu_s=[float(s) for s in model_timings["expert_cpu_s"]])
+                       expert_cpu_s=[float(s) for s in t["expert_cpu_s"]],
+                       moe_s=float(t.get("moe_s", 0.0)), comm_s=float(t.get("comm_wait_s", 0.0)),
+                       route_s=float(t.get("route_solve_s", 0.0)),
+                       moe_cpu_s=float(t.get("moe_cpu_s", 0.0)),
+                       dropped=int(t.get("dropped", 0)), rerouted=int(t.get("rerouted", 0)))
 
 
 class Worker:
