@@ -6,10 +6,15 @@ from __future__ import annotations
 import pytest
 from hf_parity_util import hf_generate
 from test_serve import _get, _wait
-from test_serve_hf import N_NEW, PROMPTS, _tokens
+from test_serve_hf import N_NEW, PROMPTS, _generate
+
+
+def _tokens(s) -> list[list[int]]:
+    return [ids for ids, _ in _generate(s, ignore_eos=True)]
 
 
 @pytest.mark.slow
+@pytest.mark.oracle
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("routing", ["spread", "balanced"])
 def test_serve_routing_mode_keeps_tokens_through_live_moves(routing, hf_ckpts, start_server):
