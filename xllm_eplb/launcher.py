@@ -279,13 +279,16 @@ class RunShm:
         self.rings = rings
 
     @classmethod
-    def create(cls, cfg: Config) -> "RunShm":
-        rt, n = cfg.runtime, cfg.eplb.ep_size
+    def create(cls, cfg: Config, ranks: range | None = None) -> "RunShm":
+        """The rings of ``ranks`` (default every EP rank; a node > 0 of a multi-node run: its
+        own ranks): an input ring with one reader per rank and one output ring per rank."""
+        rt = cfg.runtime
+        ranks = range(cfg.eplb.ep_size) if ranks is None else ranks
         rings: list = []
         try:
-            rings.append(InputRing.create(rt.run_id, n, rt.shm_ring_slots,
+            rings.append(InputRing.create(rt.run_id, len(ranks), rt.shm_ring_slots,
                                           rt.shm_input_frame_bytes, producer=False))
-            for r in range(n):
+            for r in ranks:
                 # NOTE: output frames carry a body checksum (small frames, ~1 us); the engine
                 # reads them strictly, so a corrupt frame fails the step at once.
                 rings.append(OutputRing.create(rt.run_id, r, rt.shm_ring_slots,
@@ -345,15 +348,21 @@ def serve(cfg: Config, digest: str = "") -> int:
     log.info(event("launcher config", run_id=cfg.runtime.run_id, port=cfg.serve.port,
                    master_port=cfg.runtime.master_port) + (" " + digest if digest else ""))
     progress = Progress(cfg.eplb.ep_size, sys.stderr.isatty())
-    launcher = Launcher(cfg, progress=progress)
+    return run_launcher(Launcher(cfg, progress=progress), progress, lambda: ready_line(cfg))
+
+
+def run_launcher(launcher: Launcher, progress: Progress, ready, start=None) -> int:
+    """Start ``launcher`` (``start()``, default ``launcher.start``), print ``ready()``,
+    supervise until a signal or a failure, stop and clean up: the exit code (single node and
+    every node of a multi-node run)."""
     launcher.install_signals()
-    code = 1
+    cfg, code = launcher.cfg, 1
     try:
         try:
-            launcher.start()
+            (start or launcher.start)()
         finally:
             progress.close()
-        print(ready_line(cfg), flush=True)
+        print(ready(), flush=True)
         code = launcher.supervise()
         code = _killed(launcher.stop(graceful=(code == 0)), code, cfg)
     except KeyboardInterrupt:

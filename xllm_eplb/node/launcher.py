@@ -30,8 +30,6 @@ import time
 
 from xllm_eplb.config import Config, node_ranks
 from xllm_eplb.engine.engine import engine_main
-from xllm_eplb.ipc.errors import SegmentBusyError
-from xllm_eplb.ipc.ring import InputRing, OutputRing
 from xllm_eplb.launcher import Launcher, RunShm, describe_exit
 from xllm_eplb.node.bridge import bridge_main
 from xllm_eplb.node.rendezvous import failure_reports, report_failure
@@ -48,28 +46,6 @@ BLAME_SECONDS = 1.5
 def node_run_id(run_id: str, node: int) -> str:
     """Shm run id of one node: ``<run>-n<node>`` (no node sees another node's names)."""
     return f"{run_id}-n{node}"
-
-
-class NodeShm(RunShm):
-    """Node n > 0: an input ring with one reader per local rank and the local output rings."""
-
-    @classmethod
-    def create(cls, cfg: Config) -> "NodeShm":
-        rt, ranks = cfg.runtime, node_ranks(cfg)
-        rings: list = []
-        try:
-            rings.append(InputRing.create(rt.run_id, len(ranks), rt.shm_ring_slots,
-                                          rt.shm_input_frame_bytes, producer=False))
-            for r in ranks:
-                rings.append(OutputRing.create(rt.run_id, r, rt.shm_ring_slots,
-                                               rt.shm_output_frame_bytes, reader=False,
-                                               checksum=True))
-        except BaseException as e:
-            cls(rings).close()
-            if isinstance(e, SegmentBusyError):
-                raise StartupError(f"--run_id={rt.run_id}: {e}") from None
-            raise
-        return cls(rings)
 
 
 def primary(code: int | None) -> bool:
@@ -96,7 +72,7 @@ class NodeLauncher(Launcher):
             self._spawn("engine", engine_main, cfg, self.events, me)
             self._wait_stage("engine", "http_bound")
         else:
-            self.shm = NodeShm.create(cfg)
+            self.shm = RunShm.create(cfg, node_ranks(cfg))   # its own ranks only
         for r in node_ranks(cfg):
             self._spawn(f"ep{r}", worker_main, cfg, r, self.events, me)
         peers = range(1, self.nnodes) if self.node == 0 else [0]

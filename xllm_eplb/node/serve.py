@@ -18,7 +18,7 @@ from pathlib import Path
 
 from xllm_eplb.config import Config, node_ranks
 from xllm_eplb.ipc.shm import resolve_run_id, validate_run_id
-from xllm_eplb.launcher import _killed, free_port
+from xllm_eplb.launcher import free_port, run_launcher
 from xllm_eplb.node.launcher import NodeLauncher, node_run_id
 from xllm_eplb.node.rendezvous import host_run, join_run, open_store, report_failure
 from xllm_eplb.obs.logs import event, setup_logging
@@ -101,9 +101,8 @@ def _run(cfg: Config, store, origin: str, store_port: int) -> int:
     node = cfg.runtime.node_rank
     progress = Progress(len(node_ranks(cfg)), sys.stderr.isatty())
     launcher = NodeLauncher(cfg, store, origin, store_port, progress=progress)
-    launcher.install_signals()
-    code = 1
-    try:
+
+    def start() -> None:
         try:
             launcher.start()
         except StartupError as e:
@@ -111,19 +110,10 @@ def _run(cfg: Config, store, origin: str, store_port: int) -> int:
             why = str(e) if str(e).startswith(f"node {node}: ") else f"node {node}: {e}"
             report_failure(store, node, json.dumps({"message": why, "primary": True}))
             raise
-        finally:
-            progress.close()
+
+    def ready() -> str:
         r = node_ranks(cfg)
-        print(ready_line(cfg) + f" nnodes={cfg.runtime.nnodes}" if node == 0 else
-              f"xllm-eplb node {node} ready ranks={r.start}-{r.stop - 1}", flush=True)
-        code = launcher.supervise()
-        code = _killed(launcher.stop(graceful=(code == 0)), code, cfg)
-    except KeyboardInterrupt:
-        code = 0 if launcher.stop_signal else 130
-        code = _killed(launcher.stop(graceful=True), code, cfg)
-    except BaseException:
-        launcher.stop(graceful=False)
-        raise
-    finally:
-        launcher.cleanup()
-    return code
+        return (ready_line(cfg) + f" nnodes={cfg.runtime.nnodes}" if node == 0 else
+                f"xllm-eplb node {node} ready ranks={r.start}-{r.stop - 1}")
+
+    return run_launcher(launcher, progress, ready, start)
