@@ -168,10 +168,10 @@ def response(plan: Plan, choices: list[Choice], rid: str, model: str) -> dict:
 def chunk(plan: Plan, ch: Choice, rid: str, created: int, model: str, *, first: bool
           ) -> dict | None:
     """One streamed chunk for choice ``ch`` (None when it has nothing new to say); its
-    ``logprobs`` are those of the chunk's new token ids."""
+    ``logprobs`` are those of the chunk's new token ids (null in a chunk without new ids)."""
     a = ch.sent_ids
     text, ids = ch.delta()
-    lps = ch.logprobs(plan.kind, a, a + len(ids))
+    lps = ch.logprobs(plan.kind, a, a + len(ids)) if ids else None
     done = ch.finish_reason
     if not (text or ids or done or first):
         return None
