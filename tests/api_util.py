@@ -44,7 +44,8 @@ class ReferenceLoop:
                 if not batch.rows:          # only a release (a cancelled request's KV cache)
                     self.model.release(batch.release)
                     continue
-                self.sched.update(self.model.forward_step(batch).sampled)
+                res = self.model.forward_step(batch)
+                self.sched.update(res.sampled, res.logprobs)
                 time.sleep(0.01)     # a step takes a while (cancellation tests need that)
 
 

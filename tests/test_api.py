@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import math
 import socket
 import time
 
@@ -173,7 +174,7 @@ def test_models_list(client):
     (dict(prompt="x", extra_body={"bogus": 1, "other": 2}), "bogus"),
     (dict(prompt="x", top_p=0.0), "top_p"),
     (dict(prompt="x", n=1000), "n"),
-    (dict(prompt="x", logprobs=2), "logprobs"),
+    (dict(prompt="x", logprobs=6), "logprobs"),
     (dict(prompt="x", stop=[""]), "stop"),
     (dict(prompt=[], max_tokens=2), "prompt"),
 ])
@@ -181,6 +182,48 @@ def test_openai_client_gets_bad_request_errors(client, kw, param):
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model="tiny", **kw)
     assert e.value.body["param"] == param and e.value.body["message"], e.value.body
+
+
+def test_completion_logprobs_greedy_tokens_are_the_top_alternative(client):
+    r = client.completions.create(model="tiny", prompt="the engine", max_tokens=8,
+                                  temperature=0.0, logprobs=3,
+                                  extra_body={"ignore_eos": True, "return_token_ids": True})
+    c = r.choices[0]
+    lp = c.logprobs
+    n = len(c.model_extra["token_ids"])
+    assert n == 8 and len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == n
+    assert "".join(lp.tokens) == c.text
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:k]) for k in range(n)]
+    for tok, x, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
+        first = next(iter(top.items()))
+        assert x <= 0.0 and first == (tok, x), (tok, x, top)     # greedy = argmax
+        assert list(top.values()) == sorted(top.values(), reverse=True) and len(top) <= 3
+        assert sum(math.exp(v) for v in top.values()) <= 1.0 + 1e-9
+    plain = client.completions.create(model="tiny", prompt="the engine", max_tokens=8,
+                                      temperature=0.0, extra_body={"ignore_eos": True})
+    assert plain.choices[0].logprobs is None and plain.choices[0].text == c.text
+    zero = client.completions.create(model="tiny", prompt="the engine", max_tokens=2,
+                                     temperature=0.0, logprobs=0).choices[0].logprobs
+    assert [list(t) for t in zero.top_logprobs] == [[t] for t in zero.tokens]
+
+
+def test_chat_logprobs_stream_and_full_agree(client):
+    kw = dict(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=6,
+              temperature=0.0, logprobs=True, top_logprobs=4, extra_body={"ignore_eos": True})
+    full = client.chat.completions.create(**kw).choices[0]
+    content = full.logprobs.content
+    assert len(content) == 6
+    for e in content:
+        assert e.logprob <= 0.0 and len(e.top_logprobs) == 4
+        assert (e.top_logprobs[0].token, e.top_logprobs[0].logprob) == (e.token, e.logprob)
+        assert e.bytes == list(e.token.encode("utf-8"))
+    streamed = [e for ch in client.chat.completions.create(stream=True, **kw)
+                for c in ch.choices if c.logprobs is not None for e in c.logprobs.content]
+    assert [e.model_dump() for e in streamed] == [e.model_dump() for e in content]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}],
+                                       top_logprobs=2)
+    assert e.value.body["param"] == "top_logprobs"
 
 
 def test_unknown_model_is_a_404_and_chat_without_template_a_400():

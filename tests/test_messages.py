@@ -27,7 +27,8 @@ def _input() -> ForwardInput:
     info = EplbInfo(prepare_layer_id=3, prepare_token=11,
                     expert_ids=np.array([5, 1, -1, 2**40], dtype=np.int64), update_layer_id=2,
                     activation_token=10)
-    batches = [RankBatch([SeqRow(7, [1, 2, 3], 0, True, 0.7, 42)], release=[3]), RankBatch(),
+    batches = [RankBatch([SeqRow(7, [1, 2, 3], 0, True, 0.7, 42, logprobs=3)], release=[3]),
+               RankBatch(),
                RankBatch([SeqRow(8, [9], 17, False)])]
     return ForwardInput(step=123, batches=batches, eplb_info=info, warmup=True, pure_decode=True)
 
@@ -36,6 +37,8 @@ def _output() -> ForwardOutput:
     return ForwardOutput(step=123, rank=5,
                          counters=np.arange(58 * 34, dtype=np.int64).reshape(58, 34) * 2**33,
                          prepared_token=11, activation_token=-1, sampled={7: 31999, 8: 0},
+                         logprobs={7: (-0.25, [(31999, -0.25), (4, -1.5)]),
+                                   8: (-float("inf"), [])},
                          timings=StepTimings(0.0125, 0.01, 1e-6, [0.5, 0.25, 0.0]),
                          heartbeat=WorkerHeartbeat(12345.5, ExecutorStats(
                              prepares_ok=3, activations=2, last_transfer_ms=1.5,
@@ -48,7 +51,8 @@ def test_forward_input_round_trip():
     got = decode(encode(msg, RUN), RUN)
     assert isinstance(got, ForwardInput)
     assert got.step == 123 and got.warmup and got.pure_decode and not got.shutdown
-    assert got.batches == msg.batches
+    assert got.batches == msg.batches and got.batches[0].rows[0].logprobs == 3
+    assert got.batches[2].rows[0].logprobs == -1
     assert got.eplb_info.expert_ids.dtype == np.int64
     np.testing.assert_array_equal(got.eplb_info.expert_ids, msg.eplb_info.expert_ids)
     assert got.eplb_info.prepare_token == 11 and got.eplb_info.activation_token == 10
@@ -63,6 +67,7 @@ def test_forward_output_round_trip():
     np.testing.assert_array_equal(got.counters, msg.counters)
     assert (got.step, got.rank, got.prepared_token, got.activation_token) == (123, 5, 11, -1)
     assert got.sampled == {7: 31999, 8: 0}
+    assert got.logprobs == {7: (-0.25, [(31999, -0.25), (4, -1.5)]), 8: (-float("inf"), [])}
     assert got.timings == msg.timings and got.heartbeat == msg.heartbeat and got.error is None
     err = decode(encode(ForwardOutput(1, 0, error="OOM in layer 3"), RUN), RUN)
     assert err.error == "OOM in layer 3" and err.counters.shape == (0, 0)
@@ -93,6 +98,18 @@ def test_records_are_exact_a_missing_or_renamed_field_is_an_error():
     d["heartbeat"]["executor"]["activations"] = 2
     d["timings"]["expert_cpu_s"] = [0.5, "x"]
     with pytest.raises(MessageError, match=r"StepTimings.expert_cpu_s\[1\]='x': must be float"):
+        decode(msgpack.packb(d, use_bin_type=True), RUN)
+
+
+@pytest.mark.parametrize("bad", [[[7, 0.5, []]], [[7, -1.0, [[1, "x"]]]], [[7, -1.0]],
+                                 [[True, -1.0, []]], [[7, float("nan"), []]], [[7, -1, []]]])
+def test_logprobs_entries_are_validated_exactly(bad):
+    d = msgpack.unpackb(encode(_output(), RUN), raw=False)
+    d["logprobs"] = bad
+    with pytest.raises(MessageError, match="field logprobs: entry"):
+        decode(msgpack.packb(d, use_bin_type=True), RUN)
+    del d["logprobs"]
+    with pytest.raises(MessageError, match="'logprobs' missing"):
         decode(msgpack.packb(d, use_bin_type=True), RUN)
 
 

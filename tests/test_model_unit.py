@@ -175,3 +175,16 @@ def test_bf16_and_float32_run():
         res = Decoder.reference(cfg_of(dtype=dt)).forward_step(
             RankBatch([SeqRow(1, [3, 4], 0, True)]), return_logits=True)
         assert torch.isfinite(res.logits).all() and 1 in res.sampled
+
+
+def test_token_logprobs_are_log_softmax_of_the_raw_logits():
+    from xllm_eplb.model.step import token_logprobs
+
+    logits = torch.tensor([1.0, 3.0, -2.0, 3.0, 0.5], dtype=torch.float32)
+    ref = torch.log_softmax(logits.double(), dim=-1)
+    lp, top = token_logprobs(logits, 4, 3)
+    assert lp == pytest.approx(float(ref[4]), abs=1e-12)
+    assert [i for i, _ in top][2] == 0 and {i for i, _ in top[:2]} == {1, 3}
+    assert [x for _, x in top] == pytest.approx([float(ref[1]), float(ref[3]), float(ref[0])])
+    assert token_logprobs(logits, 1, 0) == (pytest.approx(float(ref[1])), [])
+    assert len(token_logprobs(logits, 1, 99)[1]) == 5

@@ -170,3 +170,34 @@ def test_request_without_eos_ids_never_stops_on_257():
     r = _req(max_tokens=3)
     _run_to_end(s, r, [EOS_ID, EOS_ID, EOS_ID])
     assert r.output == [EOS_ID] * 3 and r.finish_reason == "length"
+
+
+def test_logprobs_ride_the_rows_and_are_formatted_per_choice():
+    """A request that asks gets SeqRow.logprobs = its k on every row and one token_logprobs
+    entry per output token; one that does not costs nothing. Choice.logprobs: legacy
+    completions dict (sampled token added, offsets cumulative across stream slices) and the
+    chat content list."""
+    from xllm_eplb.engine.choices import Choice
+    from xllm_eplb.engine.tokenizer import ByteTokenizer
+
+    s = Scheduler(dp_size=1, max_batch_size=4, max_prefill_tokens=64)
+    a, b = s.submit(_req(max_tokens=2, logprobs=1)), s.submit(_req(max_tokens=2))
+    s.pull()
+    for step, tok in enumerate((ord("h"), ord("i"))):
+        rows = s.schedule()[0].rows
+        assert {r.req_id: r.logprobs for r in rows} == {a.req_id: 1, b.req_id: -1}
+        lp = {a.req_id: (-0.5 - step, [(ord("x"), -0.1), (ord("y"), -0.2)][:1])}
+        s.update({a.req_id: tok, b.req_id: tok}, lp)
+    assert a.token_logprobs == [(-0.5, [(ord("x"), -0.1)]), (-1.5, [(ord("x"), -0.1)])]
+    assert b.token_logprobs == []
+    ch = Choice(0, a.prompt, ByteTokenizer(), [], a.token_logprobs)
+    ch.add(a.output, "length")
+    full = ch.logprobs("completion", 0, 2)
+    assert full == {"tokens": ["h", "i"], "token_logprobs": [-0.5, -1.5],
+                    "top_logprobs": [{"x": -0.1, "h": -0.5}, {"x": -0.1, "i": -1.5}],
+                    "text_offset": [0, 1]}
+    assert ch.logprobs("completion", 1, 2)["text_offset"] == [1]
+    chat = ch.logprobs("chat", 0, 1)["content"]
+    assert chat == [{"token": "h", "logprob": -0.5, "bytes": [104],
+                     "top_logprobs": [{"token": "x", "logprob": -0.1, "bytes": [120]}]}]
+    assert Choice(0, [], ByteTokenizer(), []).logprobs("chat", 0, 0) is None

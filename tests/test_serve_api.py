@@ -96,6 +96,24 @@ def test_openai_client_streaming_cancellation_and_stall(start_server):
     want = len(tok.encode(tok.apply_chat_template(msgs), add_special_tokens=False))
     chat = c.chat.completions.create(model="xllm-eplb", messages=msgs, max_tokens=4)
     assert chat.usage.prompt_tokens == want and chat.usage.completion_tokens >= 1
+    # log-probabilities computed on the workers, through the rings: greedy tokens are their
+    # own most likely alternative, streamed and full replies carry the same values
+    lkw = dict(model="xllm-eplb", messages=msgs, max_tokens=4, temperature=0.0, logprobs=True,
+               top_logprobs=3, extra_body={"ignore_eos": True})
+    content = c.chat.completions.create(**lkw).choices[0].logprobs.content
+    assert len(content) == 4
+    for e in content:
+        assert e.logprob <= 0.0 and len(e.top_logprobs) == 3
+        assert (e.top_logprobs[0].token, e.top_logprobs[0].logprob) == (e.token, e.logprob)
+    streamed = [e.model_dump() for ch in c.chat.completions.create(stream=True, **lkw)
+                for x in ch.choices if x.logprobs is not None for e in x.logprobs.content]
+    assert streamed == [e.model_dump() for e in content]
+    lp = c.completions.create(model="xllm-eplb", prompt="the engine", max_tokens=5,
+                              temperature=0.0, logprobs=2,
+                              extra_body={"ignore_eos": True}).choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == 5 and all(x <= 0 for x in lp.token_logprobs)
+    assert [next(iter(t.items())) for t in lp.top_logprobs] == list(
+        zip(lp.tokens, lp.token_logprobs, strict=True))
     with pytest.raises(openai.BadRequestError):
         c.completions.create(model="xllm-eplb", prompt="x", extra_body={"ignore_eos": "no"})
 

@@ -1,12 +1,14 @@
 """`xllm-eplb serve --model DIR --ep-size 4` on save_pretrained folders of every family: EPLB
 moves real expert weights live, greedy tokens stay identical to transformers.generate, and a
-request stops on the checkpoint's own EOS id (generation_config.json), not the byte tokenizer's."""
+request stops on the checkpoint's own EOS id (generation_config.json), not the byte tokenizer's;
+the served log-probabilities are transformers' log_softmax of its logits."""
 
 from __future__ import annotations
 
 import json
 import shutil
 
+import numpy as np
 import pytest
 from hf_parity_util import hf_generate
 from hf_util import FAMILIES
@@ -26,6 +28,22 @@ def _generate(s, ignore_eos: bool):
         c = body["choices"][0]
         out.append((c["token_ids"], c["finish_reason"]))
     return out
+
+
+def _check_logprobs(s, want: list[int], logits: np.ndarray) -> None:
+    """Prompt 0, greedy, ``logprobs=5``: the sampled tokens' logprobs and the top-5 values are
+    transformers' ``log_softmax`` of its logits [n, V] within 1e-4."""
+    code, body = _post(s.url, {"prompt": PROMPTS[0], "max_tokens": N_NEW, "temperature": 0.0,
+                               "ignore_eos": True, "return_token_ids": True, "logprobs": 5})
+    assert code == 200, body
+    c = body["choices"][0]
+    assert c["token_ids"] == want
+    ref = logits - logits.max(axis=1, keepdims=True)
+    ref = ref - np.log(np.exp(ref).sum(axis=1, keepdims=True))
+    got = np.array(c["logprobs"]["token_logprobs"])
+    np.testing.assert_allclose(got, ref[np.arange(N_NEW), want], atol=1e-4)
+    top = [sorted(d.values(), reverse=True)[0] for d in c["logprobs"]["top_logprobs"]]
+    np.testing.assert_allclose(top, ref.max(axis=1), atol=1e-4)
 
 
 def _eos_case(want: list[list[int]], family: str) -> tuple[object, list[tuple[list[int], str]]]:
@@ -50,7 +68,7 @@ def _eos_case(want: list[list[int]], family: str) -> tuple[object, list[tuple[li
 @pytest.mark.parametrize("family", FAMILIES)
 def test_serve_checkpoint_rebalances_with_transformers_tokens(family, hf_ckpts, tmp_path,
                                                               start_server):  # noqa: F811
-    want, _ = hf_generate(hf_ckpts[family], PROMPTS, N_NEW)
+    want, hf_logits = hf_generate(hf_ckpts[family], PROMPTS, N_NEW)
     path = tmp_path / family
     shutil.copytree(hf_ckpts[family], path)
     eos, want_eos = _eos_case(want, family)
@@ -60,6 +78,7 @@ def test_serve_checkpoint_rebalances_with_transformers_tokens(family, hf_ckpts, 
                      "--eplb_min_peak_load_improvement=0")
     s.wait_ready(180)
     assert _generate(s, ignore_eos=True) == [(w, "length") for w in want]
+    _check_logprobs(s, want[0], hf_logits[0])
     st = _wait(lambda: (lambda st: st if st["layers_committed"] >= 2 else None)(
         _get(s.url + "/eplb/status")), 150, "two committed layers", s)
     assert st["slots_moved"] > 0

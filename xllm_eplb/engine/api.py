@@ -118,7 +118,9 @@ class _Run:
         self.bridge = TokenBridge(asyncio.get_running_loop())
         self.reqs = ch.make_requests(plan, tok, self.bridge)
         self.bridge.attach(self.reqs)
-        self.choices = [ch.Choice(k, r.prompt, tok, plan.stop) for k, r in enumerate(self.reqs)]
+        self.choices = [ch.Choice(k, r.prompt, tok, plan.stop,
+                                  r.token_logprobs if plan.logprobs >= 0 else None)
+                        for k, r in enumerate(self.reqs)]
         self.open = len(self.reqs)
         self.rid = ch.new_id(plan.kind)
 

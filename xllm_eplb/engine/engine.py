@@ -195,9 +195,11 @@ class Engine:
                 continue
             outs = self.step(self.sched.schedule())
             sampled: dict[int, int] = {}
+            logprobs: dict = {}
             for o in outs:
                 sampled.update(o.sampled)
-            self.tele.on_requests(self.sched.update(sampled))
+                logprobs.update(o.logprobs)
+            self.tele.on_requests(self.sched.update(sampled, logprobs))
 
     def _cancelled(self, reqs: list[Request]) -> None:
         for r in reqs:

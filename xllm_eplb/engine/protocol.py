@@ -3,9 +3,10 @@
 Fields are type-checked strictly (``"ignore_eos": "false"`` and ``"max_tokens": "3"`` are 400s,
 never coerced). Unknown fields are a 400 that names them, with these exceptions (OpenAI fields
 that do not change the output, accepted and ignored): ``user``, and ``frequency_penalty`` /
-``presence_penalty`` at 0, ``logit_bias`` empty, ``echo`` false, ``best_of`` 1, ``suffix`` null,
-``logprobs`` null/false/0 and ``top_logprobs`` null/0 (log-probabilities are not implemented: any
-other value is a 400). ``prompt_token_ids`` is an extension kept from the first API (same as a
+``presence_penalty`` at 0, ``logit_bias`` empty, ``echo`` false, ``best_of`` 1, ``suffix`` null
+(any other value is a 400). Log-probabilities: completions ``logprobs`` 0..5 (top alternatives
+per token), chat ``logprobs: true`` with ``top_logprobs`` 0..20 (``Plan.logprobs``; formatting in
+``engine.choices``). ``prompt_token_ids`` is an extension kept from the first API (same as a
 token-id ``prompt``). Errors are :class:`ApiError` (HTTP status, message naming the field,
 value and rule, OpenAI ``param``/``code``).
 """
@@ -93,7 +94,7 @@ class CompletionRequest(_Common):
     prompt: Any = Field(None, description="text, list of texts, token ids or list of token-id "
                         "lists")
     prompt_token_ids: list[int] | None = Field(None, description="extension: token ids")
-    logprobs: int | None = Field(None, ge=0, le=5, description="not implemented: null or 0")
+    logprobs: int | None = Field(None, ge=0, le=5, description="top alternatives per token")
     echo: bool = False
     best_of: int | None = Field(None, ge=1)
     suffix: str | None = None
@@ -133,6 +134,8 @@ class Plan:
     stream: bool = False
     include_usage: bool = False
     return_token_ids: bool = False
+    #: >= 0: return each output token's log-probability and this many top alternatives; -1 = off
+    logprobs: int = -1
 
 
 def _loc(err: dict) -> str:
@@ -304,7 +307,8 @@ def _seeds(seed: int | None, count: int, n: int) -> list[int]:
     return [(seed + (k % n)) % SEED_MOD for k in range(count)]
 
 
-def _common(req: _Common, kind: str, prompts: list[list[int]], mt: int, served: ServedModel):
+def _common(req: _Common, kind: str, prompts: list[list[int]], mt: int, served: ServedModel,
+            logprobs: int = -1):
     if req.model is not None and req.model != served.name:
         raise ApiError(404, f"'model'={req.model!r}: this server serves {served.name!r}",
                        "model", "model_not_found")
@@ -324,7 +328,7 @@ def _common(req: _Common, kind: str, prompts: list[list[int]], mt: int, served: 
                 max(0, req.top_k), _seeds(req.seed, count, req.n), _stops(req.stop),
                 frozenset(stop_ids), req.ignore_eos, req.stream,
                 bool(req.stream_options and req.stream_options.include_usage),
-                req.return_token_ids)
+                req.return_token_ids, logprobs)
 
 
 _NOOPS = {"frequency_penalty": (0.0,), "presence_penalty": (0.0,), "logit_bias": (None, {})}
@@ -333,17 +337,21 @@ _NOOPS = {"frequency_penalty": (0.0,), "presence_penalty": (0.0,), "logit_bias":
 def parse_completion(body: Any, served: ServedModel) -> Plan:
     """``POST /v1/completions`` body -> :class:`Plan` (or :class:`ApiError`)."""
     req = _validate(CompletionRequest, body)
-    _unsupported(req, _NOOPS | {"logprobs": (None, 0), "echo": (False,),
+    _unsupported(req, _NOOPS | {"echo": (False,),
                                 "best_of": (None, 1), "suffix": (None,)})
     prompts = completion_prompts(req, served.tokenizer, served.limits)
     mt = _max_tokens(req.max_tokens, prompts, served.limits, 16)
-    return _common(req, "completion", prompts, mt, served)
+    return _common(req, "completion", prompts, mt, served,
+                   -1 if req.logprobs is None else req.logprobs)
 
 
 def parse_chat(body: Any, served: ServedModel) -> Plan:
     """``POST /v1/chat/completions`` body -> :class:`Plan` (or :class:`ApiError`)."""
     req = _validate(ChatCompletionRequest, body)
-    _unsupported(req, _NOOPS | {"logprobs": (False,), "top_logprobs": (None, 0)})
+    _unsupported(req, _NOOPS)
+    if req.top_logprobs and not req.logprobs:
+        raise ApiError(400, f"'top_logprobs'={req.top_logprobs} requires 'logprobs': true",
+                       "top_logprobs")
     if req.max_tokens is not None and req.max_completion_tokens is not None:
         raise ApiError(400, "give at most one of 'max_tokens' and 'max_completion_tokens'",
                        "max_completion_tokens")
@@ -352,7 +360,8 @@ def parse_chat(body: Any, served: ServedModel) -> Plan:
     names = ("messages", "max_tokens" if req.max_completion_tokens is None
              else "max_completion_tokens")
     mt = _max_tokens(requested, [prompt], served.limits, None, names)
-    return _common(req, "chat", [prompt], mt, served)
+    return _common(req, "chat", [prompt], mt, served,
+                   (req.top_logprobs or 0) if req.logprobs else -1)
 
 
 def _validate(model: type[BaseModel], body: Any):

@@ -46,6 +46,10 @@ class Request:
     stop_check: Callable[[list[int]], bool] | None = None
     #: ``listener(req, new_tokens, finish_reason)`` (see the module docstring)
     listener: Callable[["Request", list[int], str], None] | None = None
+    #: >= 0: collect each output token's ``(logprob, [(id, logprob)] top alternatives)`` in
+    #: ``token_logprobs`` (appended before the listener hears of the token); -1 = off
+    logprobs: int = -1
+    token_logprobs: list = field(default_factory=list)
     req_id: int = -1
     dp_rank: int = -1
     output: list[int] = field(default_factory=list)
@@ -195,12 +199,14 @@ class Scheduler:
             prefill[k] += len(req.prompt)
             self.running[req.req_id] = req
             batches[k].rows.append(SeqRow(req.req_id, list(req.prompt), 0, True,
-                                          req.temperature, req.seed, req.top_p, req.top_k))
+                                          req.temperature, req.seed, req.top_p, req.top_k,
+                                          req.logprobs))
         return batches
 
-    def update(self, sampled: dict[int, int]) -> list[Request]:
-        """Append each running request's sampled token; returns the requests that finished
-        (their KV cache is released in the next step's batch of their rank)."""
+    def update(self, sampled: dict[int, int], logprobs: dict | None = None) -> list[Request]:
+        """Append each running request's sampled token (and its ``logprobs`` entry, for a
+        request that asked); returns the requests that finished (their KV cache is released in
+        the next step's batch of their rank)."""
         now = time.monotonic()
         finished = []
         for rid, tok in sampled.items():
@@ -210,6 +216,8 @@ class Scheduler:
             if not req.output:
                 req.first_token_at = now
             req.output.append(int(tok))
+            if req.logprobs >= 0:
+                req.token_logprobs.append((logprobs or {}).get(int(rid), (float("nan"), [])))
             if req.listener is not None:
                 req.listener(req, [int(tok)], "")
             reason = _finish_reason(req)
@@ -239,7 +247,7 @@ class Scheduler:
 
 def _decode_row(r: Request) -> SeqRow:
     return SeqRow(r.req_id, [r.output[-1]], r.num_tokens - 1, False, r.temperature, r.seed,
-                  r.top_p, r.top_k)
+                  r.top_p, r.top_k, r.logprobs)
 
 
 def _finish_reason(r: Request) -> str:

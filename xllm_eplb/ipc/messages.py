@@ -22,6 +22,10 @@ version, another run id, an unexpected kind or malformed fields.
                                         (raw int64 bytes + shape on the wire)
     prepared_token, activation_token: int   (-1 = none)
     sampled: dict[int, int]             req_id -> sampled token id
+    logprobs: dict[int, (float, [(int, float)])]   req_id -> (sampled token's logprob, top
+                                        (id, logprob) alternatives), only for the rows that
+                                        asked (``SeqRow.logprobs`` >= 0); on the wire
+                                        ``[[req_id, logprob, [[id, logprob], ...]], ...]``
     timings: StepTimings                seconds (``ipc/records.py``)
     heartbeat: WorkerHeartbeat          wall-clock ``ts`` + the executor's ``ExecutorStats``
     error: str | None                   worker-side failure of this step
@@ -80,6 +84,7 @@ class ForwardOutput:
     prepared_token: int = NO_TOKEN
     activation_token: int = NO_TOKEN
     sampled: dict[int, int] = field(default_factory=dict)
+    logprobs: dict[int, tuple[float, list[tuple[int, float]]]] = field(default_factory=dict)
     timings: StepTimings = field(default_factory=StepTimings)
     heartbeat: WorkerHeartbeat = field(default_factory=WorkerHeartbeat)
     error: str | None = None
@@ -92,6 +97,8 @@ class ForwardOutput:
                 "counters": c.tobytes(), "cshape": [int(c.shape[0]), int(c.shape[1])],
                 "prepared": int(self.prepared_token), "activation": int(self.activation_token),
                 "sampled": [[int(k), int(v)] for k, v in self.sampled.items()],
+                "logprobs": [[int(k), float(lp), [[int(i), float(x)] for i, x in top]]
+                             for k, (lp, top) in self.logprobs.items()],
                 "timings": self.timings.to_dict(), "heartbeat": self.heartbeat.to_dict(),
                 "error": self.error}
 
@@ -110,8 +117,33 @@ class ForwardOutput:
                    counters=np.frombuffer(raw, dtype=np.int64).reshape(shape).copy(),
                    prepared_token=_int(d, "prepared"), activation_token=_int(d, "activation"),
                    sampled={int(k): int(v) for k, v in _typed(d, "sampled", list)},
+                   logprobs=_logprobs(_typed(d, "logprobs", list)),
                    timings=StepTimings.from_dict(_typed(d, "timings", dict)),
                    heartbeat=WorkerHeartbeat.from_dict(_typed(d, "heartbeat", dict)), error=err)
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_lp(x) -> bool:
+    """A log-probability: a float <= 0 (-inf allowed, NaN not)."""
+    return isinstance(x, float) and x <= 0.0
+
+
+def _logprobs(items: list) -> dict[int, tuple[float, list[tuple[int, float]]]]:
+    """Wire ``[[req_id, logprob, [[id, logprob], ...]], ...]`` -> ``ForwardOutput.logprobs``."""
+    out = {}
+    for it in items:
+        ok = (isinstance(it, list) and len(it) == 3 and _is_int(it[0]) and _is_lp(it[1])
+              and isinstance(it[2], list)
+              and all(isinstance(p, list) and len(p) == 2 and _is_int(p[0]) and _is_lp(p[1])
+                      for p in it[2]))
+        if not ok:
+            raise MessageError(f"field logprobs: entry {it!r:.60} must be "
+                               f"[req_id, logprob <= 0, [[id, logprob <= 0], ...]]")
+        out[it[0]] = (it[1], [(p[0], p[1]) for p in it[2]])
+    return out
 
 
 def _typed(d: dict, key: str, typ: type):

@@ -14,6 +14,8 @@ class SeqRow:
     ``temperature == 0`` means greedy; otherwise sampling uses ``seed`` and the position, so
     the same request gives the same tokens whatever batch it shares, restricted to the ``top_k``
     most likely tokens (0 = all) and to the smallest set whose probability reaches ``top_p``.
+    ``logprobs`` >= 0: the worker also returns the sampled token's log-probability and the
+    ``logprobs`` most likely alternatives (``ForwardOutput.logprobs``); -1 = none (no cost).
     """
 
     req_id: int
@@ -24,16 +26,17 @@ class SeqRow:
     seed: int = 0
     top_p: float = 1.0
     top_k: int = 0
+    logprobs: int = -1
 
     def to_dict(self) -> dict:
         return {"r": self.req_id, "t": list(self.token_ids), "p": self.start_pos,
                 "f": self.is_prefill, "T": self.temperature, "s": self.seed,
-                "tp": self.top_p, "tk": self.top_k}
+                "tp": self.top_p, "tk": self.top_k, "lp": self.logprobs}
 
     @classmethod
     def from_dict(cls, d: dict) -> "SeqRow":
         return cls(d["r"], list(d["t"]), d["p"], d["f"], d["T"], d["s"], d.get("tp", 1.0),
-                   d.get("tk", 0))
+                   d.get("tk", 0), d["lp"])
 
 
 @dataclass

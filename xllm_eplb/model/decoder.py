@@ -38,7 +38,7 @@ from xllm_eplb.model.rank_model import RankModel
 from xllm_eplb.model.resolve import resolve_config
 from xllm_eplb.model.routing import FamilyRouter, load_trace, trace_probs
 from xllm_eplb.model.spec import parse_spec
-from xllm_eplb.model.step import StepResult, graph_bucket, sample
+from xllm_eplb.model.step import StepResult, graph_bucket, sample, token_logprobs
 from xllm_eplb.model.validate import validate_model_config, validate_phy2log
 
 log = logging.getLogger(__name__)
@@ -201,6 +201,8 @@ class Decoder(RankModel):
         sampled = {r.req_id: sample(logits[j], r.temperature, r.seed, r.start_pos + len(r.token_ids),
                                     r.top_p, r.top_k)
                    for j, r in enumerate(batch.rows)}
+        lps = {r.req_id: token_logprobs(logits[j], sampled[r.req_id], r.logprobs)
+               for j, r in enumerate(batch.rows) if r.logprobs >= 0}
         if warmup:
             self.release([r.req_id for r in batch.rows])
         tc = time.perf_counter()
@@ -215,7 +217,7 @@ class Decoder(RankModel):
                    "expert_cpu_s": expert_cpu}
         return StepResult(sampled, prefix, logits if return_logits else None, warmup, mode,
                           timings, routed if return_routing else None,
-                          counted.cpu().numpy() if return_routing else None)
+                          counted.cpu().numpy() if return_routing else None, lps)
 
     def _shared(self, p: dict, x: torch.Tensor):
         if "shared_w13" not in p:

@@ -4,7 +4,8 @@
   logits and routing, timings;
 - :func:`graph_bucket`: the graph-mode decode batch size a step pads to;
 - :func:`sample`: greedy or seeded (``(seed, position)`` only, so batch-independent) sampling
-  with top-k / top-p truncation.
+  with top-k / top-p truncation;
+- :func:`token_logprobs`: the sampled token's log-probability and the top alternatives.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ class StepResult:
     timings: seconds (total_s, moe_s, comm_wait_s, counter_s: float wall clock; expert_cpu_s:
     list [L_moe] of this rank's local expert compute thread CPU time per MoE layer, from
     ``FusedMoE.compute``, reference: ``LogicalMoE.forward``); routed (when asked for): per MoE
-    layer the logical top-k ids int64 [T, k] of every row incl. padding, and counted bool [T]."""
+    layer the logical top-k ids int64 [T, k] of every row incl. padding, and counted bool [T];
+    logprobs: req_id -> :func:`token_logprobs` for the rows that asked (``SeqRow.logprobs``)."""
 
     sampled: dict[int, int]
     counters: np.ndarray
@@ -35,6 +37,7 @@ class StepResult:
     timings: dict = field(default_factory=dict)
     routed: list | None = None
     counted: np.ndarray | None = None
+    logprobs: dict[int, tuple[float, list[tuple[int, float]]]] = field(default_factory=dict)
 
 
 def graph_bucket(n: int, max_batch: int) -> int:
@@ -75,3 +78,17 @@ def _truncate(p: torch.Tensor, top_p: float, top_k: int) -> torch.Tensor:
     out = torch.zeros_like(p)
     out[idx[keep]] = sp[keep]
     return out
+
+
+def token_logprobs(logits: torch.Tensor, token: int, k: int
+                   ) -> tuple[float, list[tuple[int, float]]]:
+    """``(logprob of token, [(id, logprob)] of the k most likely tokens, most likely first)``.
+
+    Log-probabilities are ``log_softmax`` of the raw logits [V] in float64: the model's own
+    distribution, before temperature and top-k / top-p (what OpenAI reports). Ties in the top k
+    are ordered by ``torch.topk``; k is clamped to [0, V]."""
+    lp = torch.log_softmax(logits.to(torch.float64), dim=-1)
+    k = max(0, min(int(k), lp.shape[0]))
+    vals, ids = torch.topk(lp, k) if k else (lp[:0], lp[:0].long())
+    top = [(int(i), float(v)) for i, v in zip(ids.tolist(), vals.tolist(), strict=True)]
+    return float(lp[int(token)]), top

@@ -168,7 +168,8 @@ class Worker:
                                eplb_s=(c1 - c0) + (c3 - c2))
         return ForwardOutput(step=msg.step, rank=self.rank, counters=res.counters,
                              prepared_token=ready,
-                             activation_token=act, sampled=res.sampled, timings=timings,
+                             activation_token=act, sampled=res.sampled, logprobs=res.logprobs,
+                             timings=timings,
                              heartbeat=WorkerHeartbeat(time.time(), self.executor.stats()),
                              error=None)
 
