@@ -87,4 +87,5 @@ class Server:
             time.sleep(0.1)
         from xllm_eplb.ipc.objects import clean
 
-        clean(self.run_id)
+        # the whole run was SIGKILLed: its objects go even if a dying child still maps one
+        clean(self.run_id, force=True)
