@@ -326,6 +326,20 @@ def _killed(killed: list[str], code: int, cfg: Config) -> int:
     return code or 1
 
 
+def launcher_process(cfg: Config, title: str) -> None:
+    """This process as a launcher: its log file in ``--log_dir`` (StartupError naming the flag
+    when it cannot be written) and its process title."""
+    try:
+        setup_logging("launcher", cfg.serve.v, str(Path(cfg.serve.log_dir) / "launcher.log"))
+    except OSError as e:
+        raise StartupError(f"--log_dir={cfg.serve.log_dir}: cannot create or write the log "
+                           f"folder ({e})") from None
+    with contextlib.suppress(Exception):
+        import setproctitle
+
+        setproctitle.setproctitle(title)
+
+
 def serve(cfg: Config, digest: str = "") -> int:
     """Run until a signal or a failure; returns the process exit code."""
     # NOTE: imported here, not at the top: the checkpoint resolver pulls in torch/safetensors
@@ -336,15 +350,7 @@ def serve(cfg: Config, digest: str = "") -> int:
     port = check_serve(cfg)    # every check before anything starts (no --model: the sizes)
     # no --model: generate the default checkpoint once, here, before anything is spawned
     cfg = resolve_runtime(resolve_config(with_default_checkpoint(cfg)), port)
-    try:
-        setup_logging("launcher", cfg.serve.v, str(Path(cfg.serve.log_dir) / "launcher.log"))
-    except OSError as e:
-        raise StartupError(f"--log_dir={cfg.serve.log_dir}: cannot create or write the log "
-                           f"folder ({e})") from None
-    with contextlib.suppress(Exception):
-        import setproctitle
-
-        setproctitle.setproctitle("xllm-eplb:launcher")
+    launcher_process(cfg, "xllm-eplb:launcher")
     log.info(event("launcher config", run_id=cfg.runtime.run_id, port=cfg.serve.port,
                    master_port=cfg.runtime.master_port) + (" " + digest if digest else ""))
     progress = Progress(cfg.eplb.ep_size, sys.stderr.isatty())

@@ -9,7 +9,6 @@ the usual ready line once the engine has warmed up every rank on every node; nod
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import logging
@@ -18,10 +17,10 @@ from pathlib import Path
 
 from xllm_eplb.config import Config, node_ranks
 from xllm_eplb.ipc.shm import resolve_run_id, validate_run_id
-from xllm_eplb.launcher import free_port, run_launcher
+from xllm_eplb.launcher import free_port, launcher_process, run_launcher
 from xllm_eplb.node.launcher import NodeLauncher, node_run_id
 from xllm_eplb.node.rendezvous import host_run, join_run, open_store, report_failure
-from xllm_eplb.obs.logs import event, setup_logging
+from xllm_eplb.obs.logs import event
 from xllm_eplb.obs.progress import Progress, ready_line
 from xllm_eplb.preflight import StartupError, check_log_dir, check_serve
 from xllm_eplb.worker.comm import preflight
@@ -76,15 +75,7 @@ def serve_nodes(cfg: Config, digest: str = "") -> int:
 
     cfg = _checks(resolve_topology(resolve_config(cfg)))
     node = cfg.runtime.node_rank
-    try:
-        setup_logging("launcher", cfg.serve.v, str(Path(cfg.serve.log_dir) / "launcher.log"))
-    except OSError as e:
-        raise StartupError(f"--log_dir={cfg.serve.log_dir}: cannot create or write the log "
-                           f"folder ({e})") from None
-    with contextlib.suppress(Exception):
-        import setproctitle
-
-        setproctitle.setproctitle(f"xllm-eplb:launcher-node{node}")
+    launcher_process(cfg, f"xllm-eplb:launcher-node{node}")
     store_port = cfg.runtime.master_port
     store = open_store(cfg, master=node == 0)
     cfg, origin = _rendezvous(cfg, store)   # compares the flags as given, not local paths
