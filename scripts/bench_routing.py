@@ -16,8 +16,9 @@ Metric: per step and layer, max rank load / mean rank load; the table gives its 
 sampled layers and steps for static, spread, balanced, and the LP bound (exact fractional optimum
 of the max rank load over any split of each expert's step total over its replicas, solved with
 highspy in the same run; the integer optimum is its ceiling, reported too). ``solve_us`` is the
-thread CPU time of ``balanced``'s solve for one layer (``replica_routing.balanced_flex``) and of a
-source's full row (``source_row``), mean over the sampled layers.
+thread CPU time of ``balanced``'s solve for one layer (``replica_routing.balanced_flex``), and
+``source_row_us`` of what a serving rank computes (``balanced_rank``: the solve, then source 0's
+slot for each of its rows and its split sizes), mean over the sampled layers.
 
 Usage::
 
@@ -91,7 +92,8 @@ def bench_size(name, table, loads, d, tpr, layers, steps, rng, timing_repeat):
             acc["lp"].append(v / mean)
             acc["lp_int"].append(np.ceil(v - 1e-6) / mean)
         t_solve.append(cpu_us(lambda c=c, plan=plan: rr.balanced_flex(c, plan), timing_repeat))
-        t_row.append(cpu_us(lambda c=c, plan=plan: rr.source_row(c, plan, "balanced", 0),
+        ids0 = np.repeat(np.arange(c.shape[1]), c[0])          # source 0's routed rows
+        t_row.append(cpu_us(lambda c=c, plan=plan, ids0=ids0: rr.balanced_rank(c, plan, 0, ids0),
                             timing_repeat))
     row = {"placement": name, "tokens_per_rank": tpr, "samples": len(acc["lp"])}
     row.update({m: float(np.mean(v)) for m, v in acc.items()})
@@ -103,7 +105,7 @@ def bench_size(name, table, loads, d, tpr, layers, steps, rng, timing_repeat):
 
 def to_markdown(rows) -> str:
     out = ["| placement | tokens/rank | static | spread | balanced | LP bound | LP (integer) | "
-           "balanced / LP | solve us/layer | row us/layer |",
+           "balanced / LP | solve us/layer | rank us/layer |",
            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for x in rows:
         out.append(f"| {x['placement']} | {x['tokens_per_rank']} | {x['static']:.4f} | "

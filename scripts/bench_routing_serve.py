@@ -13,9 +13,10 @@ deltas of ``/eplb/status``:
 
 - ``critical_path_ms_per_step``: per decode step, the sum over MoE layers of the slowest rank's
   expert compute thread CPU (the work the routing mode redistributes), and ``ratio_vs_static``;
-- ``solve_cpu_us_per_layer`` / ``solve_share_of_moe_cpu``: thread CPU of the per-step solve
-  (``replica_routing.route`` + ``assign_tokens``) per layer and step, and over the main-thread
-  CPU of the MoE layers (thread CPU, so it does not depend on how the cores are shared);
+- ``solve_cpu_us_per_layer`` / ``solve_share_of_moe_cpu``: thread CPU of the per-step routing
+  (``balanced``: the rank's count of its rows, the solve and its assignment; ``spread``: the
+  assignment) per layer and step, and over the main-thread CPU of the MoE layers (thread CPU, so
+  it does not depend on how the cores are shared);
 - ``comm_ms_per_step_per_rank`` (wall) and ``comm_delta_vs_static_ms``: the count all-gather of
   ``balanced`` replaces the split-size all_to_all (one collective per layer either way), so its
   net cost is the difference to static's communication wait (noisy on a shared machine);

@@ -117,7 +117,7 @@ def _move(hooks, table, n_slots):
 def _random_expert(hidden: int, inter: int):
     """``source(ml, e)`` of seeded random expert weights (the transfer moves bytes; their
     values do not matter, and a checkpoint of these sizes would be large to write)."""
-    def source(ml: int, e: int) -> dict:
+    def source(ml: int, e: int, out=None) -> dict:
         g = torch.Generator().manual_seed(1000 * ml + e)
         return {"w13": torch.randn((2 * inter, hidden), generator=g),
                 "w2": torch.randn((hidden, inter), generator=g)}

@@ -99,7 +99,7 @@ def test_bad_mode_and_factor_are_named():
 D, E, H, INTER = 4, 8, 8, 4
 
 
-def _weights(layer, e):
+def _weights(layer, e, out=None):
     g = torch.Generator().manual_seed(1000 + e)
     return {"w13": torch.randn(2 * INTER, H, generator=g, dtype=torch.float64),
             "w2": torch.randn(H, INTER, generator=g, dtype=torch.float64)}

@@ -38,8 +38,8 @@ def checkpoint_source(cfg: Config):
     """(resolved cfg, ``source(ml, e)``: logical expert e of MoE layer ml read from the file)."""
     spec = parse_spec(cfg.model.model)
     reader = CheckpointReader(cfg.model.model)
-    return resolve_config(cfg, spec), (lambda ml, e: expert_weights(
-        spec, reader, spec.moe_layers[ml], e, torch.float64))
+    return resolve_config(cfg, spec), (lambda ml, e, out=None: expert_weights(
+        spec, reader, spec.moe_layers[ml], e, torch.float64, out))
 
 
 def test_fused_moe_storage_contract():

@@ -157,14 +157,16 @@ def test_spread_slots_give_each_replica_the_pure_modules_share():
                                                          if e not in perm[r]][:Rr])
                                       for r in range(D)]).astype(np.int64))
 
-    def src(layer, e):
+    def src(layer, e, out=None):
         return {"w13": torch.full((8, 8), float(e)), "w2": torch.full((8, 4), float(e))}
 
     for r in range(D):
         moe = FusedMoE(cfg, 0, r, tables[0], source=src)
-        for table in tables:
+        for table, n_tok in ((tables[0], 11), (tables[1], 11), (tables[0], 160)):
             moe.global_phy2log[:] = table                 # what a migration's switch does
-            ids = torch.as_tensor(np.stack([rng.choice(E, 4, replace=False) for _ in range(11)]))
+            # 11 tokens: the plain-list path; 160 x 4 rows > ROWS_PY: the numpy path
+            ids = torch.as_tensor(np.stack([rng.choice(E, 4, replace=False)
+                                            for _ in range(n_tok)]))
             ids[3, 2] = -1
             got = spread_slots(moe, ids).reshape(-1).numpy()
             assert got[3 * 4 + 2] == -1 and (got[np.arange(got.size) != 14] >= 0).all()

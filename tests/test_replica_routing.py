@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 from xllm_eplb.eplb import replica_routing as rr
 from xllm_eplb.eplb.placement import PlacementError, build_log2phy, initial_phy2log
+from xllm_eplb.eplb.replica_balance import project_np
 from xllm_eplb.testing.lp import lp_peak
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -162,3 +163,89 @@ def test_balanced_reaches_the_integer_optimum(case):
     plan = rr.prepare(phy, e, d)
     peak = int(rr.rank_loads(rr.slot_loads(counts, plan, "balanced"), d).max())
     assert peak == int(np.ceil(lp_peak(phy, counts.sum(axis=0), d) - 1e-6))
+
+
+@SETTINGS
+@given(cases(), st.integers(0, 2 ** 31 - 1), st.sampled_from([0, 10 ** 6]))
+def test_balanced_rank_equals_the_global_table(case, seed, rows_py):
+    """What a rank computes alone (``balanced_rank``: its slots and split sizes, by the row loop
+    or by numpy) equals its row of ``route``, assigned by ``assign_tokens``, and the send / recv
+    sums of the full [D, D*S] table."""
+    phy, e, d, counts = case
+    plan = rr.prepare(phy, e, d)
+    full = rr.route(counts, plan, "balanced")
+    s = phy.size // d
+    rng = np.random.default_rng(seed)
+    for r in range(d):
+        ids = rng.permutation(np.repeat(np.arange(e), counts[r]))
+        slots, send, recv = rr.balanced_rank(counts, plan, r, ids, rows_py=rows_py)
+        assert (slots == rr.assign_tokens(ids.reshape(-1, 1), full[r], plan).ravel()).all()
+        assert send == full[r].reshape(d, s).sum(axis=1).tolist()
+        assert recv == full[:, r * s:(r + 1) * s].sum(axis=1).tolist()
+
+
+def test_balanced_rank_refuses_rows_that_do_not_match_the_counts():
+    plan = rr.prepare(initial_phy2log(4, 2, 1), 4, 2)
+    counts = np.array([[1, 0, 2, 0], [0, 1, 0, 1]], dtype=np.int64)
+    with pytest.raises(ValueError, match="rows of expert 2 do not match counts"):
+        rr.balanced_rank(counts, plan, 0, np.array([0, 2]))
+    with pytest.raises(ValueError, match=r"expert id 7 \(>= 4 experts\)"):
+        rr.balanced_rank(counts, plan, 0, np.array([0, 2, 7]))
+    with pytest.raises(ValueError, match="expert id 7"):
+        rr.balanced_rank(counts, plan, 0, np.array([0, 2, 7]), rows_py=0)
+
+
+@SETTINGS
+@given(cases(), st.integers(0, 2 ** 31 - 1))
+def test_balanced_rows_keeps_dropped_rows_and_matches_numpy(case, seed):
+    """The list path (decode) and the numpy path give the same slots; a -1 (dropped) row stays
+    -1 and counts nowhere."""
+    phy, e, d, counts = case
+    plan = rr.prepare(phy, e, d)
+    rng = np.random.default_rng(seed)
+    r = int(rng.integers(d))
+    ids = rng.permutation(np.repeat(np.arange(e), counts[r]))
+    want, send, recv = rr.balanced_rank(counts, plan, r, ids, rows_py=0)
+    rows = ids.tolist()
+    holes = sorted(rng.choice(len(rows) + 1, size=3).tolist())
+    for h in reversed(holes):
+        rows.insert(h, -1)
+    slots, send2, recv2 = rr.balanced_rows(counts.tolist(), plan, r, rows)
+    assert [s for s in slots if s >= 0] == want.tolist()
+    assert [i for i, s in enumerate(slots) if s < 0] == [h + n for n, h in enumerate(holes)]
+    assert (send2, recv2) == (send, recv)
+
+
+@SETTINGS
+@given(cases())
+def test_projected_counts_carry_what_the_solve_needs(case):
+    """``project`` (lists) and ``project_np`` agree, keep every token, and ``balanced_share`` on
+    them is ``balanced_rows`` on the full counts, for every rank."""
+    phy, e, d, counts = case
+    plan = rr.prepare(phy, e, d)
+    pc = rr.project(counts.tolist(), plan)
+    assert project_np(counts, plan) == pc
+    assert [sum(r) for r in pc] == counts.sum(axis=1).tolist()
+    for r in range(d):
+        rows = np.repeat(np.arange(e), counts[r]).tolist()
+        assert rr.balanced_share(pc, plan, r, rows) == rr.balanced_rows(counts.tolist(), plan, r,
+                                                                         rows)
+
+
+@SETTINGS
+@given(cases(), st.integers(0, 2 ** 31 - 1))
+def test_a_capped_solve_is_the_same_on_both_paths_and_never_worse(case, seed):
+    """With the path cap at its smallest (``rounds=0``: D + n passes; the hot-expert cases need
+    more), the list path and the numpy path still agree, and the split is never worse than
+    static's or spread's (the cap's rule)."""
+    phy, e, d, counts = case
+    plan = rr.prepare(phy, e, d)
+    rng = np.random.default_rng(seed)
+    r = int(rng.integers(d))
+    ids = rng.permutation(np.repeat(np.arange(e), counts[r]))
+    got = rr.balanced_rank(counts, plan, r, ids, rounds=0, rows_py=0)
+    lists = rr.balanced_rows(counts.tolist(), plan, r, ids.tolist(), rounds=0)
+    assert lists[0] == got[0].tolist() and lists[1:] == got[1:]
+    peak = int(rr.rank_loads(rr.slot_loads(counts, plan, "balanced", rounds=0), d).max())
+    for m in ("static", "spread"):
+        assert peak <= int(rr.rank_loads(rr.slot_loads(counts, plan, m), d).max())

@@ -97,9 +97,11 @@ class Decoder(RankModel):
         """Single-process reference model (every logical expert local, no dispatch)."""
         return cls(cfg, 0, None, None, device=device, _reference=True)
 
-    def _source(self, ml: int, e: int) -> dict:
-        """Logical expert e of MoE layer ml, read from the checkpoint (positioned reads, on demand)."""
-        return expert_weights(self.spec, self.reader, self.spec.moe_layers[ml], e, self.dtype)
+    def _source(self, ml: int, e: int, out: dict | None = None) -> dict:
+        """Logical expert e of MoE layer ml, read from the checkpoint (positioned reads, on
+        demand), into ``out`` (the slot's tensors) when given."""
+        return expert_weights(self.spec, self.reader, self.spec.moe_layers[ml], e, self.dtype,
+                              out)
 
     def _sharded(self, cfg: Config, phy2log) -> list[FusedMoE]:
         import torch.distributed as dist

@@ -171,15 +171,14 @@ def moe_dispatch(moe: FusedMoE, x: torch.Tensor, phys: torch.Tensor, counted: to
     if splits is not None and send.tolist() != list(splits[0]):
         raise RuntimeError(f"rank {moe.ep_rank}: routed rows per rank {send.tolist()} differ "
                            f"from the exchanged split sizes {list(splits[0])}")
-    recv = (torch.empty_like(send) if splits is None
-            else torch.tensor(splits[1], dtype=torch.int64, device=send.device))
+    recv = torch.empty_like(send) if splits is None else list(splits[1])   # known: a list
     if mode == FUSED:
         ys, extra, counts = _fused(moe, xs, meta, send, recv, group, stats, overlap,
                                    known=splits is not None)
     else:
         if splits is None:
             _timed(stats, lambda: _a2a(recv, send, None, None, group))
-        s_l, r_l = send.tolist(), recv.tolist()
+        s_l, r_l = send.tolist(), (recv.tolist() if splits is None else recv)
         xr, mr = _post_rows(xs, meta, r_l, s_l, group).wait(stats)   # no compute in between
         yr = moe.compute(xr, mr[:, 0])
         counts = _count(moe, stats, mr)
@@ -193,8 +192,9 @@ def moe_dispatch(moe: FusedMoE, x: torch.Tensor, phys: torch.Tensor, counted: to
 
 def _fused(moe, xs, meta, send, recv, group, stats, overlap, known=False):
     """Overlapped path: local rows never travel. The remote rows are packed while the split
-    sizes are exchanged (``known``: ``recv`` already holds them, nothing to exchange); the local
-    experts and the ``overlap`` work (shared expert) run while the remote rows are in flight.
+    sizes are exchanged (``known``: ``recv`` is already the list of them, nothing to
+    exchange); the local experts and the ``overlap`` work (shared expert) run while the remote
+    rows are in flight.
     -> (expert outputs in send order [n, H], overlap() result, slot loads [S])."""
     me, H = moe.ep_rank, xs.shape[1]
     w0 = None if known else _a2a(recv, send, None, None, group, async_op=True)
@@ -205,7 +205,7 @@ def _fused(moe, xs, meta, send, recv, group, stats, overlap, known=False):
     m_rem = torch.cat([meta[:lo], meta[lo + n_local:]])
     if w0 is not None:
         _timed(stats, w0.wait)
-    r_r = recv.tolist()
+    r_r = recv if known else recv.tolist()
     s_r[me] = r_r[me] = 0
     inflight = _post_rows(x_rem, m_rem, r_r, s_r, group)
     y_loc = moe.compute(x_loc, m_loc[:, 0])                 # local experts overlap the dispatch

@@ -158,16 +158,17 @@ class CheckpointReader:
         self.reads.append(name)
         return self._read(name, got, self.offset[name], dtype, out)
 
-    def get_row(self, name: str, row: int, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+    def get_row(self, name: str, row: int, shape: tuple, dtype: torch.dtype,
+                out: torch.Tensor | None = None) -> torch.Tensor:
         """``name[row]`` of a stacked tensor (``shape`` is the whole tensor's), reading only
-        that row's bytes."""
+        that row's bytes (into ``out`` when given)."""
         _, got = self._check(name, shape)
         if not 0 <= row < got[0]:
             raise IndexError(f"{name}: row {row} of {got[0]}")
         self.reads.append(f"{name}[{row}]")
         row_elems = math.prod(got[1:])
         at = self.offset[name] + row * row_elems * ST_DTYPES[self.meta[name][1]].itemsize
-        return self._read(name, got[1:], at, dtype, None)
+        return self._read(name, got[1:], at, dtype, out)
 
     def check_shape(self, name: str, shape: tuple) -> None:
         self._check(name, shape)
@@ -189,20 +190,26 @@ def fused_experts(spec: ModelSpec, reader: CheckpointReader, i: int) -> bool:
 
 
 def expert_weights(spec: ModelSpec, reader: CheckpointReader, i: int, e: int,
-                   dtype: torch.dtype) -> dict[str, torch.Tensor]:
+                   dtype: torch.dtype, out: dict | None = None) -> dict[str, torch.Tensor]:
     """Expert ``e`` of decoder layer ``i``: ``w13`` [2I, H] (gate rows then up rows), ``w2``
-    [H, I], read from either layout."""
+    [H, I], read from either layout; into ``out`` (tensors of those shapes, e.g. the slot that
+    keeps them: no temporary copy of the expert) when given."""
     H, inter, E = spec.hidden_size, spec.moe_intermediate_size, spec.num_experts
     pre = moe_prefix(spec, reader, i) + "experts."
+    out = out or {}
     if fused_experts(spec, reader, i):
-        return {"w13": reader.get_row(pre + "gate_up_proj", e, (E, 2 * inter, H), dtype),
-                "w2": reader.get_row(pre + "down_proj", e, (E, H, inter), dtype)}
+        return {"w13": reader.get_row(pre + "gate_up_proj", e, (E, 2 * inter, H), dtype,
+                                      out=out.get("w13")),
+                "w2": reader.get_row(pre + "down_proj", e, (E, H, inter), dtype,
+                                     out=out.get("w2"))}
     names = ("w1", "w3", "w2") if spec.family == "mixtral" else ("gate_proj", "up_proj",
                                                                   "down_proj")
-    w13 = torch.empty((2 * inter, H), dtype=dtype)        # gate and up read into its halves
+    w13 = out.get("w13")
+    if w13 is None:
+        w13 = torch.empty((2 * inter, H), dtype=dtype)    # gate and up read into its halves
     reader.get(f"{pre}{e}.{names[0]}.weight", (inter, H), dtype, out=w13[:inter])
     reader.get(f"{pre}{e}.{names[1]}.weight", (inter, H), dtype, out=w13[inter:])
-    d = reader.get(f"{pre}{e}.{names[2]}.weight", (H, inter), dtype)
+    d = reader.get(f"{pre}{e}.{names[2]}.weight", (H, inter), dtype, out=out.get("w2"))
     return {"w13": w13, "w2": d}
 
 

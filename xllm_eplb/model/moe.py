@@ -10,8 +10,10 @@ Storage contract (the EPLB migration path relies on it):
   (``w13``, ``w2``, ``tag``, ``csum``; first dim S). The canary (``check_tags``,
   ``check_checksums``) compares the tags with ``local_expert_ids`` and the weights with the
   checksum that travelled with them.
-- ``source(layer, e) -> {"w13", "w2"}``: where :meth:`load_placement` materialises logical
-  expert ``e`` from (the checkpoint reader, ``Decoder._source``).
+- ``source(layer, e, out) -> {"w13", "w2"}``: where :meth:`load_placement` materialises logical
+  expert ``e`` from (the checkpoint reader, ``Decoder._source``); ``out`` is the slot's own
+  ``{"w13", "w2"}`` tensors, which a source may read straight into (the checkpoint reader does:
+  no temporary per-expert copy at load) and return, or ignore and return its own tensors.
 - ``local_expert_ids`` torch int64 [S] (updated in place), ``global_phy2log`` host numpy int64
   [D*S] (mirror of the active global slot table), ``log2phy`` torch int64 [E] (updated in place):
   logical id -> the global physical slot this rank sends that expert's tokens to.
@@ -96,9 +98,10 @@ class FusedMoE:
                 w = {"w13": self.w13[first[e]], "w2": self.w2[first[e]]}
             else:
                 first[e] = s
-                w = self.source(self.layer_id, e)
-            self.w13[s].copy_(w["w13"])
-            self.w2[s].copy_(w["w2"])
+                w = self.source(self.layer_id, e, {"w13": self.w13[s], "w2": self.w2[s]})
+            for name, dst in (("w13", self.w13[s]), ("w2", self.w2[s])):
+                if w[name].data_ptr() != dst.data_ptr():
+                    dst.copy_(w[name])
             self.csum[s] = checksum(self.w13[s], self.w2[s])
             self.tag[s, 0] = e
             self.tag[s, 1] = self.layer_id
@@ -194,9 +197,25 @@ class FusedMoE:
 def checksum(w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
     """Identity of one expert's weights: float64 scalar (sum |w13| + sum w2^2 + a position-
     weighted sum, so swapped or shifted experts differ)."""
-    a, b = w13.to(torch.float64), w2.to(torch.float64)
-    ramp = torch.arange(1, a.shape[-1] + 1, dtype=torch.float64, device=a.device)
-    return a.abs().sum() + b.pow(2).sum() + (a * ramp).sum() * 1e-3
+    ramp = torch.arange(1, w13.shape[-1] + 1, dtype=torch.float64, device=w13.device)
+    s_abs, s_sq, s_pos = (torch.zeros((), dtype=torch.float64, device=w13.device)
+                          for _ in range(3))
+    # in blocks of rows: the float64 temporaries stay ~0.5 MiB, where a whole-expert cast took
+    # ~3x the expert's bytes at once, at load (each rank's peak RSS) and in every canary check
+    for a in _blocks(w13):
+        s_abs += a.abs().sum()
+        s_pos += (a * ramp).sum()
+    for b in _blocks(w2):
+        s_sq += b.pow(2).sum()
+    return s_abs + s_sq + s_pos * 1e-3
+
+
+def _blocks(w: torch.Tensor, elems: int = 1 << 16):
+    """``w`` [..., C] as float64 blocks of whole rows, about ``elems`` elements each."""
+    rows = w.reshape(-1, w.shape[-1])
+    step = max(1, elems // max(1, rows.shape[1]))
+    for i in range(0, rows.shape[0], step):
+        yield rows[i:i + step].to(torch.float64)
 
 
 def expert_ffn(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:

@@ -7,14 +7,18 @@ exchange is skipped: the count exchange replaces it).
 
 - ``static``: ``FusedMoE.log2phy`` (xLLM's ``r % logcnt[e]`` rule); no exchange.
 - ``spread``: the rank's own counts only (``replica_routing.source_row`` of its row); no exchange.
-- ``balanced``: one ``all_gather`` of the rank's counts per logical expert (int64 [E] -> [D, E])
-  on the EP group; every rank runs ``replica_routing.route`` on the same [D, E] array and the
-  layer's :class:`~xllm_eplb.eplb.replica_routing.RoutingPlan`, takes its own row and reads the
-  split sizes of every rank from the same matrix.
+- ``balanced``: one ``all_gather`` of the rank's counts on the EP group; every rank runs the
+  same solve on the same gathered array and the layer's
+  :class:`~xllm_eplb.eplb.replica_routing.RoutingPlan`, then takes its own share of it and the
+  split sizes (rows it sends, rows it receives). A decode step at small EP gathers the projected
+  counts (D + n ints a rank: per rank of single-replica experts, per flexible expert) and runs
+  ``replica_routing.balanced_share`` on plain lists; larger steps gather the [D, E] counts and
+  run ``replica_routing.balanced_rank``. Both give the same slots (tested).
 
 Cost accounting (``stats.extra``): ``route_exchange_s`` wall seconds of the count all-gather
-(also in ``stats.wait_s``), ``route_solve_s`` thread CPU seconds of the solve and assignment
-(independent of how the machine's cores are shared), ``cap_dropped`` / ``cap_rerouted`` rows.
+(also in ``stats.wait_s``), ``route_solve_s`` thread CPU seconds of the local count, the solve
+and the assignment (independent of how the machine's cores are shared), ``cap_dropped`` /
+``cap_rerouted`` rows.
 
 NOTE (cross-rank rule): the mode, the placement behind the plan and the exchanged counts are the
 only inputs of the solve; they are identical on every rank (the mode is config, the placement
@@ -26,6 +30,7 @@ depends on config only, never on the rank's batch, so the collectives always mat
 from __future__ import annotations
 
 import time
+from array import array
 from dataclasses import dataclass
 
 import numpy as np
@@ -55,7 +60,8 @@ def local_counts(ids: torch.Tensor, num_logical: int) -> torch.Tensor:
 
 
 def exchange_counts(mine: torch.Tensor, group, ep_size: int, stats) -> np.ndarray:
-    """All-gather every rank's counts (int64 [E]) on the EP group -> int64 [D, E] (row = rank).
+    """All-gather every rank's counts (int64 [E], or any int64 vector of one length on every
+    rank, e.g. the projected counts [D + n]) on the EP group -> int64 [D, E] (row = rank).
     Blocking; its seconds go to ``stats.wait_s`` and ``stats.extra["route_exchange_s"]``."""
     t = time.perf_counter()
     parts = [torch.empty_like(mine) for _ in range(ep_size)]
@@ -99,6 +105,18 @@ def spread_slots(moe, ids: torch.Tensor) -> torch.Tensor:
     ``replica_routing.route(..., "spread")``'s share (``c // k`` plus one when ``(j - r) mod k <
     c mod k``). ids [T, k] (-1 = dropped, stays -1) -> global slots [T, k]."""
     plan = moe.routing_plan()
+    if ids.numel() <= rr.ROWS_PY:                 # a decode step's few rows: plain lists
+        seen = [0] * moe.num_logical
+        out_l = []
+        slot_of, cnt, r = plan.slot_lists, plan.cnt_l, moe.ep_rank
+        for e in ids.reshape(-1).tolist():
+            if e < 0:
+                out_l.append(-1)
+                continue
+            i = seen[e]
+            seen[e] = i + 1
+            out_l.append(slot_of[e][(r + i) % cnt[e]])
+        return _tensor(out_l, ids.device).view(ids.shape)
     flat = ids.cpu().numpy().ravel()
     live = flat >= 0
     e = flat[live]
@@ -112,9 +130,64 @@ def spread_slots(moe, ids: torch.Tensor) -> torch.Tensor:
 
 
 def local_counts_live(ids: torch.Tensor, num_logical: int) -> torch.Tensor:
-    """Like :func:`local_counts`, ignoring dropped (-1) rows."""
-    flat = ids.reshape(-1)
-    return local_counts(flat[flat >= 0], num_logical)
+    """Like :func:`local_counts`, ignoring dropped (-1) rows (numpy's bincount: a few
+    microseconds where torch's costs tens on a decode step's few rows)."""
+    flat = ids.reshape(-1).cpu().numpy()
+    return torch.from_numpy(np.bincount(flat[flat >= 0], minlength=num_logical)
+                            .astype(np.int64)).to(ids.device)
+
+
+def _tensor(values: list, device: torch.device) -> torch.Tensor:
+    """int64 tensor of a list of ints through ``array('q')`` + ``torch.frombuffer``: a few
+    times cheaper than ``torch.tensor(list)`` when the caches are cold (measured)."""
+    if not values:
+        return torch.zeros(0, dtype=torch.int64, device=device)
+    t = torch.frombuffer(array("q", values), dtype=torch.int64)
+    return t if device.type == "cpu" else t.to(device)
+
+
+def _route_balanced(moe, ids: torch.Tensor, group, stats, counts, plan) -> Routed:
+    """``balanced``: count (unless ``counts`` are given), exchange, then this rank's share of
+    the solve. A decode step's few rows at small EP go through plain lists: the rank counts its
+    row of the projected counts (``replica_balance.project``: per rank of single-replica
+    experts, then per flexible expert; D + n ints) straight from its rows, all-gathers those,
+    and runs ``balanced_share``: one ``tolist`` in, one tensor out, where the numpy path makes
+    dozens of library calls, each costing tens of microseconds once the expert GEMMs have
+    evicted the caches. Otherwise the [D, E] counts and ``balanced_rank``. The local count, the
+    solve and the assignment are timed; ``Routed.counts`` is the [D, E] counts when exchanged
+    or given, else None."""
+    t = time.thread_time()
+    e_n, d = moe.num_logical, moe.ep_size
+    small = ids.numel() <= rr.ROWS_PY and d * e_n <= rr.CELLS_PY
+    rows = ids.reshape(-1).tolist() if small else None
+    if small and counts is None:
+        key = plan.proj_key
+        mine = [0] * (d + plan.flex_e.size)
+        for e in rows:
+            if e >= 0:                   # -1: dropped by capacity (fallback re-routing)
+                mine[key[e]] += 1
+        _add(stats, "route_solve_s", time.thread_time() - t)
+        gathered = exchange_counts(_tensor(mine, ids.device), group, d, stats)
+        t = time.thread_time()
+        slots, send, recv = rr.balanced_share(gathered.tolist(), plan, moe.ep_rank, rows)
+    elif small:
+        slots, send, recv = rr.balanced_rows(rr.check_counts(counts, plan).tolist(), plan,
+                                             moe.ep_rank, rows)
+    else:
+        if counts is None:
+            mine_t = local_counts_live(ids, e_n)
+            _add(stats, "route_solve_s", time.thread_time() - t)
+            counts = exchange_counts(mine_t, group, d, stats)
+            t = time.thread_time()
+        a = ids.cpu().numpy()
+        keep = a >= 0
+        out = np.full(a.shape, -1, dtype=np.int64)
+        out[keep], send, recv = rr.balanced_rank(counts, plan, moe.ep_rank, a[keep])
+        phys = torch.from_numpy(out).to(ids.device)
+    if small:
+        phys = _tensor(slots, ids.device).view(ids.shape)
+    _add(stats, "route_solve_s", time.thread_time() - t)
+    return Routed(phys, (send, recv), counts)
 
 
 def route_layer(moe, ids: torch.Tensor, group, mode: str, stats,
@@ -134,6 +207,8 @@ def route_layer(moe, ids: torch.Tensor, group, mode: str, stats,
         phys = spread_slots(moe, ids)
         _add(stats, "route_solve_s", time.thread_time() - t)
         return Routed(phys)
+    if mode == BALANCED:
+        return _route_balanced(moe, ids, group, stats, counts, plan)
     if counts is None:
         counts = exchange_counts(local_counts_live(ids, moe.num_logical), group, moe.ep_size,
                                  stats)
