@@ -27,7 +27,6 @@ import http.client
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tarfile
@@ -38,13 +37,11 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from hf_util import free_port, wait_ready  # noqa: E402
+
 BODY = {"prompt_token_ids": [256, 104, 105], "max_tokens": 1, "temperature": 0.0}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def unpack_rev(rev: str, dest: Path) -> Path:
@@ -71,14 +68,7 @@ class Server:
                                      stderr=subprocess.STDOUT, start_new_session=True)
 
     def wait_ready(self, timeout: float = 300.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if "xllm-eplb ready" in self.out.read_text():
-                return
-            if self.proc.poll() is not None:
-                break
-            time.sleep(0.3)
-        raise RuntimeError(f"server not ready: {self.out.read_text()[-2000:]}")
+        wait_ready(self.proc, self.out, timeout)
 
     def stop(self) -> None:
         try:

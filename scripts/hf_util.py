@@ -1,6 +1,7 @@
-"""Helpers shared by the checkpoint scripts (``bench_hf.py``, ``bench_memory.py``,
-``demo_smollm2.py``): a real ``xllm-eplb serve --model DIR`` subprocess, completions by token
-ids, and transformers' greedy generation (the oracle). Not a library module: scripts only."""
+"""Helpers shared by the scripts: a free port, waiting for a server's ready line, a real
+``xllm-eplb serve --model DIR`` subprocess, completions by token ids (``bench_hf.py``,
+``bench_memory.py``, ``demo_smollm2.py``; ``soak.py`` and ``bench_api.py`` take the first two),
+and transformers' greedy generation (the oracle). Not a library module: scripts only."""
 
 from __future__ import annotations
 
@@ -31,6 +32,19 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def wait_ready(proc: subprocess.Popen, out: Path, timeout: float = 300.0) -> None:
+    """Wait for ``xllm-eplb ready`` in the server's stdout file ``out``; RuntimeError with its
+    tail if ``proc`` exits first or ``timeout`` seconds pass."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if "xllm-eplb ready" in out.read_text():
+            return
+        if proc.poll() is not None:
+            break
+        time.sleep(0.3)
+    raise RuntimeError(f"server not ready: {out.read_text()[-2000:]}")
 
 
 class Server:

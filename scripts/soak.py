@@ -31,7 +31,6 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -43,6 +42,9 @@ import psutil
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from hf_util import free_port, wait_ready  # noqa: E402
 
 from xllm_eplb.commands.bench import stream_one  # noqa: E402
 
@@ -67,12 +69,6 @@ def prompt_pool(n: int = 12) -> list[dict]:
     return pool
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Server:
     """One ``xllm-eplb serve`` in its own process group."""
 
@@ -87,14 +83,7 @@ class Server:
                                      stderr=subprocess.STDOUT, start_new_session=True)
 
     def wait_ready(self, timeout: float = 300.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if "xllm-eplb ready" in self.out.read_text():
-                return
-            if self.proc.poll() is not None:
-                break
-            time.sleep(0.3)
-        raise RuntimeError(f"server not ready: {self.out.read_text()[-2000:]}")
+        wait_ready(self.proc, self.out, timeout)
 
     def procs(self) -> list[psutil.Process]:
         try:

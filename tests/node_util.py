@@ -5,14 +5,13 @@ prove none is left, and the fixture kills and sweeps everything even on failure.
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import psutil
-from serve_util import ROOT, free_port
+from serve_util import ROOT, free_port, kill_run
 
 
 def shm_names() -> list[str]:
@@ -92,16 +91,7 @@ class Node:
 
     def kill(self) -> None:
         self.note_children()
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        for p in self.alive():
-            try:
-                os.kill(p, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        self.proc.wait(10)
+        kill_run(self.proc, self.alive)
 
 
 class Cluster:

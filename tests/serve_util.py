@@ -27,6 +27,22 @@ def shm_objects(run_id: str) -> list[str]:
     return [n for n in os.listdir("/dev/shm") if f"xllm_eplb_{run_id}_" in n]
 
 
+
+def kill_run(proc, alive) -> None:
+    """SIGKILL the process group of ``proc``, then every pid ``alive()`` still lists (children
+    that left the group), then reap ``proc``."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    for p in alive():
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.wait(10)
+
+
 class Server:
     """One `xllm-eplb serve` process group with its logs and every process it started."""
 
@@ -72,16 +88,7 @@ class Server:
 
     def kill(self) -> None:
         self.note_children()
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        for p in self.alive():
-            try:
-                os.kill(p, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        self.proc.wait(10)
+        kill_run(self.proc, self.alive)
         deadline = time.monotonic() + 10     # SIGKILLed children still hold the run's segments
         while self.alive() and time.monotonic() < deadline:
             time.sleep(0.1)

@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 from xllm_eplb.config import Config
-from xllm_eplb.engine.engine import engine_main
+from xllm_eplb.engine.process import engine_main
 from xllm_eplb.ipc.errors import SegmentBusyError
 from xllm_eplb.ipc.objects import sweep_run
 from xllm_eplb.ipc.ring import InputRing, OutputRing
@@ -135,12 +135,18 @@ class Launcher:
 
     def _wait_stage(self, who: str, stage: str) -> None:
         """Pump events until ``who`` reports ``stage``; a dead child or a signal aborts."""
-        while True:
+        self._wait_all({(who, stage)})
+
+    def _wait_all(self, want: set) -> None:
+        """Pump events until every ``(who, stage)`` of ``want`` arrived (any order); an error
+        event, a dead child or a signal aborts."""
+        want = set(want)
+        while want:
             ev = self._next_event(0.2)
-            if ev and ev[0] == who and ev[1] == stage:
-                return
-            if ev and ev[1] == "error":
-                raise StartupError(f"{ev[0]} failed during start-up: {ev[2]}")
+            if ev:
+                want.discard((ev[0], ev[1]))
+                if ev[1] == "error":
+                    raise StartupError(f"{ev[0]} failed during start-up: {ev[2]}")
             dead = self.dead_child()
             if dead:
                 raise StartupError(self.death_message(dead, during="start-up"))

@@ -29,12 +29,11 @@ import sys
 import time
 
 from xllm_eplb.config import Config, node_ranks
-from xllm_eplb.engine.engine import engine_main
+from xllm_eplb.engine.process import engine_main
 from xllm_eplb.launcher import Launcher, RunShm, describe_exit
 from xllm_eplb.node.bridge import bridge_main
 from xllm_eplb.node.rendezvous import failure_reports, report_failure
 from xllm_eplb.obs.logs import event
-from xllm_eplb.preflight import StartupError
 from xllm_eplb.worker.worker import worker_main
 
 log = logging.getLogger(__name__)
@@ -83,21 +82,6 @@ class NodeLauncher(Launcher):
             self._wait_stage("engine", "ready")
             return
         self._wait_all({(f"ep{r}", "ready") for r in node_ranks(cfg)} | {("bridge0", "linked")})
-
-    def _wait_all(self, want: set) -> None:
-        """Pump events until every ``(who, stage)`` of ``want`` arrived (any order)."""
-        want = set(want)
-        while want:
-            ev = self._next_event(0.2)
-            if ev:
-                want.discard((ev[0], ev[1]))
-                if ev[1] == "error":
-                    raise StartupError(f"{ev[0]} failed during start-up: {ev[2]}")
-            dead = self.dead_child()
-            if dead:
-                raise StartupError(self.death_message(dead, during="start-up"))
-            if self.stop_signal:
-                raise KeyboardInterrupt
 
     # --- failures --------------------------------------------------------------------------
     def death_message(self, who: str, during: str = "serving") -> str:

@@ -1,0 +1,166 @@
+"""The engine process around :class:`~xllm_eplb.engine.engine.Engine`: start-up in order (HTTP
+bound, rings attached, warm-up, the EPLB manager, the synthetic workload; each stage reported
+to the launcher), the step loop, and a teardown that leaves nothing behind (when the launcher
+died, the engine sweeps the run's shm itself)."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import signal
+import time
+from pathlib import Path
+
+from xllm_eplb.child import child_exit, child_setup, parent_alive, send_event
+from xllm_eplb.config import Config
+from xllm_eplb.engine.engine import Engine, WorkerFault
+from xllm_eplb.engine.workload import SyntheticWorkload
+from xllm_eplb.ipc.objects import list_objects, sweep_run
+from xllm_eplb.ipc.ring import InputRing, OutputRing
+from xllm_eplb.obs.logs import FILE_ONLY, event, setup_logging
+
+log = logging.getLogger("xllm_eplb.engine.engine")
+
+
+def _make_manager(cfg: Config, placement):
+    if not cfg.eplb.enable_eplb:
+        return None
+    from xllm_eplb.eplb.manager import EplbManager
+
+    return EplbManager(cfg.eplb, cfg.num_moe_layers, cfg.model.num_experts, runner="thread",
+                       initial=placement)
+
+
+def _attach_rings(cfg: Config):
+    rid = cfg.runtime.run_id
+    inp = InputRing.attach(rid, producer=True, timeout=30.0)
+    outs = [OutputRing.attach(rid, r, reader=True, timeout=30.0) for r in range(cfg.eplb.ep_size)]
+    return inp, outs
+
+
+def _api(cfg: Config, engine_ref: dict):
+    from xllm_eplb.engine.api import ApiBackend, ApiLimits, ApiServer, ServedModel
+    from xllm_eplb.engine.record_api import record_router
+    from xllm_eplb.engine.tokenizer import load_tokenizer
+
+    m, rt = cfg.model, cfg.runtime
+    limits = ApiLimits(m.vocab_size, rt.max_prefill_tokens, m.max_position_embeddings)
+    # the checkpoint's tokenizer (--model, or the default the launcher generated without it)
+    tok = load_tokenizer(getattr(m, "model", "") or None)
+    served = ServedModel(cfg.serve.served_model_name, tok, limits, created=int(time.time()))
+
+    def eng():
+        return engine_ref.get("engine")
+
+    def need():
+        if eng() is None:
+            raise RuntimeError("engine not started")
+        return eng()
+
+    backend = ApiBackend(
+        submit=lambda r: need().submit(r),
+        cancel=lambda rid, why: need().sched.cancel(rid, why),
+        status=lambda: eng().status() if eng() else {"status": "starting"},
+        metrics=lambda: eng().render_metrics() if eng() else b"",
+        health=lambda: eng().health() if eng() else (False, {"status": "starting"}),
+        served=served,
+        admit=lambda: need().admit(),
+        routers=(record_router(lambda: eng().recorder if eng() else None),))
+    return ApiServer(cfg.serve.host, cfg.serve.port, backend)
+
+
+def _start_workload(cfg: Config, engine: Engine):
+    if cfg.serve.workload != "synthetic":
+        return None
+    cap = 4 * cfg.eplb.ep_size * cfg.runtime.max_batch_size
+    wl = SyntheticWorkload(cfg, engine.submit,
+                           backlog=lambda: sum(engine.sched.load().values()), max_backlog=cap)
+    wl.start()
+    return wl
+
+
+def _serve(cfg: Config, events, parent_pid: int, res: dict) -> int:
+    ref: dict = {}
+    try:
+        res["api"] = api = _api(cfg, ref)
+    except OSError as e:
+        send_event(events, "engine", "error",
+                   f"--port={cfg.serve.port}: cannot listen on {cfg.serve.host} ({e.strerror})")
+        return 2
+    api.start()
+    send_event(events, "engine", "http_bound", str(api.port))
+    inp, outs = _attach_rings(cfg)
+    res["rings"] = [inp] + outs
+    send_event(events, "engine", "rings")
+    res["engine"] = eng = ref["engine"] = Engine(cfg, inp, outs)
+    eng.warmup()
+    signal.signal(signal.SIGTERM, eng.request_stop)
+    send_event(events, "engine", "warmup")
+    eng.manager = res["manager"] = _make_manager(cfg, eng.placement)
+    eng.metrics.enabled.set(1 if eng.manager is not None else 0)
+    res["workload"] = _start_workload(cfg, eng)
+    send_event(events, "engine", "ready")
+    log.info(event("engine ready", ep_size=cfg.eplb.ep_size, port=api.port,
+                   eplb=cfg.eplb.enable_eplb, workload=cfg.serve.workload))
+    eng.run()
+    return 0
+
+
+def _teardown(res: dict, parent_pid: int, run_id: str) -> None:
+    for key in ("workload", "manager"):
+        if res.get(key) is not None:
+            with contextlib.suppress(Exception):
+                res[key].close()
+    eng = res.get("engine")
+    if eng is not None:
+        eng.state = "stopping"
+        eng.sched.fail_all("server shutting down")
+        eng.shutdown_workers()
+    if res.get("api") is not None:
+        with contextlib.suppress(Exception):
+            res["api"].close()
+    for ring in res.get("rings", []):
+        with contextlib.suppress(Exception):
+            ring.close()
+    if not parent_alive(parent_pid):
+        # NOTE: the launcher owns the shm; when it died (SIGKILL) the engine sweeps for it.
+        # NOTE: until nothing is left: workers killed with the launcher may still hold objects
+        for _ in range(10):
+            sweep_run(run_id)
+            if not list_objects(run_id):
+                break
+            time.sleep(0.2)
+
+
+def engine_main(cfg: Config, events, parent_pid: int) -> None:
+    """Process entry point (spawned by the launcher)."""
+    # NOTE: SIGTERM on launcher death -> graceful stop, then sweep the run's shm.
+    child_setup("xllm-eplb:engine", parent_pid, deathsig=signal.SIGTERM)
+    Path(cfg.serve.log_dir).mkdir(parents=True, exist_ok=True)
+    setup_logging("engine", cfg.serve.v, str(Path(cfg.serve.log_dir) / "engine.log"))
+    res: dict = {}
+    stop = {"early": False}
+    signal.signal(signal.SIGTERM, lambda *a: stop.update(early=True) or _raise_exit())
+    code = 1
+    try:
+        code = _serve(cfg, events, parent_pid, res)
+    except SystemExit as e:
+        code = 0 if stop["early"] else int(e.code or 0)
+    except WorkerFault as e:
+        # the launcher prints the one summary line (with this reason when the engine stops)
+        log.error(event("engine worker fault", error=str(e)), extra=FILE_ONLY)
+        send_event(events, "engine", "error", str(e))
+    except Exception as e:  # noqa: BLE001
+        log.exception(event("engine failed", error=repr(e)))
+        send_event(events, "engine", "error", f"{type(e).__name__}: {e}")
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        _teardown(res, parent_pid, cfg.runtime.run_id)
+        log.info(event("engine exit", code=code, steps=getattr(res.get("engine"), "step_no", 0)))
+        logging.shutdown()
+    child_exit(code, events)
+
+
+def _raise_exit():
+    """SIGTERM before the step loop runs (start-up): leave at once, cleanly."""
+    raise SystemExit(0)
