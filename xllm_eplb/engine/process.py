@@ -15,7 +15,7 @@ from xllm_eplb.child import child_exit, child_setup, parent_alive, send_event
 from xllm_eplb.config import Config
 from xllm_eplb.engine.engine import Engine, WorkerFault
 from xllm_eplb.engine.workload import SyntheticWorkload
-from xllm_eplb.ipc.objects import list_objects, sweep_run
+from xllm_eplb.ipc.objects import sweep_until_clean
 from xllm_eplb.ipc.ring import InputRing, OutputRing
 from xllm_eplb.obs.logs import FILE_ONLY, event, setup_logging
 
@@ -125,11 +125,7 @@ def _teardown(res: dict, parent_pid: int, run_id: str) -> None:
     if not parent_alive(parent_pid):
         # NOTE: the launcher owns the shm; when it died (SIGKILL) the engine sweeps for it.
         # NOTE: until nothing is left: workers killed with the launcher may still hold objects
-        for _ in range(10):
-            sweep_run(run_id)
-            if not list_objects(run_id):
-                break
-            time.sleep(0.2)
+        sweep_until_clean(run_id)
 
 
 def engine_main(cfg: Config, events, parent_pid: int) -> None:

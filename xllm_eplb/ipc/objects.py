@@ -18,6 +18,7 @@ import contextlib
 import fcntl
 import logging
 import os
+import time
 from dataclasses import dataclass, field
 
 import posix_ipc
@@ -152,3 +153,15 @@ def sweep_run(run_id: str) -> list[ShmObject]:
     if removed:
         log.info(event("shm swept", run_id=run_id, objects=len(removed)))
     return removed
+
+
+def sweep_until_clean(run_id: str, seconds: float = 10.0) -> None:
+    """:func:`sweep_run` until nothing of ``run_id`` is left, for up to ``seconds``: processes
+    SIGKILLed with their launcher may still map a segment for a while (longer on a loaded
+    machine), and a held object is not removed."""
+    deadline = time.monotonic() + seconds
+    while True:
+        sweep_run(run_id)
+        if not list_objects(run_id) or time.monotonic() >= deadline:
+            return
+        time.sleep(0.2)

@@ -38,7 +38,7 @@ from xllm_eplb.child import child_exit, child_setup, parent_alive, send_event
 from xllm_eplb.config import Config, node_ranks
 from xllm_eplb.ipc.errors import RingTimeoutError
 from xllm_eplb.ipc.messages import KIND_INPUT, decode, encode
-from xllm_eplb.ipc.objects import list_objects, sweep_run
+from xllm_eplb.ipc.objects import sweep_until_clean
 from xllm_eplb.ipc.ring import InputRing, OutputRing
 from xllm_eplb.obs.logs import event, setup_logging
 
@@ -231,11 +231,7 @@ def bridge_main(cfg: Config, peer: int, origin_run_id: str, store_port: int, eve
             if end.link is not None:
                 end.link.close()
         if node and not parent_alive(parent_pid):
-            for _ in range(10):       # the node's workers die with the launcher too
-                sweep_run(cfg.runtime.run_id)
-                if not list_objects(cfg.runtime.run_id):
-                    break
-                time.sleep(0.2)
+            sweep_until_clean(cfg.runtime.run_id)   # the node's workers die with the launcher
         logging.shutdown()
     child_exit(code, events)
 
