@@ -19,7 +19,6 @@ nothing is warned about and kept.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -177,7 +176,7 @@ def check_pairing(meta: dict, fmt: Fp8Format | None, folder: Path) -> list[str]:
             raise InputFileError(f"{spath}: scale {sn!r} has shape {list(sshape)}, expected "
                                  f"{list(want)} = ceil({list(shape)} / weight_block_size "
                                  f"{list(fmt.block)})")
-    for n, (path, dt, _) in meta.items():
+    for n, (path, _dt, _) in meta.items():
         if n.endswith(SCALE_SUFFIX):
             w = n[: -len(SCALE_SUFFIX)]
             if meta.get(w, (None, None))[1] != ST_FP8:
@@ -196,13 +195,6 @@ def check_values(name: str, path, s: torch.Tensor) -> None:
                              f"every scale must be finite and > 0")
 
 
-def describe_bytes(shapes: list[tuple[int, int]], block: tuple[int, int]) -> tuple[int, int]:
-    """(fp8 bytes, float32 scale bytes) of weights of ``shapes``."""
-    q = sum(math.prod(s) for s in shapes)
-    s = sum(math.prod(grid(x, block)) for x in shapes) * 4
-    return q, s
-
-
 # ---- generated checkpoints --------------------------------------------------------------------
 
 #: the decoder Linears a generated FP8 checkpoint quantizes (DeepSeek/Qwen: every projection of
@@ -215,7 +207,7 @@ LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "q_a_proj", "q_b_proj",
 def _aligned(shape: tuple[int, ...], block: tuple[int, int]) -> bool:
     """Every dim a multiple of its block, or inside one block: the shapes transformers
     dequantizes (it derives the block from the grid and cannot split a partial block)."""
-    return all(d % b == 0 or d < b for d, b in zip(shape, block))
+    return all(d % b == 0 or d < b for d, b in zip(shape, block, strict=True))
 
 
 def quantize_state_dict(sd: dict[str, torch.Tensor], block: tuple[int, int],
@@ -237,3 +229,20 @@ def quantize_state_dict(sd: dict[str, torch.Tensor], block: tuple[int, int],
                 skipped.append(k[: -len(".weight")])
             out[k] = v
     return out, skipped
+
+
+def quant_info(model_dir: str, dequant_cache: bool) -> dict | None:
+    """What ``/v1/models`` and ``/eplb/status`` report for checkpoint ``model_dir``: its FP8
+    format and the expert dequantization mode, or None (not quantized / no ``--model``)."""
+    if not model_dir:
+        return None
+    import json
+
+    path = Path(model_dir) / "config.json"
+    try:
+        fmt = parse_quant(json.loads(path.read_text()), path)
+    except (OSError, ValueError, InputFileError):
+        return None
+    if fmt is None:
+        return None
+    return {**fmt.describe(), "expert_dequant": "cache" if dequant_cache else "per_step"}
