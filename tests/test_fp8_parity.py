@@ -23,6 +23,9 @@ from xllm_eplb.model.decoder import Decoder
 #: qwen3_moe: non-square 16 x 32 blocks, bf16 scales
 CASES = {"deepseek_v3": dict(block_size=16, scale_dtype="float32"),
          "qwen3_moe": dict(block_size=(16, 32), scale_dtype="bfloat16")}
+#: single-process only (the same loader and store; F16 scales and mixtral's w1/w3/w2 names)
+EP1_ONLY = {"mixtral": dict(block_size=(32, 16), scale_dtype="float32", num_experts=8, top_k=2),
+            "qwen2_moe": dict(block_size=16, scale_dtype="float16")}
 _HF: dict = {}
 
 
@@ -47,20 +50,25 @@ def oracle(path):
 
 
 @pytest.mark.oracle
-@pytest.mark.parametrize("family", sorted(CASES))
-def test_dequantized_weights_and_ep1_tokens_match_transformers(family, fp8_ckpts):
-    path = fp8_ckpts[family]
+@pytest.mark.parametrize("family", sorted(CASES) + sorted(EP1_ONLY))
+def test_dequantized_weights_and_ep1_tokens_match_transformers(family, fp8_ckpts, tmp_path):
+    if family in CASES:
+        path, case = fp8_ckpts[family], CASES[family]
+    else:
+        case = dict(EP1_ONLY[family])
+        path = make_checkpoint(family, tmp_path / family, quant="fp8", num_layers=3, seed=3,
+                               num_experts=case.pop("num_experts", 16), **case)
     hf = hf_util.hf_model(path)
     params = dict(hf.named_parameters())
     model = Decoder.reference(cfg_for(path))
-    b = CASES[family]["block_size"]
+    b = case["block_size"]
     assert model.expert_quant == fp8.Fp8Format(block=(b, b) if isinstance(b, int) else b)
     for ml, lm in enumerate(model.logical_layers):
         i = model.spec.moe_layers[ml]
         assert torch.equal(lm.w13, params[f"model.layers.{i}.mlp.experts.gate_up_proj"])
         assert torch.equal(lm.w2, params[f"model.layers.{i}.mlp.experts.down_proj"])
     # the non-expert FP8 Linears, dequantized once at load, too
-    attn = "q_a_proj" if family == "deepseek_v3" else "q_proj"
+    attn = "q_a_proj" if family == "deepseek_v3" else "q_proj"        # FP8 in every family
     short = "q_a" if family == "deepseek_v3" else "q"
     for i, layer in enumerate(model.layers):
         assert torch.equal(layer[short], params[f"model.layers.{i}.self_attn.{attn}.weight"])
