@@ -43,14 +43,15 @@ import numpy as np
 
 from xllm_eplb.eplb.balance import rank_loads_from_phy2log
 from xllm_eplb.eplb.placement import initial_phy2log
-from xllm_eplb.eplb.policy.balanced import plan_balanced
+from xllm_eplb.eplb.policy.balanced import balanced_items, finish_balanced, plan_balanced
 from xllm_eplb.eplb.policy.base import EplbPolicy
 from xllm_eplb.eplb.policy.excess import excess_search
-from xllm_eplb.eplb.policy.greedy import plan_greedy
+from xllm_eplb.eplb.policy.greedy import greedy_items, plan_greedy
 from xllm_eplb.eplb.policy.localsearch import slot_values, swap_search
 from xllm_eplb.eplb.policy.noise_aware import noise_weights
 from xllm_eplb.eplb.policy.packing import (
     cyclic_fallback,
+    fast_path_ok,
     pack_sequences,
     select_replicas_max_load,
     stabilize_slots,
@@ -175,29 +176,28 @@ class IncrementalPolicy(EplbPolicy):
         """Step 7: for the fresh layers ``idx``, replace ``out[i]`` (in place) by the
         ``balanced`` or ``greedy`` plan of the same load when its peak (even split, on ``w``) is
         strictly lower; greedy's plan is slot-stabilised against the base. Returns the number of
-        layers replaced."""
+        layers replaced. (Vectorised over the layers: one peak computation per candidate.)"""
         if idx.size == 0:
             return 0
         d, s = self.ep_size, self.slots
         lg = np.asarray(logical)[idx]
-        rows = [plan_balanced(lg, base[idx], d, s), plan_greedy(lg, d, s)]
-        replaced = 0
-        for j, i in enumerate(idx):
-            own = base[i] if out[i] is None else out[i]
-            best, best_pk = None, rank_loads_from_phy2log(own, w[i], d).max()
-            for k, cand in enumerate(rows):
-                row = cand[j]
-                if row is None:
-                    continue
-                if k == 1:
-                    row = stabilize_slots(row[None, :], base[i][None, :], d)[0]
-                pk = rank_loads_from_phy2log(row, w[i], d).max()
-                if pk < best_pk:
-                    best, best_pk = np.asarray(row, dtype=np.int64), pk
-            if best is not None:
-                out[i] = best
-                replaced += 1
-        return replaced
+        own = np.stack([base[i] if out[i] is None else out[i] for i in idx])
+        best_pk = rank_loads_from_phy2log(own, w[idx], d).max(axis=1)
+        best = np.full(idx.size, -1)
+        rows = peer_plans(lg, base[idx], d, s)
+        tables = []
+        for k, cand in enumerate(rows):
+            have = np.array([r is not None for r in cand])
+            tab = np.stack([own[j] if r is None else r for j, r in enumerate(cand)])
+            if k == 1 and have.any():
+                tab[have] = stabilize_slots(tab[have], base[idx][have], d)
+            pk = rank_loads_from_phy2log(tab, w[idx], d).max(axis=1)
+            win = have & (pk < best_pk)
+            best[win], best_pk[win] = k, pk[win]
+            tables.append(tab)
+        for j in np.nonzero(best >= 0)[0]:
+            out[idx[j]] = tables[best[j]][j].astype(np.int64)
+        return int((best >= 0).sum())
 
     def _search(self, sub, w, c, base, fresh, target, start, lb, slot_cost):
         """Moves for the layers of ``sub`` [k, D, S] (the repaired tables; other args [k, ...]).
@@ -304,6 +304,24 @@ class IncrementalPolicy(EplbPolicy):
         table = table.reshape(k, d, s)
         pk, _ = swap_search(table, w, counts.copy(), target, np.zeros(k), self.max_iters)
         return table, pk
+
+
+def peer_plans(lg: np.ndarray, prev: np.ndarray, d: int, s: int) -> list[list]:
+    """[balanced's rows, greedy's rows] for loads ``lg`` [k, E] (each a list of [D*S] or None).
+    Both packings run as ONE ``pack_sequences`` call over 2k layers (the packing costs one numpy
+    pass per item whatever the layer count); balanced's integer packing loads are exact in
+    float64 below ``EXACT_FLOAT_LIMIT``, so the decisions are those of the separate calls."""
+    if not fast_path_ok(lg):
+        return [plan_balanced(lg, prev, d, s), plan_greedy(lg, d, s)]
+    bi, be, rc, ok_b = balanced_items(lg, d, s)
+    gi, ge, ok_g = greedy_items(lg, d, s)
+    k = lg.shape[0]
+    table, packed = pack_sequences(np.concatenate([bi, gi]),
+                                   np.concatenate([be.astype(np.float64), ge]), d, s,
+                                   lg.shape[1])
+    bal = finish_balanced(lg, prev, table[:k], packed[:k], rc, ok_b, d, s)
+    gre = [table[k + i] if ok_g[i] and packed[k + i] else None for i in range(k)]
+    return [bal, gre]
 
 
 def _check_noise_aware(peak_z, step_tokens) -> tuple[float, float]:
