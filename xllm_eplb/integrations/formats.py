@@ -138,10 +138,10 @@ def check_vllm_ascend(path, *, num_moe_layers: int, ep_size: int, num_logical: i
             _fail(path, f"layer {i}: device_count={lay.get('device_count')} with {len(devs)} "
                         f"devices, ep_size={ep_size}")
         t = _int_table([d.get("device_expert") for d in devs], path, f"layer {i} device_expert")
-        _every_expert(t.reshape(-1), num_logical, path, f"layer {i}")
         for d, row in enumerate(t):
             if np.unique(row).size != row.size:
                 _fail(path, f"layer {i} device {d}: holds an expert twice")
+        _every_expert(t.reshape(-1), num_logical, path, f"layer {i}")
         out.append(t)
     if len({t.shape for t in out}) != 1:
         _fail(path, "layers differ in slots per device")
