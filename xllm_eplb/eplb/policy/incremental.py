@@ -25,9 +25,13 @@ min-max per-replica load)`` per layer:
 6. a layer still above ``must`` and its trigger is also planned from scratch (min-max counts, LPT,
    swap search, slot stabilisation); that plan wins only when its benefit minus cost is higher;
 7. without a slot budget, a fresh layer is never worse than the ``balanced`` or ``greedy``
-   policy's plan of the same load: both are computed for it and the lowest peak wins (ties: this
-   policy's own plan; with ``budget_slots`` the budget rules, peers' plans move too much). The
-   noise floor of step 2 never applies to a fresh layer (it is planned to ``target``).
+   policy's plan of the same load by more than ``must_slack`` x LB (0.4%): a layer above
+   ``must`` also gets both peers' plans and the lowest peak wins (ties: this policy's own plan;
+   with ``budget_slots`` the budget rules, peers' plans move too much); a layer within ``must``
+   skips them (a peer's peak is >= LB, so it could win by ``must_slack`` at most, and the two
+   packings cost as much as the rest of a fresh plan: on the DeepSeek dumps no layer at EP32 and
+   EP64 and 5 of 58 at EP128 need them). The noise floor of step 2 never applies to a fresh
+   layer (it is planned to ``target``).
 
 Noise-aware placement (``peak_z > 0`` with ``step_tokens``): every step above plans on
 ``noise_aware.noise_weights`` (each expert's expected per-step count plus ``peak_z`` standard
@@ -175,8 +179,16 @@ class IncrementalPolicy(EplbPolicy):
             n_scratch = self._try_scratch(w, base, out, traj, pos, cur, must, slot_cost, c_opt)
         n_peer = 0
         if self.budget_slots <= 0:               # a slot budget caps the moves: no peer plan
+            # a peer's peak is >= LB, so a layer at or below ``must`` (LB x (1 + must_slack))
+            # cannot lose more than must_slack to one: the peers plan only the rest
+            own = np.array([np.inf if out[i] is None else 0.0 for i in range(n)])
+            have = np.nonzero(np.isfinite(own))[0]
+            if have.size:
+                own[have] = rank_loads_from_phy2log(np.stack([out[i] for i in have]), w[have],
+                                                    d).max(axis=1)
+            miss = fresh & (own > lb * (1 + self.must_slack))
             n_peer = self._never_worse_than_peers(w if self.peak_z > 0 else logical, w, base,
-                                                  out, np.nonzero(fresh)[0])
+                                                  out, np.nonzero(miss)[0])
         n_filled = self._fill_unseeded(out, unseeded, rep, ok, w, c)
         self.last_stats = dict(scratch_layers=n_scratch, searched_layers=int(idx.size),
                                fresh_fallback_layers=n_fb, peer_plan_layers=n_peer,
