@@ -16,6 +16,7 @@ import numpy as np
 from xllm_eplb.eplb.balance import rank_loads_from_phy2log
 from xllm_eplb.integrations import deepseek, deepseek_ref, sglang, vllm_ascend
 from xllm_eplb.integrations.vllm import XllmEplbPolicy
+from xllm_eplb.testing.peer_fixtures import ascend_fixture, slot_workload
 
 
 def _peak(table, loads, d) -> float:
@@ -62,8 +63,7 @@ def adapters():
 
     def via_ascend(w, r, d, old):
         cur = np.tile(np.arange(r) % w.shape[1], (w.shape[0], 1)) if old is None else old
-        cnt = np.stack([np.bincount(x, minlength=w.shape[1]) for x in cur])
-        slot = np.take_along_axis(w / cnt, cur, 1).reshape(w.shape[0], d, -1)
+        slot = slot_workload(cur, w).reshape(w.shape[0], d, -1)
         _, _, new = vllm_ascend.XllmAscendPolicy(None).rebalance_experts(
             cur.reshape(w.shape[0], d, -1), slot)
         return np.asarray(new).reshape(w.shape[0], r)
@@ -92,17 +92,6 @@ def bench(d: int, a: np.ndarray, b: np.ndarray, repeats: int) -> list[dict]:
                      "drift_moved_pct": 100.0 * float((drift != fresh).mean()),
                      "drift_ms": t_d})
     return rows
-
-
-def ascend_fixture(seed=0, layers=58, devices=32, slots=9, experts=256):
-    """vllm-ascend's policy fixture shape: a current table and per-slot ``rand**10*999+1``."""
-    rng = np.random.default_rng(seed)
-    tab = np.empty((layers, devices, slots), np.int64)
-    for i in range(layers):
-        perm = rng.permutation(experts).reshape(devices, experts // devices)
-        extra = [rng.choice(np.setdiff1d(np.arange(experts), perm[x])) for x in range(devices)]
-        tab[i] = np.concatenate([perm, np.array(extra)[:, None]], axis=1)
-    return tab, rng.random(tab.shape) ** 10 * 999 + 1
 
 
 def bench_ascend(repeats: int) -> list[dict]:

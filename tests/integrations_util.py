@@ -3,7 +3,21 @@ and the invariants their callers assume."""
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
+
 import numpy as np
+
+
+def import_host(package: str, *modules: str):
+    """The modules of a host engine, or None when the package is not installed or one of them
+    does not import here (a CPU machine without the host's own dependencies)."""
+    try:
+        if importlib.util.find_spec(package) is None:
+            return None
+        return [importlib.import_module(m) for m in modules]
+    except Exception:
+        return None
 
 # DeepSeek EPLB README example (also vLLM's test_basic_rebalance)
 DS_WEIGHT = [[90, 132, 40, 61, 104, 165, 39, 4, 73, 56, 183, 86],

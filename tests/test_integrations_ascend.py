@@ -9,18 +9,7 @@ import torch
 
 from xllm_eplb.eplb.balance import rank_loads_from_phy2log
 from xllm_eplb.integrations.vllm_ascend import XllmAscendPolicy, logical_load
-
-
-def fixture(seed=0, layers=58, devices=32, slots=9, experts=256):
-    """A current table (each device: its share of a permutation + one redundant expert it does
-    not hold) and per-slot workloads."""
-    rng = np.random.default_rng(seed)
-    tab = np.empty((layers, devices, slots), np.int64)
-    for i in range(layers):
-        perm = rng.permutation(experts).reshape(devices, experts // devices)
-        extra = [rng.choice(np.setdiff1d(np.arange(experts), perm[d])) for d in range(devices)]
-        tab[i] = np.concatenate([perm, np.array(extra)[:, None]], axis=1)
-    return tab, rng.random(tab.shape) ** 10 * 999 + 1
+from xllm_eplb.testing.peer_fixtures import ascend_fixture
 
 
 def mean_imbalance(table, hot):
@@ -48,7 +37,7 @@ def placement_violations(old, new):
 
 @pytest.fixture(scope="module")
 def planned():
-    tab, load = fixture()
+    tab, load = ascend_fixture()
     change, priority, new = XllmAscendPolicy(None, policy="incremental").rebalance_experts(
         tab, load)
     return tab, load, change, priority, np.asarray(new)
@@ -84,7 +73,7 @@ def _slot_load(table, hot):
 
 
 def test_torch_in_torch_out_and_fallback(caplog):
-    tab, load = fixture(layers=2, devices=4, slots=3, experts=8)
+    tab, load = ascend_fixture(layers=2, devices=4, slots=3, experts=8)
     ch, pr, new = XllmAscendPolicy(None).rebalance_experts(torch.tensor(tab),
                                                            torch.tensor(load))
     assert isinstance(new, torch.Tensor) and new.shape == (2, 4, 3)

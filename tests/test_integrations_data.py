@@ -10,6 +10,7 @@ from xllm_eplb.eplb.balance import rank_loads_from_phy2log
 from xllm_eplb.eplb.loads import read_loads
 from xllm_eplb.integrations import deepseek, sglang, vllm_ascend
 from xllm_eplb.integrations.vllm import XllmEplbPolicy
+from xllm_eplb.testing.peer_fixtures import slot_workload
 
 EP, R = 32, 288                                      # EP32+32: 256 experts, 9 slots per rank
 
@@ -40,8 +41,7 @@ def via_vllm_ascend(loads, dense, old):
     """The current table: ``old``, or SGLang's trivial map when nothing is planned yet; the
     workload per slot: the expert's load split evenly over its replicas."""
     cur = np.tile(np.arange(R) % loads.shape[1], (loads.shape[0], 1)) if old is None else old
-    cnt = np.stack([np.bincount(r, minlength=loads.shape[1]) for r in cur])
-    slot = np.take_along_axis(loads / cnt, cur, 1)
+    slot = slot_workload(cur, loads)
     _, _, new = vllm_ascend.XllmAscendPolicy(None).rebalance_experts(
         cur.reshape(-1, EP, R // EP), slot.reshape(-1, EP, R // EP))
     return np.asarray(new).reshape(loads.shape[0], R)

@@ -4,29 +4,16 @@ real SGLang runs where `sglang.srt.plugins` and `sglang.srt.eplb.eplb_algorithms
 (sglang 0.5.23 `--no-deps` needs orjson, pybase64, msgspec, IPython, traitlets and triton, about
 1 GB; `make test` does not install it), else it skips."""
 
-import importlib.util
-
 import numpy as np
 import pytest
 import torch
-from integrations_util import kept_slots_ok
+from integrations_util import import_host, kept_slots_ok
 
 from xllm_eplb.integrations import sglang as ours
 from xllm_eplb.integrations.maps import check_triple
 
-
-def _sglang():
-    try:
-        if importlib.util.find_spec("sglang") is None:
-            return None
-        from sglang.srt.eplb import eplb_algorithms
-        from sglang.srt.plugins import hook_registry  # noqa: F401
-        return eplb_algorithms
-    except Exception:
-        return None
-
-
-SGL = _sglang()
+SGL = (import_host("sglang", "sglang.srt.eplb.eplb_algorithms",
+                   "sglang.srt.plugins.hook_registry") or [None])[0]
 needs_sglang = pytest.mark.skipif(SGL is None, reason="SGLang is not installed (its EPLB and "
                                   "plugin modules need sglang + triton, ~1 GB; make test does not "
                                   "install it): see docs/integrations.md")

@@ -4,29 +4,16 @@ run where `vllm.distributed.eplb.policy` imports (vllm 0.33.0 `pip install --no-
 eleven small packages does, on CPU; docs/integrations.md); `make test` does not install vLLM
 (a 336 MB wheel), so they skip there."""
 
-import importlib.util
-
 import numpy as np
 import pytest
 import torch
-from integrations_util import DS_WEIGHT, PEER_CASES, kept_slots_ok, per_rank_repeats
+from integrations_util import DS_WEIGHT, PEER_CASES, import_host, kept_slots_ok, per_rank_repeats
 
 from xllm_eplb.integrations import deepseek_ref
 from xllm_eplb.integrations.maps import logical_maps
 from xllm_eplb.integrations.vllm import XllmEplbPolicy, install, register
 
-
-def _vllm_policy():
-    try:
-        if importlib.util.find_spec("vllm") is None:
-            return None
-        from vllm.distributed.eplb import policy
-        return policy
-    except Exception:
-        return None
-
-
-VLLM = _vllm_policy()
+VLLM = (import_host("vllm", "vllm.distributed.eplb.policy") or [None])[0]
 needs_vllm = pytest.mark.skipif(VLLM is None, reason="vLLM is not installed (its EPLB policy "
                                 "module needs the vllm wheel, 336 MB; make test does not install "
                                 "it): see docs/integrations.md for the versions tested")
