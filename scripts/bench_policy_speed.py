@@ -4,7 +4,8 @@ trees, interleaved, for before/after comparisons on a shared machine.
 
 Each round runs every tree in its own process (``OMP_NUM_THREADS=1``): a fresh plan of
 decode_in1000out1000 from xLLM's initial layout, then the drift to decode_in500out1500 from that
-plan, best of ``--repeats`` process-CPU timings each. A tree is a checkout of this repository
+plan, best of ``--repeats`` process-CPU timings each; EP ``96`` means 384 experts at EP96+96
+(the dumps' 256 experts plus 128 of them again, as ``bench_policy.py``). A tree is a checkout of this repository
 (e.g. ``git worktree add /tmp/base <commit>``); only its ``xllm_eplb`` package is used.
 
 Usage::
@@ -36,14 +37,16 @@ from xllm_eplb.eplb.policy import make_policy
 a = read_loads(sys.argv[2] + "/decode_in1000out1000.json").loads
 b = read_loads(sys.argv[2] + "/decode_in500out1500.json").loads
 out = {}
+pick = np.random.default_rng(0).permutation(a.shape[1])[:128]
 for d in map(int, sys.argv[3].split(",")):
-    init = np.tile(initial_phy2log(a.shape[1], d, 1), (a.shape[0], 1))
+    x, y = (a, b) if d != 96 else (np.concatenate([m, m[:, pick]], axis=1) for m in (a, b))
+    init = np.tile(initial_phy2log(x.shape[1], d, 1), (x.shape[0], 1))
     bf = bd = float("inf")
     for _ in range(int(sys.argv[4])):
-        pol = make_policy("incremental", d, a.shape[1], 1)
-        t0 = time.process_time(); f = propose(pol, a, init, min_improvement=0.0).table
+        pol = make_policy("incremental", d, x.shape[1], 1)
+        t0 = time.process_time(); f = propose(pol, x, init, min_improvement=0.0).table
         bf = min(bf, time.process_time() - t0)
-        t0 = time.process_time(); propose(pol, b, f, min_improvement=0.0)
+        t0 = time.process_time(); propose(pol, y, f, min_improvement=0.0)
         bd = min(bd, time.process_time() - t0)
     out[d] = {"fresh_ms": bf * 1000, "drift_ms": bd * 1000}
 print(json.dumps(out))
