@@ -149,7 +149,8 @@ def keep_slots(table: np.ndarray, old: np.ndarray, num_ranks: int) -> np.ndarray
     layers, nslots = table.shape
     s = nslots // num_ranks
     c = table.reshape(layers, num_ranks, s)
-    if all(len(np.unique(r)) == s for r in c.reshape(-1, s)):      # one replica per rank
+    srt = np.sort(c, axis=2)
+    if not (srt[..., 1:] == srt[..., :-1]).any():                 # one replica per rank
         return stabilize_slots(table, old, num_ranks)
     out = table.copy().reshape(layers, num_ranks, s)
     o = old.reshape(layers, num_ranks, s)
@@ -168,16 +169,21 @@ def keep_slots(table: np.ndarray, old: np.ndarray, num_ranks: int) -> np.ndarray
 
 def verify(table: np.ndarray, num_logical: int, num_ranks: int, per_rank_cap: int) -> None:
     """RuntimeError unless every layer holds every expert (ids in range) and no rank holds an
-    expert more than ``per_rank_cap`` times."""
-    for i, row in enumerate(table):
-        if row.min() < 0 or row.max() >= num_logical:
-            raise RuntimeError(f"layer {i}: expert id out of range")
-        if np.bincount(row, minlength=num_logical).min() == 0:
-            raise RuntimeError(f"layer {i}: an expert has no replica")
-        for d, r in enumerate(row.reshape(num_ranks, -1)):
-            if np.bincount(r).max() > per_rank_cap:
-                raise RuntimeError(f"layer {i}: rank {d} repeats an expert more than "
-                                   f"{per_rank_cap} times")
+    expert more than ``per_rank_cap`` times. One bincount over (layer, rank, expert)."""
+    layers, nslots = table.shape
+    if table.min() < 0 or table.max() >= num_logical:
+        raise RuntimeError("an expert id is out of range")
+    rank = np.arange(nslots) // (nslots // num_ranks)
+    key = (np.arange(layers)[:, None] * num_ranks + rank) * num_logical + table
+    cnt = np.bincount(key.ravel(), minlength=layers * num_ranks * num_logical).reshape(
+        layers, num_ranks, num_logical)
+    if cnt.max() > per_rank_cap:
+        i, d, _ = (int(x[0]) for x in np.nonzero(cnt > per_rank_cap))
+        raise RuntimeError(f"layer {i}: rank {d} repeats an expert more than {per_rank_cap} "
+                           f"times")
+    if (cnt.sum(axis=1) == 0).any():
+        i = int(np.nonzero((cnt.sum(axis=1) == 0).any(axis=1))[0][0])
+        raise RuntimeError(f"layer {i}: an expert has no replica")
 
 
 def fill_fresh(table: np.ndarray, w: np.ndarray, ranks: int, slots: int) -> None:
