@@ -6,7 +6,10 @@ Example::
         --ep-size 32 --redundant-experts-num 1 --policy incremental \\
         --output placement.json --report report.md --plot rank_load.png
 
-Output JSON: ``ep_size``, ``slots_per_rank``, ``num_logical_experts``, ``policy``, ``moe_layers``
+``--format sglang|vllm-ascend|trtllm`` writes the file that engine reads instead (see
+docs/integrations.md), read back by that engine's rules before the command succeeds.
+
+Output JSON (native): ``ep_size``, ``slots_per_rank``, ``num_logical_experts``, ``policy``, ``moe_layers``
 (``[first, stop)`` MoE-local, after skipping dense layers), ``dense_layers_skipped``, ``phy2log``
 (``[layers][ep_size*slots]``), ``policy_seconds`` (time spent in the policy alone) and, with
 ``--previous``, ``moved_slots`` and ``weight_copies``. Files are written via temp + rename.
@@ -240,6 +243,8 @@ def plan(load, ep_size, redundant, policy, previous, moe_layers, output, fmt, re
             written.append(report)
         write_atomic(output, json.dumps(result) + "\n" if fmt == "native" else
                      render_format(fmt, result, info))
+        written.append(output)
+        check_format(fmt, output, result, info)
     except (OSError, ValueError) as e:
         for path in written:
             Path(path).unlink(missing_ok=True)
@@ -251,6 +256,25 @@ def plan(load, ep_size, redundant, policy, previous, moe_layers, output, fmt, re
     if "moved_slots" in result:
         msg += f" moved_slots={result['moved_slots']} weight_copies={result['weight_copies']}"
     click.echo(msg + f" format={fmt} output={output}")
+
+
+def check_format(fmt: str, path: str, result: dict, info: dict) -> None:
+    """Read a written file back by its engine's rules (``integrations.formats``);
+    ``FormatError`` (a ValueError) when it breaks one."""
+    if fmt == "native":
+        return
+    from xllm_eplb.integrations import formats
+
+    e, ep, dense = result["num_logical_experts"], result["ep_size"], result[
+        "dense_layers_skipped"]
+    moe = info["moe_total"]
+    if fmt == "sglang":
+        formats.check_sglang(path, num_layers=dense + moe, num_logical=e, ep_size=ep,
+                             num_physical=ep * result["slots_per_rank"], dense=dense)
+    elif fmt == "vllm-ascend":
+        formats.check_vllm_ascend(path, num_moe_layers=moe, ep_size=ep, num_logical=e)
+    else:
+        formats.check_trtllm(path, dense=dense, num_moe_layers=moe, num_logical=e, ep_size=ep)
 
 
 def render_format(fmt: str, result: dict, info: dict) -> str:
