@@ -93,11 +93,25 @@ def _try_write(folder: Path, existing: Path) -> str:
     return ""
 
 
+def check_checkpoint(cfg: Config) -> None:
+    """``--model``: every safetensors header, and for an FP8 checkpoint every scale (paired,
+    its grid's shape, finite and > 0); InputFileError naming the file, the tensor and the rule,
+    before any worker starts (so nothing starts half-loaded)."""
+    if not cfg.model.model:
+        return
+    from xllm_eplb.model.loader import CheckpointReader
+    from xllm_eplb.model.spec import parse_spec
+
+    reader = CheckpointReader(cfg.model.model, parse_spec(cfg.model.model).quant)
+    reader.check_scales()
+
+
 def check_serve(cfg: Config) -> int:
     """Run every pre-start check of ``serve``; returns the HTTP port (resolved for 0)."""
     from xllm_eplb.worker.comm import preflight
 
     preflight(cfg)        # device / backend / model (sizes, trace) checks
+    check_checkpoint(cfg)
     check_init_placement(cfg)
     port = check_port(cfg.serve.host, cfg.serve.port)
     check_log_dir(cfg.serve.log_dir)

@@ -137,6 +137,10 @@ class ModelConfig:
     dtype: str = opt("auto", "parameter dtype (auto: the checkpoint's, float32 without one)",
                      choices=("auto", "float32", "float64", "bfloat16", "float16"))
     seed: int = opt(0, "generated checkpoint: weight seed (identical on every rank)", lo=0)
+    fp8_dequant_cache: bool = opt(False, "FP8 checkpoints: keep a dequantized copy of every "
+                                  "expert slot resident (refreshed after each move): no "
+                                  "per-step dequantization, 2-4x the fp8 expert memory on top; "
+                                  "false = dequantize the step's active experts per step")
     # --- generated default checkpoint (issue 12) ---
     model_arch: str = opt("deepseek_v3", "generated checkpoint (no --model): its family",
                           choices=("deepseek_v3", "qwen3_moe", "qwen2_moe", "mixtral"))

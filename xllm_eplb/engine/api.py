@@ -244,7 +244,8 @@ def _routes(app: FastAPI, backend: ApiBackend) -> None:
         s = backend.served
         return {"object": "list", "data": [{
             "id": s.name, "object": "model", "created": s.created, "owned_by": "xllm-eplb",
-            "max_model_len": s.limits.max_position_embeddings}]}
+            "max_model_len": s.limits.max_position_embeddings,
+            "quantization": s.quantization}]}
 
     @app.get("/health")
     async def health():

@@ -33,6 +33,7 @@ from xllm_eplb.eplb.recorder import ExpertRecorder
 from xllm_eplb.ipc.errors import IpcError, RingTimeoutError
 from xllm_eplb.ipc.messages import ForwardInput
 from xllm_eplb.model.batch import RankBatch, SeqRow
+from xllm_eplb.model.fp8 import quant_info
 from xllm_eplb.obs.logs import event
 from xllm_eplb.obs.metrics import EngineMetrics
 
@@ -277,4 +278,5 @@ class Engine:
                            **self.tele.serving_summary()}
         # capacity without fallback drops rows, with fallback re-routes them: both change outputs
         out["outputs_exact"] = e.moe_capacity_mode == "none"
+        out["quantization"] = quant_info(self.cfg.model.model, self.cfg.model.fp8_dequant_cache)
         return out

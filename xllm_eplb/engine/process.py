@@ -42,12 +42,14 @@ def _api(cfg: Config, engine_ref: dict):
     from xllm_eplb.engine.api import ApiBackend, ApiLimits, ApiServer, ServedModel
     from xllm_eplb.engine.record_api import record_router
     from xllm_eplb.engine.tokenizer import load_tokenizer
+    from xllm_eplb.model.fp8 import quant_info
 
     m, rt = cfg.model, cfg.runtime
     limits = ApiLimits(m.vocab_size, rt.max_prefill_tokens, m.max_position_embeddings)
     # the checkpoint's tokenizer (--model, or the default the launcher generated without it)
     tok = load_tokenizer(getattr(m, "model", "") or None)
-    served = ServedModel(cfg.serve.served_model_name, tok, limits, created=int(time.time()))
+    served = ServedModel(cfg.serve.served_model_name, tok, limits, created=int(time.time()),
+                         quantization=quant_info(m.model, m.fp8_dequant_cache))
 
     def eng():
         return engine_ref.get("engine")
