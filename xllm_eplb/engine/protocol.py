@@ -41,7 +41,9 @@ class ApiError(Exception):
 
 @dataclass
 class ApiLimits:
-    """What a request may ask for (from the config)."""
+    """What a request may ask for (from the config). ``max_prompt_tokens``: the longest
+    prompt (the server passes the model length: prompts over ``--max_prefill_tokens`` are
+    prefilled in chunks)."""
 
     vocab_size: int
     max_prompt_tokens: int
@@ -288,7 +290,8 @@ def _max_tokens(requested: int | None, prompts: list[list[int]], lim: ApiLimits,
     prompt, field = names
     if longest > lim.max_prompt_tokens:
         raise ApiError(400, f"'{prompt}': the prompt has {longest} tokens: must be <= "
-                       f"--max_prefill_tokens={lim.max_prompt_tokens}", prompt,
+                       f"{lim.max_prompt_tokens} (the model length, --max-model-len; longer "
+                       f"than --max_prefill_tokens is prefilled in chunks)", prompt,
                        "context_length_exceeded")
     room = lim.max_position_embeddings - longest
     mt = (room if default is None else min(default, room)) if requested is None else requested
