@@ -103,7 +103,6 @@ def with_config(*, require_ep_size: bool = True, pass_sources: bool = False):
             debug = _debug_requested(argv) or _debug_requested()
             try:
                 from xllm_eplb.flags import load_config
-
                 from xllm_eplb.model.hub_cache import resolve_hub_names
 
                 cfg, sources = load_config(argv, require_ep_size=require_ep_size)

@@ -66,7 +66,8 @@ def _api(cfg: Config, engine_ref: dict):
         health=lambda: eng().health() if eng() else (False, {"status": "starting"}),
         served=served,
         admit=lambda: need().admit(),
-        routers=(record_router(lambda: eng().recorder if eng() else None),))
+        routers=(record_router(lambda: eng().recorder if eng() else None),),
+        api_key=cfg.serve.api_key)
     return ApiServer(cfg.serve.host, cfg.serve.port, backend)
 
 
