@@ -42,18 +42,20 @@ def test_chunked_prefill_gives_the_tokens_and_logits_of_one_prefill():
     other = s.submit(Request(prompt=[7, 8, 9], max_tokens=12, stop_at_eos=False))
     long = s.submit(Request(prompt=prompt, max_tokens=N_NEW, stop_at_eos=False))
     s.pull()
-    got_logits, chunks = [], 0
+    got_logits, chunks, beside = [], 0, 0
     while not long.done.is_set():
         batches = s.schedule()
         rows = batches[0].rows
-        chunks += any(r.req_id == long.req_id and r.is_prefill for r in rows)
+        chunk = any(r.req_id == long.req_id and r.is_prefill for r in rows)
+        chunks += chunk
+        beside += chunk and any(r.req_id == other.req_id and not r.is_prefill for r in rows)
         res = model.forward_step(batches[0], pure_decode=is_pure_decode_step(batches),
                                  return_logits=True)
         mine = [j for j, r in enumerate(rows) if r.req_id == long.req_id]
         if mine and rows[mine[0]].start_pos + len(rows[mine[0]].token_ids) >= len(prompt):
             got_logits.append(res.logits[mine[0]].numpy())          # not a partial chunk
         s.update(res.sampled)
-    assert chunks == 5                               # 300 = 4 x 64 + 44 (the first beside 3)
+    assert chunks == beside == 5       # 300 = 4 x 64 + 44, each beside the other's decode row
     assert long.output == want and long.finish_reason == "length"
     for g, w in zip(got_logits, want_logits, strict=True):
         np.testing.assert_allclose(g, w, rtol=0, atol=1e-9 * np.abs(w).max())

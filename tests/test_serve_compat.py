@@ -134,3 +134,22 @@ def test_a_1500_token_prompt_is_prefilled_in_chunks_with_transformers_tokens(ser
             out = hf.generate(torch.tensor([prompt]), max_new_tokens=N_NEW,
                               min_new_tokens=N_NEW, do_sample=False)
     assert got == unchunked == out[0, len(prompt):].tolist()
+
+
+@pytest.mark.timeout(300)
+def test_ep_size_one_serves_the_same_tokens_without_eplb(server, tmp_path):
+    """``--ep-size 1`` with the example config (EPLB on there): one worker holding every
+    expert, EPLB off, and the same greedy tokens as the EP2 server on the same checkpoint."""
+    one = Server(tmp_path, [*FLAGS, "--ep-size", "1"])
+    try:
+        one.wait_ready(180)
+        st = _call(one, "GET", "/eplb/status")[1]
+        assert (st["ep_size"], st["enabled"]) == (1, False)
+        body = {"model": NAME, "prompt": list(range(3, 40)), "max_tokens": N_NEW,
+                "temperature": 0.0, "ignore_eos": True, "return_token_ids": True}
+        a, b = _call(one, "POST", "/v1/completions", body), _call(server, "POST",
+                                                                  "/v1/completions", body)
+        assert a[0] == b[0] == 200
+        assert a[1]["choices"][0]["token_ids"] == b[1]["choices"][0]["token_ids"]
+    finally:
+        one.kill()
