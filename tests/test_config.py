@@ -55,8 +55,8 @@ def test_spec_section_11_defaults():
 @pytest.mark.parametrize("name,value,msg", [
     ("eplb_min_peak_load_improvement", 1.5, "--eplb_min_peak_load_improvement=1.5: must be in [0, 1]"),
     ("eplb_min_peak_load_improvement", -0.1, "must be in [0, 1]"),
-    ("ep_size", 1, "--ep_size=1: must be > 1"),
-    ("ep_size", 0, "--ep_size=0: must be > 1"),
+    ("ep_size", 0, "--ep_size=0: must be >= 1"),
+    ("ep_size", -2, "--ep_size=-2: must be >= 1"),
     ("redundant_experts_num", -1, "--redundant_experts_num=-1: must be >= 0"),
     ("eplb_update_interval", -1, "--eplb_update_interval=-1: must be >= 0"),
     ("eplb_prepare_timeout_seconds", 0, "--eplb_prepare_timeout_seconds=0: must be > 0"),
@@ -144,7 +144,7 @@ def test_unknown_policy_kind_warns_once(caplog):
 def test_rule_texts():
     assert FIELDS["eplb_min_peak_load_improvement"].rule() == "in [0, 1]"
     assert FIELDS["eplb_estimator_decay"].rule() == "in (0, 1]"
-    assert FIELDS["ep_size"].rule() == "> 1"
+    assert FIELDS["ep_size"].rule() == ">= 1"
     assert FIELDS["redundant_experts_num"].rule() == ">= 0"
     assert FIELDS["enable_fused_mc2"].rule() == "one of -1, 0, 1, 2"
     assert FIELDS["enable_eplb"].rule() == ""

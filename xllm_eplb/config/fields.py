@@ -23,8 +23,9 @@ class EplbConfig:
     """xLLM's EPLB options (the same flag names) plus this project's extensions."""
 
     enable_eplb: bool = opt(False, "turn dynamic EPLB on")
-    ep_size: int = opt(None, "number of EP ranks = worker processes; > 1; divides num_experts",
-                       lo=1, lo_open=True, required=True)
+    ep_size: int = opt(None, "number of EP ranks = worker processes; divides num_experts; 1 = "
+                       "one rank holding every expert, EPLB off and no redundant slot (the "
+                       "engine's own baseline)", lo=1, required=True)
     redundant_experts_num: int = opt(1, "extra physical slots per EP rank", lo=0)
     eplb_update_interval: float = opt(1000.0, "seconds from the first valid load sample between "
                                       "rebalances (fractions allowed)", unit="s", lo=0)
@@ -122,7 +123,8 @@ class ModelConfig:
     num_attention_heads: int = opt(4, "attention heads (divides hidden_size)", lo=1)
     vocab_size: int = opt(512, "vocabulary (>= 261: 256 byte tokens + 4 special tokens + 1 "
                           "merge in the generated tokenizer)", lo=261)
-    max_position_embeddings: int = opt(1024, "longest sequence (prompt + output)", lo=2)
+    max_position_embeddings: int = opt(2048, "longest sequence (prompt + output; alias "
+                                       "--max-model-len)", lo=2)
     scoring_func: str = opt("sigmoid", "router scores, reported from the checkpoint (sigmoid: "
                             "deepseek_v3, softmax: the other families); a value set here is "
                             "replaced", choices=("softmax", "sigmoid"))
@@ -194,6 +196,13 @@ class ServeConfig:
     shutdown_timeout_seconds: float = opt(10.0, "graceful stop before SIGKILL", unit="s", lo=0)
     served_model_name: str = opt("xllm-eplb", "model name of the OpenAI API (/v1/models; a "
                                  "request's 'model' must match it)")
+    tokenizer: str = opt("", "tokenizer folder (tokenizer.json, tokenizer_config.json, "
+                         "generation_config.json) or a Hugging Face ORG/NAME in the local "
+                         "cache; empty: the model's own")
+    chat_template: str = opt("", "chat template for /v1/chat/completions: a Jinja file, or the "
+                             "template text itself; empty: the tokenizer's")
+    api_key: str = opt("", "when set, /v1/*, /tokenize and /detokenize need the header "
+                       "'Authorization: Bearer <key>' (401 otherwise); empty: open")
     stall_seconds: float = opt(10.0, "a step running longer than this is a stall: /health "
                                "answers 503 and worker_up of the silent ranks drops to 0",
                                unit="s", lo=0, lo_open=True)
