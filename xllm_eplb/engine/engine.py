@@ -26,6 +26,7 @@ from xllm_eplb.engine.health import StepWatch
 from xllm_eplb.engine.scheduler import Request, Scheduler, is_pure_decode_step
 from xllm_eplb.engine.telemetry import Telemetry
 from xllm_eplb.engine.tokenizer import BOS_ID
+from xllm_eplb.engine.workload import workload_status
 from xllm_eplb.eplb.info import NO_TOKEN, EplbInfo
 from xllm_eplb.eplb.manager_stats import ManagerStats
 from xllm_eplb.eplb.placement_file import initial_placement
@@ -277,4 +278,5 @@ class Engine:
                            **self.tele.serving_summary()}
         # capacity without fallback drops rows, with fallback re-routes them: both change outputs
         out["outputs_exact"] = e.moe_capacity_mode == "none"
+        out["workload"] = workload_status(self.cfg.serve)   # bench prints it in its header
         return out
