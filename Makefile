@@ -7,7 +7,7 @@ TORCH   ?= torch==2.13.0
 EP_SIZE ?= 16
 SERVE_ARGS ?= --ep-size $(EP_SIZE) --config configs/eplb.yaml --enable_eplb=true --eplb_update_interval=20
 
-.PHONY: help install test test-fast serve lint clean
+.PHONY: help install test test-fast serve lint docs clean
 
 help:  ## show this help
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -34,6 +34,9 @@ serve: install  ## serve the generated tiny checkpoint at 16 EP ranks with the b
 
 lint: install  ## ruff check
 	$(BIN)/ruff check xllm_eplb tests scripts
+
+docs: install  ## regenerate docs/configuration.md from the config fields
+	$(BIN)/xllm-eplb config docs --output docs/configuration.md
 
 clean:  ## remove this project's unheld /dev/shm objects (no install needed)
 	@if [ -x $(BIN)/xllm-eplb ]; then $(BIN)/xllm-eplb shm clean; \

@@ -49,11 +49,13 @@ class Server:
     def __init__(self, tmp: Path, args: list[str]):
         self.port = free_port()
         self.run_id = f"p{self.port}"
-        self.log_dir = tmp / "logs"
+        self.log_root = tmp / "logs"
+        #: this run's own log folder (``--log_dir``'s ``latest`` link: one run per root here)
+        self.log_dir = self.log_root / "latest"
         self.out, self.err = tmp / "stdout.txt", tmp / "stderr.txt"
         cmd = [sys.executable, "-m", "xllm_eplb", "serve", "--ep-size", "4", "--config",
                str(ROOT / "configs" / "eplb.yaml"), "--port", str(self.port),
-               "--log_dir", str(self.log_dir), *args]
+               "--log_dir", str(self.log_root), *args]
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self.out.open("w"),
                                      stderr=self.err.open("w"), start_new_session=True)
         self.pids: set[int] = {self.proc.pid}

@@ -35,7 +35,7 @@ from xllm_eplb.ipc.errors import SegmentBusyError
 from xllm_eplb.ipc.objects import sweep_run
 from xllm_eplb.ipc.ring import InputRing, OutputRing
 from xllm_eplb.ipc.shm import resolve_run_id
-from xllm_eplb.obs.logs import FILE_ONLY, event, setup_logging
+from xllm_eplb.obs.logs import FILE_ONLY, event, run_log_dir, setup_logging
 from xllm_eplb.obs.progress import Progress, ready_line
 from xllm_eplb.preflight import StartupError, check_port, check_serve
 from xllm_eplb.worker.worker import worker_main
@@ -332,11 +332,14 @@ def _killed(killed: list[str], code: int, cfg: Config) -> int:
     return code or 1
 
 
-def launcher_process(cfg: Config, title: str) -> None:
-    """This process as a launcher: its log file in ``--log_dir`` (StartupError naming the flag
-    when it cannot be written) and its process title."""
+def launcher_process(cfg: Config, title: str, tag: str = "") -> Config:
+    """This process as a launcher: the run's own log folder ``<--log_dir>/<time>[-<tag>]/``
+    (``<--log_dir>/latest`` points at it; every process of the run logs there: the returned
+    config carries it), its log file there (StartupError naming the flag when it cannot be
+    written) and its process title."""
     try:
-        setup_logging("launcher", cfg.serve.v, str(Path(cfg.serve.log_dir) / "launcher.log"))
+        run_dir = run_log_dir(cfg.serve.log_dir, tag)
+        setup_logging("launcher", cfg.serve.v, str(run_dir / "launcher.log"))
     except OSError as e:
         raise StartupError(f"--log_dir={cfg.serve.log_dir}: cannot create or write the log "
                            f"folder ({e})") from None
@@ -344,6 +347,7 @@ def launcher_process(cfg: Config, title: str) -> None:
         import setproctitle
 
         setproctitle.setproctitle(title)
+    return dataclasses.replace(cfg, serve=dataclasses.replace(cfg.serve, log_dir=str(run_dir)))
 
 
 def serve(cfg: Config, digest: str = "") -> int:
@@ -356,7 +360,7 @@ def serve(cfg: Config, digest: str = "") -> int:
     port = check_serve(cfg)    # every check before anything starts (no --model: the sizes)
     # no --model: generate the default checkpoint once, here, before anything is spawned
     cfg = resolve_runtime(resolve_config(with_default_checkpoint(cfg)), port)
-    launcher_process(cfg, "xllm-eplb:launcher")
+    cfg = launcher_process(cfg, "xllm-eplb:launcher", tag=cfg.runtime.run_id)
     log.info(event("launcher config", run_id=cfg.runtime.run_id, port=cfg.serve.port,
                    master_port=cfg.runtime.master_port) + (" " + digest if digest else ""))
     progress = Progress(cfg.eplb.ep_size, sys.stderr.isatty())

@@ -193,6 +193,16 @@ class ServeConfig:
     v: str = opt("info", "log level (debug also prints tracebacks)",
                  choices=("debug", "info", "warning", "error"))
     enable_per_layer_metrics: bool = opt(False, "export per-layer Prometheus series")
+    log_stats_interval: float = opt(
+        10.0, "seconds between the console stats lines while serving (prompt and generation "
+        "tokens/s, running and waiting requests, KV-cache use, balancedness, last rebalance; "
+        "as vLLM's); 0 = off", unit="s", lo=0)
+    metrics_hot_experts: int = opt(
+        4, "per MoE layer, export the recent load and replica count of this many hottest "
+        "logical experts (hot_expert_* series: MoE layers x this many; 0 = none)", lo=0)
+    enable_expert_metrics: bool = opt(
+        False, "also export the recent load and replica count of every logical expert "
+        "(expert_* series: MoE layers x num_experts)")
     shutdown_timeout_seconds: float = opt(10.0, "graceful stop before SIGKILL", unit="s", lo=0)
     served_model_name: str = opt("xllm-eplb", "model name of the OpenAI API (/v1/models; a "
                                  "request's 'model' must match it)")

@@ -23,9 +23,11 @@ import time
 from xllm_eplb import __version__
 from xllm_eplb.config import Config, node_of_rank, ranks_per_node, resolve_backend
 from xllm_eplb.engine.health import StepWatch
+from xllm_eplb.engine.live_stats import LiveStats
 from xllm_eplb.engine.scheduler import Request, Scheduler, is_pure_decode_step
-from xllm_eplb.engine.telemetry import Telemetry
+from xllm_eplb.engine.telemetry import Telemetry, slot_loads
 from xllm_eplb.engine.tokenizer import BOS_ID
+from xllm_eplb.engine.workload import workload_status
 from xllm_eplb.eplb.info import NO_TOKEN, EplbInfo
 from xllm_eplb.eplb.manager_stats import ManagerStats
 from xllm_eplb.eplb.placement_file import initial_placement
@@ -81,10 +83,15 @@ class Engine:
         self.metrics = metrics or EngineMetrics(
             self.D, cfg.num_moe_layers, per_layer=cfg.serve.enable_per_layer_metrics,
             version=__version__, backend=resolve_backend(rt.device, rt.backend),
-            policy=cfg.eplb.eplb_policy_kind)
+            policy=cfg.eplb.eplb_policy_kind, hot_experts=cfg.serve.metrics_hot_experts,
+            all_experts=cfg.serve.enable_expert_metrics)
         self.metrics.enabled.set(1 if manager is not None else 0)
         self.tele = Telemetry(self.metrics, cfg.num_moe_layers, self.D,
                               ranks_per_node=ranks_per_node(cfg))
+        self.live = LiveStats(   # vLLM-style live view: token metrics, experts, stats line
+            self.metrics, num_layers=cfg.num_moe_layers, num_experts=cfg.model.num_experts,
+            kv_capacity=self.D * rt.max_batch_size * cfg.model.max_position_embeddings,
+            stats_interval_s=cfg.serve.log_stats_interval, now=time.monotonic())
         self.rank_node = [node_of_rank(cfg, r) for r in range(self.D)]   # multi-node (#14)
         for r, n in enumerate(self.rank_node):
             self.metrics.rank_node.labels(str(r)).set(n)
@@ -119,6 +126,8 @@ class Engine:
         self._ring_occupancy()
         if self.recorder.active and not warmup:     # off: this test is all it costs
             self.recorder.add([o.counters for o in outs], self.active_placement)
+        if not warmup and outs[0].counters.size:
+            self.live.on_slot_loads(slot_loads(outs), self.active_placement)
         if self.manager is not None and not warmup:
             c0 = time.thread_time()
             self.manager.on_outputs([o.counters for o in outs], [o.prepared_token for o in outs],
@@ -188,20 +197,27 @@ class Engine:
                 self._refresh()
             if self.stopping or not self.sched.has_work:
                 continue
-            outs = self.step(self.sched.schedule())
+            batches = self.sched.schedule()
+            self.live.on_scheduled(batches, self.sched.running, time.monotonic())
+            outs = self.step(batches)
             sampled: dict[int, int] = {}
             logprobs: dict = {}
             for o in outs:
                 sampled.update(o.sampled)
                 logprobs.update(o.logprobs)
-            self.tele.on_requests(self.sched.update(sampled, logprobs))
+            self.live.on_tokens(sampled, time.monotonic())
+            self._finished(self.sched.update(sampled, logprobs))
+
+    def _finished(self, reqs: list[Request]) -> None:
+        self.tele.on_requests(reqs)
+        self.live.on_finished(reqs)
 
     def _cancelled(self, reqs: list[Request]) -> None:
         for r in reqs:
             log.info(event("engine request cancelled", req=r.req_id, source=r.source,
                            tokens=len(r.output), reason=r.error or "client gone"))
         if reqs:
-            self.tele.on_requests(reqs)
+            self._finished(reqs)
 
     def _refresh(self) -> None:
         if self.manager is not None:
@@ -211,6 +227,13 @@ class Engine:
         q = self.sched.load()
         self.metrics.queue.labels("waiting").set(q["waiting"])
         self.metrics.queue.labels("running").set(q["running"])
+        due = self.live.refresh(
+            time.monotonic(), running=self.sched.running, waiting=q["waiting"],
+            placement=self.active_placement, balancedness=self.tele.balancedness_mean(),
+            generation=int(self.tele.eplb.get("generation", 0)),
+            last_rebalance_at=self.tele.last_commit_at)
+        if due:
+            (log.info if due[1] else log.debug)(due[0])
 
     def request_stop(self, *_args) -> None:
         self.stopping = True
@@ -279,4 +302,5 @@ class Engine:
         # capacity without fallback drops rows, with fallback re-routes them: both change outputs
         out["outputs_exact"] = e.moe_capacity_mode == "none"
         out["quantization"] = quant_info(self.cfg.model.model, self.cfg.model.fp8_dequant_cache)
+        out["workload"] = workload_status(self.cfg.serve)   # bench prints it in its header
         return out
