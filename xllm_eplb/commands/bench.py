@@ -23,6 +23,7 @@ import json
 import threading
 import time
 import urllib.parse
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -78,6 +79,24 @@ def check_url(url: str) -> tuple[str, int]:
     if u.scheme != "http" or not u.hostname:
         raise UserError(f"--url={url}: unknown url type (want http://HOST:PORT)")
     return u.hostname, u.port or 80
+
+
+def workload_warning(url: str, timeout: float = 5.0) -> str | None:
+    """One warning line when the server at ``url`` runs its built-in synthetic workload (its
+    ``/eplb/status`` ``workload`` field): those requests share the engine with the measured
+    ones, so every number is lower than the server can give. None otherwise (or unknown)."""
+    try:
+        with urllib.request.urlopen(url.rstrip("/") + "/eplb/status", timeout=timeout) as r:
+            st = json.loads(r.read())
+    except (OSError, ValueError):
+        return None
+    kind = st.get("workload", "none")
+    if kind in (None, "none"):
+        return None
+    return (f"warning: the server runs the built-in {kind} workload "
+            f"({st.get('workload_rate', '?')} req/s): it shares the engine with these requests, "
+            f"so the numbers below understate the server (serve with --workload=none to measure "
+            f"it alone)")
 
 
 def stream_one(host: str, port: int, body: dict, timeout: float) -> dict:
@@ -199,6 +218,9 @@ def bench(url, n, concurrency, prompt_len, max_tokens, topics, skew, dataset, ma
         raise UserError(f"--json={json_path}: folder {Path(json_path).parent} does not exist")
     prompts = (sharegpt_prompts(dataset, n, seed, max_prompt_chars) if dataset
                else make_prompts(n, prompt_len, topics, skew, seed))
+    warn = workload_warning(url)
+    if warn:
+        click.echo(warn, err=True)
     res = run_bench(url, prompts, max_tokens, concurrency, seed)
     res.pop("outputs")
     if res["ok"] == 0 and res["errors"]:

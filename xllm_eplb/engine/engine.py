@@ -68,6 +68,12 @@ def agreed_token(tokens: list[int]) -> int:
     return first
 
 
+def decode_costs(outs, pure: bool) -> list | None:
+    """The ranks' per-layer expert CPU seconds of a pure-decode step (the cost model's input),
+    else None (prefill rows are not all counted)."""
+    return [o.timings.expert_cpu_s for o in outs] if pure else None
+
+
 class Engine:
     """Owns the scheduler, the rings' engine ends, the manager and the telemetry."""
 
@@ -121,7 +127,8 @@ class Engine:
         if self.manager is not None and not warmup:
             c0 = time.thread_time()
             self.manager.on_outputs([o.counters for o in outs], [o.prepared_token for o in outs],
-                                    agreed_token([o.activation_token for o in outs]))
+                                    agreed_token([o.activation_token for o in outs]),
+                                    expert_cpu=decode_costs(outs, pure))
             self.tele.on_eplb(self.manager.stats())
             eplb_s += time.thread_time() - c0
         self.tele.on_step(step_kind(batches, warmup, pure), outs, seconds, eplb_engine_s=eplb_s)
@@ -269,6 +276,9 @@ class Engine:
         # the policy runner's thread CPU (drain, decode, policy), measured by the manager itself
         out["critical_path"]["manager_thread_cpu_s"] = float(out["policy_cpu_seconds"])
         out["requests"] = self.sched.load()
+        out["workload"] = self.cfg.serve.workload          # synthetic: demo traffic shares it
+        out["workload_rate"] = (self.cfg.serve.workload_rate
+                                if self.cfg.serve.workload != "none" else 0.0)
         out["nnodes"], out["rank_node"] = self.cfg.runtime.nnodes, list(self.rank_node)
         e = self.cfg.eplb
         out["capacity"] = {"mode": e.moe_capacity_mode, "factor": e.moe_capacity_factor,
