@@ -98,8 +98,9 @@ def _reference_tokens(argv: list[str]) -> list[list[int]]:
 
 @pytest.mark.timeout(200)
 def test_serve_rebalances_keeps_tokens_identical_and_stops_cleanly(start_server):
-    flags = ["--eplb_update_interval=3", "--dtype=float64", "--workload_rate=6",
-             "--workload_output_len=24", "--log_stats_interval=1"]
+    flags = ["--eplb_update_interval=3", "--dtype=float64", "--workload=synthetic",
+             "--workload_rate=6", "--workload_output_len=24", "--eplb_policy_kind=balanced",
+             "--eplb_plan_on=tokens", "--log_stats_interval=1"]
     s = start_server(*flags)
     s.wait_ready()
     before = [_post(s.url, b) for b in REQUESTS]
@@ -182,7 +183,7 @@ def _check_live_view(s: Server, fams: dict) -> None:
 @pytest.mark.timeout(90)
 def test_killed_worker_stops_the_run_naming_the_rank(start_server):
     # steps in flight when the rank dies: every survivor fails its all-to-all
-    s = start_server("--workload_rate=20", "--enable_eplb=false")
+    s = start_server("--workload=synthetic", "--workload_rate=20", "--enable_eplb=false")
     s.wait_ready()
     time.sleep(1.0)
     victim = next(p for p in psutil.Process(s.proc.pid).children()

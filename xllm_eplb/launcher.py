@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import multiprocessing as mp
 import multiprocessing.connection as mpc
@@ -29,7 +30,7 @@ import sys
 import time
 from pathlib import Path
 
-from xllm_eplb.config import Config
+from xllm_eplb.config import Config, node_ranks, ranks_per_node
 from xllm_eplb.engine.process import engine_main
 from xllm_eplb.ipc.errors import SegmentBusyError
 from xllm_eplb.ipc.objects import sweep_run
@@ -38,6 +39,7 @@ from xllm_eplb.ipc.shm import resolve_run_id
 from xllm_eplb.obs.logs import FILE_ONLY, event, run_log_dir, setup_logging
 from xllm_eplb.obs.progress import Progress, ready_line
 from xllm_eplb.preflight import StartupError, check_port, check_serve
+from xllm_eplb.worker import affinity
 from xllm_eplb.worker.worker import worker_main
 
 __all__ = ["Launcher", "Progress", "RunShm", "StartupError", "check_port", "ready_line", "serve"]
@@ -116,8 +118,27 @@ class Launcher:
         signal.signal(signal.SIGTERM, self._on_signal)
 
     # --- start -----------------------------------------------------------------------------
+    @functools.cached_property
+    def affinity(self) -> affinity.AffinityPlan:
+        """This node's ``--worker_cpu_affinity`` plan (decided once, logged in one line)."""
+        plan = affinity.plan(self.cfg.runtime.worker_cpu_affinity, ranks_per_node(self.cfg))
+        log.info(event("launcher cpu affinity", note=plan.note))
+        return plan
+
+    def _cores(self, who: str) -> tuple[int, ...] | None:
+        if who == "engine":
+            return self.affinity.engine
+        if who.startswith("ep"):
+            return self.affinity.workers[int(who[2:]) - node_ranks(self.cfg).start]
+        return None
+
     def _spawn(self, who: str, target, *args) -> None:
-        with _child_env():
+        """Start child ``who``; an EP worker or the engine starts on its pinned cores (the
+        worker also gets them as its last argument: it sizes its torch threads to them)."""
+        cores = self._cores(who)
+        if target is worker_main:
+            args = (*args, cores)
+        with _child_env(), affinity.pinned(cores):
             p = self.ctx.Process(target=target, name=who, args=args, daemon=False)
             p.start()
         self.procs[who] = p
@@ -367,6 +388,24 @@ def serve(cfg: Config, digest: str = "") -> int:
     return run_launcher(Launcher(cfg, progress=progress), progress, lambda: ready_line(cfg))
 
 
+def console_notes(cfg: Config, plan: affinity.AffinityPlan) -> list[str]:
+    """Lines printed under the ready line that say why a user's request may be slow: the
+    synthetic workload sharing the engine, or more processes than cores."""
+    out = []
+    s = cfg.serve
+    if s.workload != "none":
+        out.append(f"note: the built-in {s.workload} workload is on ({s.workload_rate:g} req/s "
+                   f"of demo traffic share the engine with your requests; --workload=none "
+                   f"turns it off)")
+    procs, cores = ranks_per_node(cfg) + 1, len(affinity.available_cpus())
+    if not plan.pinned and procs > cores:
+        out.append(f"note: {procs - 1} workers + the engine share {cores} cores: every step "
+                   f"waits for all of them, so a token takes several times longer than on a "
+                   f"machine with a core per worker (--ep-size {max(2, cores - 1)} or more cores "
+                   f"make requests faster)")
+    return out
+
+
 def run_launcher(launcher: Launcher, progress: Progress, ready, start=None) -> int:
     """Start ``launcher`` (``start()``, default ``launcher.start``), print ``ready()``,
     supervise until a signal or a failure, stop and clean up: the exit code (single node and
@@ -379,6 +418,8 @@ def run_launcher(launcher: Launcher, progress: Progress, ready, start=None) -> i
         finally:
             progress.close()
         print(ready(), flush=True)
+        for line in console_notes(cfg, launcher.affinity):
+            print(line, flush=True)
         code = launcher.supervise()
         code = _killed(launcher.stop(graceful=(code == 0)), code, cfg)
     except KeyboardInterrupt:

@@ -121,6 +121,15 @@ def check_checkpoint(cfg: Config) -> None:
     reader.check_scales()
 
 
+def check_affinity(cfg: Config):
+    """``--worker_cpu_affinity`` against this machine's cores: the launcher's
+    :class:`~xllm_eplb.worker.affinity.AffinityPlan` (ConfigError naming the flag if not)."""
+    from xllm_eplb.config import ranks_per_node
+    from xllm_eplb.worker import affinity
+
+    return affinity.plan(cfg.runtime.worker_cpu_affinity, ranks_per_node(cfg))
+
+
 def check_serve(cfg: Config) -> int:
     """Run every pre-start check of ``serve``; returns the HTTP port (resolved for 0)."""
     from xllm_eplb.worker.comm import preflight
@@ -129,6 +138,7 @@ def check_serve(cfg: Config) -> int:
     check_checkpoint(cfg)
     check_init_placement(cfg)
     check_tokenizer(cfg)
+    check_affinity(cfg)
     port = check_port(cfg.serve.host, cfg.serve.port)
     check_log_dir(cfg.serve.log_dir)
     return port

@@ -22,7 +22,8 @@ def opt(default: Any, help: str, *, unit: str = "", lo: float | None = None,
 class EplbConfig:
     """xLLM's EPLB options (the same flag names) plus this project's extensions."""
 
-    enable_eplb: bool = opt(False, "turn dynamic EPLB on")
+    enable_eplb: bool = opt(True, "dynamic EPLB (on by default; --enable_eplb=false turns it "
+                            "off: the initial placement is served as is)")
     ep_size: int = opt(None, "number of EP ranks = worker processes; divides num_experts; 1 = "
                        "one rank holding every expert, EPLB off and no redundant slot (the "
                        "engine's own baseline)", lo=1, required=True)
@@ -33,9 +34,16 @@ class EplbConfig:
         0.05, "minimum predicted relative drop of the slowest rank's load to publish a layer",
         lo=0, hi=1)
     eplb_policy_kind: str = opt(
-        "balanced", "placement policy: balanced, greedy, incremental, node_aware "
+        "incremental", "placement policy: incremental (default: moves few slots per round), "
+        "balanced (xLLM's full re-plan), greedy, node_aware "
         "(case-insensitive; legacy names flat/deepseek_flat/deepseek_hier/hier/hierarchical map "
         "to balanced; unknown -> greedy with one warning)")
+    eplb_plan_on: str = opt(
+        "cost", "what rounds balance and gate on: cost (a per-layer model fitted from the "
+        "workers' expert timings: fixed seconds per active slot + seconds per row; a layer is "
+        "published only if the modelled step critical path falls by "
+        "eplb_min_peak_load_improvement; token counts until the model is fitted) or tokens "
+        "(token counts only, as xLLM)", choices=("cost", "tokens"))
     eplb_use_decode_only_load: bool = opt(
         False, "eager path counts only real decode tokens (prefill rows of mixed batches are masked)")
     eplb_prepare_timeout_seconds: float = opt(
@@ -173,6 +181,12 @@ class RuntimeConfig:
     shm_output_frame_bytes: int = opt(256 * 1024, "bytes per output-ring frame", unit="bytes",
                                       lo=1024)
     run_id: str = opt("", "shared-memory name prefix (default: derived from the port)")
+    worker_cpu_affinity: str = opt(
+        "auto", "pin each worker to cores of its own and match its torch threads: auto (when "
+        "this machine gives serve >= workers + 1 cores: the engine on the first, the rest split "
+        "evenly; else not pinned, one log line), none, or LIST: one comma-separated entry per "
+        "local rank, each a core, a range a-b or cores joined by + (e.g. 0,1 or 0-3,4-7); a core "
+        "the machine lacks or two ranks on one core is an error")
     # --- multi-node (#14) ---
     nnodes: int = opt(1, "machines in the EP domain (torchrun style): every node runs `serve` "
                       "with the same config and ep_size/nnodes workers; divides ep_size", lo=1)

@@ -71,6 +71,12 @@ def agreed_token(tokens: list[int]) -> int:
     return first
 
 
+def decode_costs(outs, pure: bool) -> list | None:
+    """The ranks' per-layer expert CPU seconds of a pure-decode step (the cost model's input),
+    else None (prefill rows are not all counted)."""
+    return [o.timings.expert_cpu_s for o in outs] if pure else None
+
+
 class Engine:
     """Owns the scheduler, the rings' engine ends, the manager and the telemetry."""
 
@@ -131,7 +137,8 @@ class Engine:
         if self.manager is not None and not warmup:
             c0 = time.thread_time()
             self.manager.on_outputs([o.counters for o in outs], [o.prepared_token for o in outs],
-                                    agreed_token([o.activation_token for o in outs]))
+                                    agreed_token([o.activation_token for o in outs]),
+                                    expert_cpu=decode_costs(outs, pure))
             self.tele.on_eplb(self.manager.stats())
             eplb_s += time.thread_time() - c0
         self.tele.on_step(step_kind(batches, warmup, pure), outs, seconds, eplb_engine_s=eplb_s)
