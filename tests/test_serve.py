@@ -187,10 +187,25 @@ def test_sigterm_to_the_whole_process_group_is_a_clean_stop(start_server):
 
 
 @pytest.mark.timeout(90)
-def test_killed_launcher_takes_its_children_and_shm_with_it(start_server):
+def test_killed_launcher_takes_its_children_and_shm_with_it(start_server, tmp_path):
+    # a dead run's leftovers (every process SIGKILLed): the next serve sweeps them (#23 item 11)
+    from test_shm_hygiene import OLD, _age, _killed_creator, _names, _rid
+
+    dead = _rid()
+    _killed_creator(dead)
+    _age(dead, OLD)
     s = start_server("--workload=none", "--enable_eplb=false")
     s.wait_ready()
     assert shm_objects(s.run_id)
+    assert _names(dead) == []
+    swept = [ln for ln in (s.log_dir / "launcher.log").read_text().splitlines()
+             if "shm swept dead runs" in ln]
+    assert len(swept) == 1 and dead in swept[0], swept
+    # the launcher's event channel is pipes: no process of the run maps a named semaphore of
+    # multiprocessing (a SIGKILLed launcher and its resource tracker would leave sem.mp-*)
+    s.note_children()
+    for pid in s.alive():
+        assert "/dev/shm/sem.mp-" not in Path(f"/proc/{pid}/maps").read_text(), pid
     s.proc.kill()                                   # SIGKILL: no handler, no cleanup
     s.proc.wait(5)
     deadline = time.monotonic() + 10

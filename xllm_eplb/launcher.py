@@ -23,16 +23,18 @@ import logging
 import multiprocessing as mp
 import multiprocessing.connection as mpc
 import os
+import queue
 import signal
 import socket
 import sys
 import time
 from pathlib import Path
 
+from xllm_eplb.child import EventSender
 from xllm_eplb.config import Config
 from xllm_eplb.engine.process import engine_main
 from xllm_eplb.ipc.errors import SegmentBusyError
-from xllm_eplb.ipc.objects import sweep_run
+from xllm_eplb.ipc.objects import sweep_dead_runs, sweep_run
 from xllm_eplb.ipc.ring import InputRing, OutputRing
 from xllm_eplb.ipc.shm import resolve_run_id
 from xllm_eplb.obs.logs import FILE_ONLY, event, setup_logging
@@ -91,13 +93,77 @@ def _child_env():
                 os.environ[k] = v
 
 
+class EventHub:
+    """The launcher's end of its children's event channels: one pipe per child (duplex, so the
+    launcher can also send a child a notice), read with ``get`` as a queue of
+    ``(who, stage, detail)`` tuples. No named semaphore is created (see ``child.py``)."""
+
+    def __init__(self, ctx):
+        self.ctx = ctx
+        self.readers: dict[str, object] = {}    # who -> launcher end
+        self._pending: list = []
+
+    def sender(self, who: str) -> EventSender:
+        """A new channel for child ``who``: its end (pass it to the spawned process, then call
+        :meth:`spawned`)."""
+        mine, theirs = self.ctx.Pipe(duplex=True)
+        self.readers[who] = mine
+        return EventSender(theirs)
+
+    @staticmethod
+    def spawned(sender: EventSender) -> None:
+        """Close the launcher's copy of a child's end once the child has started (it holds
+        its own): the launcher then sees EOF when the child is gone."""
+        sender.close()
+
+    def get(self, timeout: float):
+        """The next event; raises ``queue.Empty`` after ``timeout`` seconds without one."""
+        if not self._pending:
+            live = list(self.readers.values())
+            for conn in mpc.wait(live, timeout) if live else ():
+                self._read(conn)
+        if not self._pending:
+            time.sleep(0 if self.readers else min(timeout, 0.05))
+            raise queue.Empty
+        return self._pending.pop(0)
+
+    def _read(self, conn) -> None:
+        try:
+            while conn.poll():
+                self._pending.append(conn.recv())
+        except Exception:  # noqa: BLE001 - EOF, or a child killed mid-write: channel gone
+            self.readers = {w: c for w, c in self.readers.items() if c is not conn}
+            with contextlib.suppress(OSError):
+                conn.close()
+
+    def notify(self, who: str, notice) -> bool:
+        """Send child ``who`` a notice (best effort; False when its channel is gone)."""
+        conn = self.readers.get(who)
+        if conn is None:
+            return False
+        try:
+            conn.send(notice)
+            return True
+        except OSError:
+            return False
+
+    def close(self) -> None:
+        for conn in self.readers.values():
+            with contextlib.suppress(OSError):
+                conn.close()
+        self.readers = {}
+
+    def join_thread(self) -> None:
+        """Nothing to wait for; kept for the Queue interface."""
+
+
 class Launcher:
     """Owns the children and the run's shared memory; :meth:`run` returns the exit code."""
 
     def __init__(self, cfg: Config, *, progress=None):
         self.cfg = cfg
         self.ctx = mp.get_context("spawn")
-        self.events = self.ctx.Queue()
+        self.events = EventHub(self.ctx)
         self.procs: dict[str, mp.Process] = {}
         #: the first ``error`` event detail of each child, in arrival order
         self.errors: dict[str, str] = {}
@@ -117,9 +183,14 @@ class Launcher:
 
     # --- start -----------------------------------------------------------------------------
     def _spawn(self, who: str, target, *args) -> None:
+        """Start child ``who``; an argument that is ``self.events`` becomes the child's own
+        :class:`EventSender` (one pipe per child)."""
+        sender = self.events.sender(who)
+        args = tuple(sender if a is self.events else a for a in args)
         with _child_env():
             p = self.ctx.Process(target=target, name=who, args=args, daemon=False)
             p.start()
+        self.events.spawned(sender)
         self.procs[who] = p
         log.debug(event("launcher spawn", proc=who, pid=p.pid))
 
@@ -359,8 +430,18 @@ def serve(cfg: Config, digest: str = "") -> int:
     launcher_process(cfg, "xllm-eplb:launcher")
     log.info(event("launcher config", run_id=cfg.runtime.run_id, port=cfg.serve.port,
                    master_port=cfg.runtime.master_port) + (" " + digest if digest else ""))
+    sweep_dead_at_start()
     progress = Progress(cfg.eplb.ep_size, sys.stderr.isatty())
     return run_launcher(Launcher(cfg, progress=progress), progress, lambda: ready_line(cfg))
+
+
+def sweep_dead_at_start() -> None:
+    """Remove the shm objects of dead runs on this machine (a node whose processes were all
+    SIGKILLed), with one line saying so; live runs are never touched (``ipc/objects.py``)."""
+    removed = sweep_dead_runs()
+    if removed:
+        log.info(event("shm swept dead runs", runs=",".join(sorted(removed)),
+                       objects=sum(removed.values())))
 
 
 def run_launcher(launcher: Launcher, progress: Progress, ready, start=None) -> int:
