@@ -150,17 +150,32 @@ def test_serve_rebalances_keeps_tokens_identical_and_stops_cleanly(start_server)
 @pytest.mark.timeout(90)
 def test_killed_worker_stops_the_run_naming_the_rank(start_server):
     # steps in flight when the rank dies: every survivor fails its all-to-all
+    import openai
+
     s = start_server("--workload_rate=20", "--enable_eplb=false")
     s.wait_ready()
+    # a streaming client in flight is told which rank died, not "server shutting down" (#26)
+    c = openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0, timeout=60)
+    stream = iter(c.completions.create(model="xllm-eplb", prompt="go", max_tokens=1000,
+                                       stream=True, extra_body={"ignore_eos": True}))
+    next(stream)
     time.sleep(1.0)
     victim = next(p for p in psutil.Process(s.proc.pid).children()
                   if "ep2" in " ".join(p.cmdline()))
     t0 = time.monotonic()
     victim.kill()
+    with pytest.raises(openai.APIError) as told:
+        for _ in stream:
+            pass
     rc = s.proc.wait(15)
     assert rc != 0 and time.monotonic() - t0 < 10
     err = s.err.read_text()
     assert "rank 2" in err and "SIGKILL" in err
+    assert f"rank 2 (pid {victim.pid}) died during serving: killed by SIGKILL" in str(told.value)
+    # the console's summary line and the launcher log say the same thing, stamp included
+    line = next(ln for ln in err.splitlines() if ln.startswith("error:"))
+    assert line[len("error: "):] in (s.log_dir / "launcher.log").read_text().replace('\\"', '"')
+    assert "(seen at " in line
     # one summary line on the console; the survivors' tracebacks only in their rank logs
     assert [ln for ln in err.splitlines() if ln.startswith("error:")] == [
         next(ln for ln in err.splitlines() if "died during serving" in ln)], err[-3000:]

@@ -67,6 +67,13 @@ def resolve_runtime(cfg: Config, port: int | None = None) -> Config:
     return dataclasses.replace(cfg, runtime=rt, serve=dataclasses.replace(cfg.serve, port=port))
 
 
+def wall_clock() -> str:
+    """``HH:MM:SS.mmm`` local time: when the launcher saw a death or killed a child (the
+    console line and the launcher log carry the same stamp)."""
+    now = time.time()
+    return time.strftime("%H:%M:%S", time.localtime(now)) + f".{int(now % 1 * 1000):03d}"
+
+
 def describe_exit(code: int | None) -> str:
     """``exit code 3`` / ``killed by SIGKILL`` / ``still running``."""
     if code is None:
@@ -171,6 +178,7 @@ class Launcher:
         self.shm = None
         self.progress = progress
         self.t0 = time.monotonic()
+        self.killed_at = ""     # wall_clock() of the last stop's SIGKILLs
 
     # --- signals ---------------------------------------------------------------------------
     def _on_signal(self, signum, frame) -> None:
@@ -256,7 +264,7 @@ class Launcher:
         self._drain_events()
         why = f" ({self.errors[who]})" if who in self.errors else ""
         return (f"{name} (pid {p.pid}) died during {during}: {describe_exit(p.exitcode)}{why}; "
-                f"see {Path(self.cfg.serve.log_dir) / log_name(who)}")
+                f"see {Path(self.cfg.serve.log_dir) / log_name(who)} (seen at {wall_clock()})")
 
     def supervise(self) -> int:
         """Block until a signal (-> 0) or a child's death (-> 1)."""
@@ -267,13 +275,22 @@ class Launcher:
             if ready and not self._stopping_together():
                 who = self._first_failed(sentinels[ready[0]])
                 self.procs[who].join(2.0)  # reap it: the exit cause names the signal
-                # NOTE: the console gets one summary line (the `error:` below), the file both
-                log.error(event("launcher child died", proc=who, pid=self.procs[who].pid,
-                                cause=describe_exit(self.procs[who].exitcode)), extra=FILE_ONLY)
-                print(f"error: {self.death_message(who)}", file=sys.stderr, flush=True)
+                self._report_death(who)
                 return 1
         log.info(event("launcher stop", signal=signal.Signals(self.stop_signal).name))
         return 0
+
+    def _report_death(self, who: str) -> None:
+        """One message, said three times alike: the engine's notice (its clients are told
+        which rank died), the launcher log and the console's summary line."""
+        msg = self.death_message(who)
+        if who != "engine":
+            self.events.notify("engine", ("died", who, msg))
+        # NOTE: the console gets one summary line (the `error:` below), the file both
+        log.error(event("launcher child died", proc=who, pid=self.procs[who].pid,
+                        cause=describe_exit(self.procs[who].exitcode), message=msg),
+                  extra=FILE_ONLY)
+        print(f"error: {msg}", file=sys.stderr, flush=True)
 
     def _first_failed(self, who: str) -> str:
         """The child that caused the failure: one killed by a signal (it could report nothing;
@@ -331,10 +348,14 @@ class Launcher:
         for who in killed:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(self.procs[who].pid, signal.SIGKILL)
+        self.killed_at = wall_clock()
         for p in self.procs.values():
             p.join(5)
         if killed:
-            log.warning(event("launcher killed", procs=",".join(killed), after_s=timeout))
+            log.warning(event("launcher killed", procs=",".join(killed), after_s=timeout,
+                              signal="SIGKILL", at=self.killed_at,
+                              why="did not stop within --shutdown_timeout_seconds"),
+                        extra=FILE_ONLY)
         return killed
 
     def cleanup(self) -> None:
@@ -392,14 +413,15 @@ def log_name(who: str) -> str:
     return f"rank{who[2:]}.log" if who.startswith("ep") else f"{who}.log"
 
 
-def _killed(killed: list[str], code: int, cfg: Config) -> int:
-    """A stop that had to SIGKILL a child is a failure (exit 1) naming it."""
+def _killed(killed: list[str], code: int, cfg: Config, at: str = "") -> int:
+    """A stop that had to SIGKILL a child is a failure (exit 1) naming it (``at``: when, the
+    same stamp as the launcher log's ``launcher killed`` line)."""
     if not killed:
         return code
     names = ", ".join(f"rank {w[2:]}" if w.startswith("ep") else w for w in killed)
     print(f"error: {names} did not stop within --shutdown_timeout_seconds="
-          f"{cfg.serve.shutdown_timeout_seconds:g} and was killed (SIGKILL)", file=sys.stderr,
-          flush=True)
+          f"{cfg.serve.shutdown_timeout_seconds:g} and was killed (SIGKILL)"
+          + (f" at {at}" if at else ""), file=sys.stderr, flush=True)
     return code or 1
 
 
@@ -457,10 +479,12 @@ def run_launcher(launcher: Launcher, progress: Progress, ready, start=None) -> i
             progress.close()
         print(ready(), flush=True)
         code = launcher.supervise()
-        code = _killed(launcher.stop(graceful=(code == 0)), code, cfg)
+        killed = launcher.stop(graceful=(code == 0))
+        code = _killed(killed, code, cfg, launcher.killed_at)
     except KeyboardInterrupt:
         code = 0 if launcher.stop_signal else 130
-        code = _killed(launcher.stop(graceful=True), code, cfg)
+        killed = launcher.stop(graceful=True)
+        code = _killed(killed, code, cfg, launcher.killed_at)
     except BaseException:
         launcher.stop(graceful=False)
         raise
