@@ -15,8 +15,8 @@ from safetensors.torch import load_file, save_file
 
 from xllm_eplb.cli import cli
 from xllm_eplb.config import Config, EplbConfig, ModelConfig
-from xllm_eplb.errors import InputFileError
 from xllm_eplb.eplb.placement import initial_phy2log
+from xllm_eplb.errors import InputFileError
 from xllm_eplb.model import fp8
 from xllm_eplb.model.checkpoint import make_checkpoint
 from xllm_eplb.model.decoder import Decoder

@@ -24,16 +24,18 @@ import logging
 import multiprocessing as mp
 import multiprocessing.connection as mpc
 import os
+import queue
 import signal
 import socket
 import sys
 import time
 from pathlib import Path
 
+from xllm_eplb.child import EventSender
 from xllm_eplb.config import Config, node_ranks, ranks_per_node
 from xllm_eplb.engine.process import engine_main
 from xllm_eplb.ipc.errors import SegmentBusyError
-from xllm_eplb.ipc.objects import sweep_run
+from xllm_eplb.ipc.objects import sweep_dead_runs, sweep_run
 from xllm_eplb.ipc.ring import InputRing, OutputRing
 from xllm_eplb.ipc.shm import resolve_run_id
 from xllm_eplb.obs.logs import FILE_ONLY, event, run_log_dir, setup_logging
@@ -67,6 +69,13 @@ def resolve_runtime(cfg: Config, port: int | None = None) -> Config:
     return dataclasses.replace(cfg, runtime=rt, serve=dataclasses.replace(cfg.serve, port=port))
 
 
+def wall_clock() -> str:
+    """``HH:MM:SS.mmm`` local time: when the launcher saw a death or killed a child (the
+    console line and the launcher log carry the same stamp)."""
+    now = time.time()
+    return time.strftime("%H:%M:%S", time.localtime(now)) + f".{int(now % 1 * 1000):03d}"
+
+
 def describe_exit(code: int | None) -> str:
     """``exit code 3`` / ``killed by SIGKILL`` / ``still running``."""
     if code is None:
@@ -93,13 +102,77 @@ def _child_env():
                 os.environ[k] = v
 
 
+class EventHub:
+    """The launcher's end of its children's event channels: one pipe per child (duplex, so the
+    launcher can also send a child a notice), read with ``get`` as a queue of
+    ``(who, stage, detail)`` tuples. No named semaphore is created (see ``child.py``)."""
+
+    def __init__(self, ctx):
+        self.ctx = ctx
+        self.readers: dict[str, object] = {}    # who -> launcher end
+        self._pending: list = []
+
+    def sender(self, who: str) -> EventSender:
+        """A new channel for child ``who``: its end (pass it to the spawned process, then call
+        :meth:`spawned`)."""
+        mine, theirs = self.ctx.Pipe(duplex=True)
+        self.readers[who] = mine
+        return EventSender(theirs)
+
+    @staticmethod
+    def spawned(sender: EventSender) -> None:
+        """Close the launcher's copy of a child's end once the child has started (it holds
+        its own): the launcher then sees EOF when the child is gone."""
+        sender.close()
+
+    def get(self, timeout: float):
+        """The next event; raises ``queue.Empty`` after ``timeout`` seconds without one."""
+        if not self._pending:
+            live = list(self.readers.values())
+            for conn in mpc.wait(live, timeout) if live else ():
+                self._read(conn)
+        if not self._pending:
+            time.sleep(0 if self.readers else min(timeout, 0.05))
+            raise queue.Empty
+        return self._pending.pop(0)
+
+    def _read(self, conn) -> None:
+        try:
+            while conn.poll():
+                self._pending.append(conn.recv())
+        except Exception:  # noqa: BLE001 - EOF, or a child killed mid-write: channel gone
+            self.readers = {w: c for w, c in self.readers.items() if c is not conn}
+            with contextlib.suppress(OSError):
+                conn.close()
+
+    def notify(self, who: str, notice) -> bool:
+        """Send child ``who`` a notice (best effort; False when its channel is gone)."""
+        conn = self.readers.get(who)
+        if conn is None:
+            return False
+        try:
+            conn.send(notice)
+            return True
+        except OSError:
+            return False
+
+    def close(self) -> None:
+        for conn in self.readers.values():
+            with contextlib.suppress(OSError):
+                conn.close()
+        self.readers = {}
+
+    def join_thread(self) -> None:
+        """Nothing to wait for; kept for the Queue interface."""
+
+
 class Launcher:
     """Owns the children and the run's shared memory; :meth:`run` returns the exit code."""
 
     def __init__(self, cfg: Config, *, progress=None):
         self.cfg = cfg
         self.ctx = mp.get_context("spawn")
-        self.events = self.ctx.Queue()
+        self.events = EventHub(self.ctx)
         self.procs: dict[str, mp.Process] = {}
         #: the first ``error`` event detail of each child, in arrival order
         self.errors: dict[str, str] = {}
@@ -107,6 +180,7 @@ class Launcher:
         self.shm = None
         self.progress = progress
         self.t0 = time.monotonic()
+        self.killed_at = ""     # wall_clock() of the last stop's SIGKILLs
 
     # --- signals ---------------------------------------------------------------------------
     def _on_signal(self, signum, frame) -> None:
@@ -133,14 +207,19 @@ class Launcher:
         return None
 
     def _spawn(self, who: str, target, *args) -> None:
-        """Start child ``who``; an EP worker or the engine starts on its pinned cores (the
-        worker also gets them as its last argument: it sizes its torch threads to them)."""
+        """Start child ``who``; an argument that is ``self.events`` becomes the child's own
+        :class:`EventSender` (one pipe per child). An EP worker or the engine starts on its
+        pinned cores (the worker also gets them as its last argument: it sizes its torch
+        threads to them)."""
+        sender = self.events.sender(who)
+        args = tuple(sender if a is self.events else a for a in args)
         cores = self._cores(who)
         if target is worker_main:
             args = (*args, cores)
         with _child_env(), affinity.pinned(cores):
             p = self.ctx.Process(target=target, name=who, args=args, daemon=False)
             p.start()
+        self.events.spawned(sender)
         self.procs[who] = p
         log.debug(event("launcher spawn", proc=who, pid=p.pid))
 
@@ -206,7 +285,7 @@ class Launcher:
         self._drain_events()
         why = f" ({self.errors[who]})" if who in self.errors else ""
         return (f"{name} (pid {p.pid}) died during {during}: {describe_exit(p.exitcode)}{why}; "
-                f"see {Path(self.cfg.serve.log_dir) / log_name(who)}")
+                f"see {Path(self.cfg.serve.log_dir) / log_name(who)} (seen at {wall_clock()})")
 
     def supervise(self) -> int:
         """Block until a signal (-> 0) or a child's death (-> 1)."""
@@ -217,13 +296,22 @@ class Launcher:
             if ready and not self._stopping_together():
                 who = self._first_failed(sentinels[ready[0]])
                 self.procs[who].join(2.0)  # reap it: the exit cause names the signal
-                # NOTE: the console gets one summary line (the `error:` below), the file both
-                log.error(event("launcher child died", proc=who, pid=self.procs[who].pid,
-                                cause=describe_exit(self.procs[who].exitcode)), extra=FILE_ONLY)
-                print(f"error: {self.death_message(who)}", file=sys.stderr, flush=True)
+                self._report_death(who)
                 return 1
         log.info(event("launcher stop", signal=signal.Signals(self.stop_signal).name))
         return 0
+
+    def _report_death(self, who: str) -> None:
+        """One message, said three times alike: the engine's notice (its clients are told
+        which rank died), the launcher log and the console's summary line."""
+        msg = self.death_message(who)
+        if who != "engine":
+            self.events.notify("engine", ("died", who, msg))
+        # NOTE: the console gets one summary line (the `error:` below), the file both
+        log.error(event("launcher child died", proc=who, pid=self.procs[who].pid,
+                        cause=describe_exit(self.procs[who].exitcode), message=msg),
+                  extra=FILE_ONLY)
+        print(f"error: {msg}", file=sys.stderr, flush=True)
 
     def _first_failed(self, who: str) -> str:
         """The child that caused the failure: one killed by a signal (it could report nothing;
@@ -281,10 +369,14 @@ class Launcher:
         for who in killed:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(self.procs[who].pid, signal.SIGKILL)
+        self.killed_at = wall_clock()
         for p in self.procs.values():
             p.join(5)
         if killed:
-            log.warning(event("launcher killed", procs=",".join(killed), after_s=timeout))
+            log.warning(event("launcher killed", procs=",".join(killed), after_s=timeout,
+                              signal="SIGKILL", at=self.killed_at,
+                              why="did not stop within --shutdown_timeout_seconds"),
+                        extra=FILE_ONLY)
         return killed
 
     def cleanup(self) -> None:
@@ -342,14 +434,15 @@ def log_name(who: str) -> str:
     return f"rank{who[2:]}.log" if who.startswith("ep") else f"{who}.log"
 
 
-def _killed(killed: list[str], code: int, cfg: Config) -> int:
-    """A stop that had to SIGKILL a child is a failure (exit 1) naming it."""
+def _killed(killed: list[str], code: int, cfg: Config, at: str = "") -> int:
+    """A stop that had to SIGKILL a child is a failure (exit 1) naming it (``at``: when, the
+    same stamp as the launcher log's ``launcher killed`` line)."""
     if not killed:
         return code
     names = ", ".join(f"rank {w[2:]}" if w.startswith("ep") else w for w in killed)
     print(f"error: {names} did not stop within --shutdown_timeout_seconds="
-          f"{cfg.serve.shutdown_timeout_seconds:g} and was killed (SIGKILL)", file=sys.stderr,
-          flush=True)
+          f"{cfg.serve.shutdown_timeout_seconds:g} and was killed (SIGKILL)"
+          + (f" at {at}" if at else ""), file=sys.stderr, flush=True)
     return code or 1
 
 
@@ -384,6 +477,7 @@ def serve(cfg: Config, digest: str = "") -> int:
     cfg = launcher_process(cfg, "xllm-eplb:launcher", tag=cfg.runtime.run_id)
     log.info(event("launcher config", run_id=cfg.runtime.run_id, port=cfg.serve.port,
                    master_port=cfg.runtime.master_port) + (" " + digest if digest else ""))
+    sweep_dead_at_start()
     progress = Progress(cfg.eplb.ep_size, sys.stderr.isatty())
     return run_launcher(Launcher(cfg, progress=progress), progress, lambda: ready_line(cfg))
 
@@ -406,6 +500,15 @@ def console_notes(cfg: Config, plan: affinity.AffinityPlan) -> list[str]:
     return out
 
 
+def sweep_dead_at_start() -> None:
+    """Remove the shm objects of dead runs on this machine (a node whose processes were all
+    SIGKILLed), with one line saying so; live runs are never touched (``ipc/objects.py``)."""
+    removed = sweep_dead_runs()
+    if removed:
+        log.info(event("shm swept dead runs", runs=",".join(sorted(removed)),
+                       objects=sum(removed.values())))
+
+
 def run_launcher(launcher: Launcher, progress: Progress, ready, start=None) -> int:
     """Start ``launcher`` (``start()``, default ``launcher.start``), print ``ready()``,
     supervise until a signal or a failure, stop and clean up: the exit code (single node and
@@ -421,10 +524,12 @@ def run_launcher(launcher: Launcher, progress: Progress, ready, start=None) -> i
         for line in console_notes(cfg, launcher.affinity):
             print(line, flush=True)
         code = launcher.supervise()
-        code = _killed(launcher.stop(graceful=(code == 0)), code, cfg)
+        killed = launcher.stop(graceful=(code == 0))
+        code = _killed(killed, code, cfg, launcher.killed_at)
     except KeyboardInterrupt:
         code = 0 if launcher.stop_signal else 130
-        code = _killed(launcher.stop(graceful=True), code, cfg)
+        killed = launcher.stop(graceful=True)
+        code = _killed(killed, code, cfg, launcher.killed_at)
     except BaseException:
         launcher.stop(graceful=False)
         raise

@@ -228,7 +228,8 @@ class ServeConfig:
     api_key: str = opt("", "when set, /v1/*, /tokenize and /detokenize need the header "
                        "'Authorization: Bearer <key>' (401 otherwise); empty: open")
     stall_seconds: float = opt(10.0, "a step running longer than this is a stall: /health "
-                               "answers 503 and worker_up of the silent ranks drops to 0",
+                               "answers 503, worker_up of the silent ranks drops to 0 and the "
+                               "requests in flight end with an error naming them",
                                unit="s", lo=0, lo_open=True)
     max_waiting_requests: int = opt(1024, "requests waiting for a batch slot beyond which the "
                                     "API answers 503 (overloaded)", lo=1)

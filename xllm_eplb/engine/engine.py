@@ -22,6 +22,7 @@ import time
 
 from xllm_eplb import __version__
 from xllm_eplb.config import Config, node_of_rank, ranks_per_node, resolve_backend
+from xllm_eplb.engine.failures import WAIT_SLICE, FailureWatch, WorkerFault
 from xllm_eplb.engine.health import StepWatch
 from xllm_eplb.engine.live_stats import LiveStats
 from xllm_eplb.engine.scheduler import Request, Scheduler, is_pure_decode_step
@@ -46,8 +47,7 @@ IDLE_WAIT = 0.5
 STARTUP_TIMEOUT = 600.0
 
 
-class WorkerFault(RuntimeError):
-    """A worker reported an error, answered the wrong step, or went silent."""
+__all__ = ["Engine", "WorkerFault", "agreed_token", "step_kind"]
 
 
 def step_kind(batches: list[RankBatch], warmup: bool, pure_decode: bool) -> str:
@@ -102,6 +102,9 @@ class Engine:
         for r, n in enumerate(self.rank_node):
             self.metrics.rank_node.labels(str(r)).set(n)
         self.watch = StepWatch(self.D, cfg.serve.stall_seconds)
+        # stall -> clients told; launcher's death notices (``notices`` set by engine/process)
+        self.failures = FailureWatch(self.sched, self.watch, cfg.serve.stall_seconds,
+                                     on_failed=self.tele.on_requests)
         self.placement = initial_placement(cfg)       # [L, D*S]: what the workers start from
         self.recorder = ExpertRecorder(cfg.num_moe_layers, self.D, cfg.slots_per_rank,
                                        cfg.model.num_experts, cfg.eplb.eplb_record_trace_max_steps)
@@ -155,9 +158,22 @@ class Engine:
             ring = max(self.outs, key=lambda o: o.ring.pending()).ring
             self.metrics.ring_occupancy.labels("output").set(ring.pending() / ring.slots)
 
+    def _wait_output(self, rank: int, timeout: float):
+        """Rank ``rank``'s output within ``timeout`` s, read in ``WAIT_SLICE`` slices; between
+        slices the failure watch acts on a stall or a death notice (``engine/failures.py``)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                return self.outs[rank].get(timeout=max(0.0, min(WAIT_SLICE, left)))
+            except RingTimeoutError:
+                if left <= WAIT_SLICE:
+                    raise
+                self.failures.between_slices(self.step_no, self.inp, self.outs)
+
     def _get(self, rank: int, timeout: float):
         try:
-            out = self.outs[rank].get(timeout=timeout)
+            out = self._wait_output(rank, timeout)
         except RingTimeoutError:
             # NOTE: every rank blocks in the all-to-all behind a silent one: name the ranks
             # that did not read this step's input (or did not answer), not the first waited on.

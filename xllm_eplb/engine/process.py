@@ -13,7 +13,8 @@ from pathlib import Path
 
 from xllm_eplb.child import child_exit, child_setup, parent_alive, send_event
 from xllm_eplb.config import Config
-from xllm_eplb.engine.engine import Engine, WorkerFault
+from xllm_eplb.engine.engine import Engine
+from xllm_eplb.engine.failures import SHUTDOWN, WorkerFault
 from xllm_eplb.engine.workload import SyntheticWorkload
 from xllm_eplb.ipc.objects import sweep_until_clean
 from xllm_eplb.ipc.ring import InputRing, OutputRing
@@ -97,6 +98,7 @@ def _serve(cfg: Config, events, parent_pid: int, res: dict) -> int:
     res["rings"] = [inp] + outs
     send_event(events, "engine", "rings")
     res["engine"] = eng = ref["engine"] = Engine(cfg, inp, outs)
+    eng.failures.notices = getattr(events, "notice", None)   # the launcher's death notices
     eng.warmup()
     signal.signal(signal.SIGTERM, eng.request_stop)
     send_event(events, "engine", "warmup")
@@ -110,7 +112,7 @@ def _serve(cfg: Config, events, parent_pid: int, res: dict) -> int:
     return 0
 
 
-def _teardown(res: dict, parent_pid: int, run_id: str) -> None:
+def _teardown(res: dict, parent_pid: int, run_id: str, reason: str = SHUTDOWN) -> None:
     for key in ("workload", "manager"):
         if res.get(key) is not None:
             with contextlib.suppress(Exception):
@@ -118,7 +120,7 @@ def _teardown(res: dict, parent_pid: int, run_id: str) -> None:
     eng = res.get("engine")
     if eng is not None:
         eng.state = "stopping"
-        eng.sched.fail_all("server shutting down")
+        eng.sched.fail_all(reason)
         eng.shutdown_workers()
     if res.get("api") is not None:
         with contextlib.suppress(Exception):
@@ -141,21 +143,24 @@ def engine_main(cfg: Config, events, parent_pid: int) -> None:
     res: dict = {}
     stop = {"early": False}
     signal.signal(signal.SIGTERM, lambda *a: stop.update(early=True) or _raise_exit())
-    code = 1
+    code, reason = 1, SHUTDOWN
     try:
         code = _serve(cfg, events, parent_pid, res)
     except SystemExit as e:
         code = 0 if stop["early"] else int(e.code or 0)
     except WorkerFault as e:
+        # clients are told which rank died (the launcher's notice), not the survivor's error
+        eng = res.get("engine")
+        reason = eng.failures.explain(e) if eng is not None else str(e)
         # the launcher prints the one summary line (with this reason when the engine stops)
-        log.error(event("engine worker fault", error=str(e)), extra=FILE_ONLY)
+        log.error(event("engine worker fault", error=str(e), reason=reason), extra=FILE_ONLY)
         send_event(events, "engine", "error", str(e))
     except Exception as e:  # noqa: BLE001
         log.exception(event("engine failed", error=repr(e)))
         send_event(events, "engine", "error", f"{type(e).__name__}: {e}")
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        _teardown(res, parent_pid, cfg.runtime.run_id)
+        _teardown(res, parent_pid, cfg.runtime.run_id, reason)
         log.info(event("engine exit", code=code, steps=getattr(res.get("engine"), "step_no", 0)))
         logging.shutdown()
     child_exit(code, events)

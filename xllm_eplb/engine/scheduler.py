@@ -268,6 +268,20 @@ class Scheduler:
         self.running.clear()
         self.waiting.clear()
 
+    def fail_in_flight(self, error: str) -> list[Request]:
+        """Finish every running and waiting request with ``error`` (a stalled step,
+        ``engine/failures.py``) while the engine keeps running: the running ones' KV caches are
+        released by the next step, a late token of theirs is ignored. Returns them."""
+        self.pull()
+        reqs = list(self.running.values())
+        for req in reqs:
+            self._retire(req, "error", error)
+        self._flush = self._flush or bool(reqs)
+        waiting, self.waiting = list(self.waiting), deque()
+        for req in waiting:
+            req.finish("error", error)
+        return reqs + waiting
+
     def _retire(self, req: Request, reason: str, error: str = "") -> None:
         del self.running[req.req_id]
         self._release[req.dp_rank].append(req.req_id)
