@@ -1,6 +1,7 @@
 """DeepSeek's published EPLB algorithm, written here from its description (README of
-deepseek-ai/EPLB): the host-default baseline for tests and ``scripts/bench_policy.py``. Never used
-by serving code; no code of the original is copied.
+deepseek-ai/EPLB; no code of the original is copied): the baseline of the tests and of
+``scripts/bench_policy.py``, and the fallback of :func:`xllm_eplb.integrations.deepseek.
+rebalance_experts` when our planner fails (the "host default" of DeepSeek's interface).
 
 The algorithm, per layer:
 
