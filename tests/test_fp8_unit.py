@@ -162,6 +162,15 @@ BAD = {
     "inf_scale": (lambda p: _with_scale(p, _set(float("inf"))), r"holds inf at \[0, 1\]"),
     "zero_scale": (lambda p: _with_scale(p, _set(0.0)), r"holds 0.0 at \[0, 1\]"),
     "negative_scale": (lambda p: _with_scale(p, _set(-1.0)), r"holds -1.0 at \[0, 1\]"),
+    "int_scale": (lambda p: _with_scale(p, lambda sd, k: sd.__setitem__(k, sd[k].to(
+        torch.int32))), rf"scale '{EXPERT}_scale_inv' has dtype I32, expected one of F32, BF16, "
+                  r"F16"),
+    "orphan_scale": (lambda p: _with_scale(p, lambda sd, k: sd.__setitem__(
+        "model.norm.weight_scale_inv", torch.ones(1, 1))),
+                     r"scale 'model.norm.weight_scale_inv' belongs to no F8_E4M3 weight"),
+    "experts_partly_fp8": (lambda p: _with_scale(p, lambda sd, k: (
+        sd.__setitem__(EXPERT, sd[EXPERT].to(torch.float32)), sd.pop(k))),
+        r"some routed expert weights are F8_E4M3 and some are not"),
     "unknown_method": (lambda p: _edit_quant(p, quant_method="gptq"),
                        r"field 'quantization_config.quant_method'='gptq' is not supported"),
     "unknown_fmt": (lambda p: _edit_quant(p, fmt="e5m2"),

@@ -114,10 +114,13 @@ def check_checkpoint(cfg: Config) -> None:
     before any worker starts (so nothing starts half-loaded)."""
     if not cfg.model.model:
         return
-    from xllm_eplb.model.loader import CheckpointReader
+    from xllm_eplb.model.loader import CheckpointReader, check_experts, experts_fp8
     from xllm_eplb.model.spec import parse_spec
 
-    reader = CheckpointReader(cfg.model.model, parse_spec(cfg.model.model).quant)
+    spec = parse_spec(cfg.model.model)
+    reader = CheckpointReader(cfg.model.model, spec.quant)
+    check_experts(spec, reader)
+    experts_fp8(spec, reader)
     reader.check_scales()
 
 

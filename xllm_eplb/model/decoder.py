@@ -46,6 +46,7 @@ from xllm_eplb.model.routing import FamilyRouter, load_trace, trace_probs
 from xllm_eplb.model.spec import parse_spec
 from xllm_eplb.model.step import StepResult, graph_bucket, sample, token_logprobs
 from xllm_eplb.model.validate import validate_model_config, validate_phy2log
+from xllm_eplb.obs.logs import event
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +89,8 @@ class Decoder(RankModel):
                                    for ml in range(self.num_moe_layers)]
         else:
             self.moe_layers = self._sharded(cfg, phy2log)
+            log.info(event("expert slots", rank=self.ep_rank, layers=len(self.moe_layers),
+                           slots=cfg.slots_per_rank, **self.expert_memory()))
         kvh, kd, vd = blocks.kv_dims(spec)
         self.kv = KVCache(spec.num_layers, kvh, kd, vd, m.max_position_embeddings, self.dtype,
                           self.device, slots=cfg.runtime.max_batch_size)
@@ -100,6 +103,15 @@ class Decoder(RankModel):
                         "(rows over capacity are %s)", e.moe_capacity_mode,
                         e.moe_capacity_factor, str(e.moe_fallback_routing).lower(),
                         "re-routed or dropped" if e.moe_fallback_routing else "dropped")
+
+    def expert_memory(self) -> dict:
+        """This rank's expert slot storage summed over its MoE layers: ``format`` and
+        ``bytes`` (FP8: ``fp8_bytes``, ``scale_bytes``, ``dequant`` mode, ``cache_bytes``)."""
+        out: dict = {}
+        for m in self.moe_layers:
+            for k, v in m.store.describe().items():
+                out[k] = out.get(k, 0) + v if isinstance(v, int) else v
+        return out
 
     @classmethod
     def reference(cls, cfg: Config, device: str | None = None) -> "Decoder":

@@ -78,15 +78,23 @@ class Fp8Slots:
     def slot(self, s: int) -> dict[str, torch.Tensor]:
         return {k: t[s] for k, t in self.tensors().items()}
 
-    def dense(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Dequantized (w13 [m, 2I, H], w2 [m, H, I]) of slots ``ids`` [m]: gate and up each
-        with their own grid."""
+    def dense_into(self, s: int, w13: torch.Tensor, w2: torch.Tensor) -> None:
+        """Dequantize slot ``s`` into ``w13`` [2I, H] (gate and up, each with its own grid)
+        and ``w2`` [H, I]: one expert matrix at a time, so the fp32 temporary stays one
+        matrix."""
         b, dt, inter = self.fmt.block, self.dtype, self.inter
-        q13, s13 = self.w13_q[ids], self.w13_s[ids]
-        w13 = torch.empty(q13.shape, dtype=dt, device=q13.device)
-        fp8.dequantize(q13[:, :inter], s13[:, 0], b, dt, out=w13[:, :inter])
-        fp8.dequantize(q13[:, inter:], s13[:, 1], b, dt, out=w13[:, inter:])
-        return w13, fp8.dequantize(self.w2_q[ids], self.w2_s[ids], b, dt)
+        fp8.dequantize(self.w13_q[s, :inter], self.w13_s[s, 0], b, dt, out=w13[:inter])
+        fp8.dequantize(self.w13_q[s, inter:], self.w13_s[s, 1], b, dt, out=w13[inter:])
+        fp8.dequantize(self.w2_q[s], self.w2_s[s], b, dt, out=w2)
+
+    def dense(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dequantized (w13 [m, 2I, H], w2 [m, H, I]) of slots ``ids`` [m]."""
+        m = ids.numel()
+        w13 = torch.empty((m, *self.w13_q.shape[1:]), dtype=self.dtype, device=ids.device)
+        w2 = torch.empty((m, *self.w2_q.shape[1:]), dtype=self.dtype, device=ids.device)
+        for j, s in enumerate(ids.tolist()):
+            self.dense_into(s, w13[j], w2[j])
+        return w13, w2
 
     def weights(self, slots: torch.Tensor):
         if self.cache is not None:
@@ -99,11 +107,8 @@ class Fp8Slots:
         """Re-dequantize the resident cache of ``slots`` (after a load or a move)."""
         if self.cache is None:
             return
-        ids = torch.as_tensor(list(slots), dtype=torch.int64, device=self.w13_q.device)
-        if ids.numel():
-            w13, w2 = self.dense(ids)
-            self.cache[0][ids] = w13
-            self.cache[1][ids] = w2
+        for s in slots:
+            self.dense_into(int(s), self.cache[0][int(s)], self.cache[1][int(s)])
 
     def describe(self) -> dict:
         t = self.tensors()

@@ -104,17 +104,17 @@ def dequantize(q: torch.Tensor, s: torch.Tensor, block: tuple[int, int], dtype: 
                out: torch.Tensor | None = None) -> torch.Tensor:
     """``q`` fp8 [..., R, C] with scales ``s`` [..., ceil(R/bn), ceil(C/bk)] -> ``dtype``
     [..., R, C]: fp32 product of the decoded fp8 and its block's fp32 scale, one cast (into
-    ``out`` when given)."""
+    ``out`` when given). One fp32 temporary of ``q``'s shape, multiplied in place."""
     R, C = q.shape[-2:]
     gr, gc = s.shape[-2:]
     bn, bk = block
-    qf = q.to(torch.float32)
+    w = q.to(torch.float32)
     sf = s.to(torch.float32)
     if R == gr * bn and C == gc * bk:
         lead = q.shape[:-2]
-        w = (qf.reshape(*lead, gr, bn, gc, bk) * sf.reshape(*lead, gr, 1, gc, 1)).reshape(q.shape)
+        w.view(*lead, gr, bn, gc, bk).mul_(sf.reshape(*lead, gr, 1, gc, 1))
     else:                           # partial edge blocks: expand the grid and cut it to [R, C]
-        w = qf * sf.repeat_interleave(bn, dim=-2)[..., :R, :].repeat_interleave(bk, dim=-1)[..., :C]
+        w.mul_(sf.repeat_interleave(bn, dim=-2)[..., :R, :].repeat_interleave(bk, dim=-1)[..., :C])
     if out is None:
         return w.to(dtype)
     return out.copy_(w)
