@@ -101,12 +101,18 @@ def test_models_retrieve_api_key_and_tokenize_round_trips(server):
     assert st == 400 and err["error"]["param"] == "tokens"
 
 
+def _log_softmax(logits: np.ndarray) -> np.ndarray:
+    z = logits - logits.max(axis=-1, keepdims=True)
+    return z - np.log(np.exp(z).sum(axis=-1, keepdims=True))
+
+
 @pytest.mark.oracle
 @pytest.mark.timeout(400)
 def test_a_1500_token_prompt_is_prefilled_in_chunks_with_transformers_tokens(server):
     """Default --max_prefill_tokens=512: the prompt runs as 512 + 512 + 476 over three steps;
     the greedy tokens equal transformers.generate and one unchunked prefill on the same
-    float64 checkpoint."""
+    float64 checkpoint, and so do the served log-probabilities (the tiny random model repeats
+    one token after so long a prompt: the logprobs are what tells the prefills apart)."""
     import torch
     import transformers
     from hf_parity_util import generate, one_thread
@@ -118,13 +124,16 @@ def test_a_1500_token_prompt_is_prefilled_in_chunks_with_transformers_tokens(ser
     prompt = [int(x) for x in np.random.default_rng(7).integers(0, 500, size=1500)]
     st, body = _call(server, "POST", "/v1/completions",
                      {"model": NAME, "prompt": prompt, "max_tokens": N_NEW, "temperature": 0.0,
-                      "ignore_eos": True, "return_token_ids": True})
+                      "ignore_eos": True, "return_token_ids": True, "logprobs": 5})
     assert st == 200, body
-    got = body["choices"][0]["token_ids"]
+    choice = body["choices"][0]
+    got = choice["token_ids"]
     assert body["usage"]["prompt_tokens"] == 1500 and len(got) == N_NEW
+    got_lp = np.array(choice["logprobs"]["token_logprobs"])
+    got_top = np.array([max(d.values()) for d in choice["logprobs"]["top_logprobs"]])
 
     with one_thread():
-        unchunked = generate(Decoder.reference(cfg), [(1, prompt)], N_NEW)[1][0]
+        unchunked, u_logits = generate(Decoder.reference(cfg), [(1, prompt)], N_NEW)[1]
         hf = transformers.AutoModelForCausalLM.from_pretrained(
             cfg.model.model, dtype=torch.float64, attn_implementation="eager",
             experts_implementation="eager").eval()
@@ -132,8 +141,16 @@ def test_a_1500_token_prompt_is_prefilled_in_chunks_with_transformers_tokens(ser
         hf.generation_config.pad_token_id = 0
         with torch.no_grad():
             out = hf.generate(torch.tensor([prompt]), max_new_tokens=N_NEW,
-                              min_new_tokens=N_NEW, do_sample=False)
-    assert got == unchunked == out[0, len(prompt):].tolist()
+                              min_new_tokens=N_NEW, do_sample=False, output_logits=True,
+                              return_dict_in_generate=True)
+    ref = out.sequences[0, len(prompt):].tolist()
+    h_logits = torch.stack([x[0] for x in out.logits]).double().numpy()
+    assert got == unchunked == ref
+    # chunked (served, EP2) vs one prefill (reference): float64 round-off (measured 1e-15);
+    # vs transformers 1e-6: its DeepSeek router scores in float32 (measured 6e-8)
+    for want, tol in ((_log_softmax(u_logits), 1e-12), (_log_softmax(h_logits), 1e-6)):
+        np.testing.assert_allclose(got_lp, want[np.arange(N_NEW), got], rtol=0, atol=tol)
+        np.testing.assert_allclose(got_top, want.max(axis=1), rtol=0, atol=tol)
 
 
 @pytest.mark.timeout(300)
