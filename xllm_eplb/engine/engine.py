@@ -276,6 +276,8 @@ class Engine:
         # the policy runner's thread CPU (drain, decode, policy), measured by the manager itself
         out["critical_path"]["manager_thread_cpu_s"] = float(out["policy_cpu_seconds"])
         out["requests"] = self.sched.load()
+        if self.manager is not None:
+            out["cost_model"] = self.manager.cost_status()
         out["workload"] = self.cfg.serve.workload          # synthetic: demo traffic shares it
         out["workload_rate"] = (self.cfg.serve.workload_rate
                                 if self.cfg.serve.workload != "none" else 0.0)
