@@ -191,3 +191,20 @@ def test_replay_with_a_modelled_cost_fits_it_and_plans_on_it():
     assert crit[start:, 0].mean() < crit[start:, 1].mean()
     tok = replay(trace, dataclasses.replace(cfg, eplb_plan_on="tokens"), opts)
     assert np.array_equal(tok.extra["critical"][:, 1], crit[:, 1])   # same static path
+
+
+def test_a_layer_whose_data_cannot_separate_the_terms_takes_the_pooled_fit():
+    rng = np.random.default_rng(4)
+    m = cm.CostModel(2, 2, 4)
+    for _ in range(60):
+        deltas = rng.poisson(2.0, size=(2, 2, 3)) + 1
+        deltas[1] = 3                                # layer 1: 3 active, 9 rows every step
+        active, rows = (deltas > 0).sum(2), deltas.sum(2)
+        cpu = 2 * (FIXED * active + ROW * rows)      # layer 1 costs like the others, x2
+        cpu[0] /= 2
+        m.observe(deltas, np.tile([0, 1, 2, 3, 1, 2], (2, 1)), cpu.T)
+    fit = m.fit()
+    assert fit.ready and fit.fixed[1] > 0 and fit.row[1] > 0
+    assert fit.fixed[1] / fit.row[1] == pytest.approx(fit.fixed[0] / fit.row[0], rel=1e-6)
+    assert 3 * fit.fixed[1] + 9 * fit.row[1] == pytest.approx(2 * (3 * FIXED + 9 * ROW),
+                                                              rel=0.05)

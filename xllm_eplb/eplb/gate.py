@@ -144,7 +144,7 @@ def cost_candidates(policy: EplbPolicy, cost: cost_model.CostSnapshot, logical: 
     by_tokens = policy.plan(logical, deployed)
     by_cost = policy.plan(cost_input(cost, logical), deployed)
     out: list[np.ndarray | None] = []
-    for layer, (a, b) in enumerate(zip(by_tokens, by_cost)):
+    for layer, (a, b) in enumerate(zip(by_tokens, by_cost, strict=True)):
         rows = [np.asarray(c, dtype=np.int64) for c in (a, b) if c is not None]
         if len(rows) < 2:
             out.append(rows[0] if rows else None)
