@@ -46,13 +46,15 @@ def kill_run(proc, alive) -> None:
 class Server:
     """One `xllm-eplb serve` process group with its logs and every process it started."""
 
-    def __init__(self, tmp: Path, args: list[str]):
+    def __init__(self, tmp: Path, args: list[str], base: list[str] | None = None):
         self.port = free_port()
         self.run_id = f"p{self.port}"
         self.log_dir = tmp / "logs"
         self.out, self.err = tmp / "stdout.txt", tmp / "stderr.txt"
-        cmd = [sys.executable, "-m", "xllm_eplb", "serve", "--ep-size", "4", "--config",
-               str(ROOT / "configs" / "eplb.yaml"), "--port", str(self.port),
+        # base: the run's fixed flags (default: 4 ranks from the example config)
+        base = ["--ep-size", "4", "--config", str(ROOT / "configs" / "eplb.yaml")] \
+            if base is None else base
+        cmd = [sys.executable, "-m", "xllm_eplb", "serve", *base, "--port", str(self.port),
                "--log_dir", str(self.log_dir), *args]
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self.out.open("w"),
                                      stderr=self.err.open("w"), start_new_session=True)
