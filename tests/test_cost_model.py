@@ -168,3 +168,43 @@ def test_checks_ignore_samples_of_the_old_generation_and_pass_a_faster_layer():
         res += checks.on_sample(np.full((2, 1), 0.5 * before), generation=5)
     assert len(res) == 1 and not res[0].regressed
     assert res[0].measured_gain == pytest.approx(0.5) and res[0].predicted_gain is None
+
+
+def test_replay_with_a_modelled_cost_fits_it_and_plans_on_it():
+    """The simulator's cost option: the manager sees modelled expert seconds, fits the same
+    coefficients, and its cost-gated rounds shorten the modelled critical path."""
+    import dataclasses
+
+    from xllm_eplb.config import EplbConfig
+    from xllm_eplb.sim.generators import generate
+    from xllm_eplb.sim.replay import ReplayOptions, replay
+
+    trace = generate("zipf:layers=2,experts=16,steps=120,tokens=32,topk=2,skew=1.5,seed=3")
+    cfg = EplbConfig(ep_size=4, redundant_experts_num=1, eplb_update_interval=20.0,
+                     eplb_heartbeat_seconds=1e9)
+    opts = ReplayOptions(step_seconds=1.0, cost=(FIXED, ROW))
+    res = replay(trace, cfg, opts)
+    crit = res.extra["critical"]                     # [steps, (eplb, static, static mean)]
+    assert crit.shape == (120, 3) and (crit[:, 1] >= crit[:, 2]).all()
+    start = res.first_activation
+    assert start is not None and res.stats["layers_committed"] >= 1
+    assert crit[start:, 0].mean() < crit[start:, 1].mean()
+    tok = replay(trace, dataclasses.replace(cfg, eplb_plan_on="tokens"), opts)
+    assert np.array_equal(tok.extra["critical"][:, 1], crit[:, 1])   # same static path
+
+
+def test_a_layer_whose_data_cannot_separate_the_terms_takes_the_pooled_fit():
+    rng = np.random.default_rng(4)
+    m = cm.CostModel(2, 2, 4)
+    for _ in range(60):
+        deltas = rng.poisson(2.0, size=(2, 2, 3)) + 1
+        deltas[1] = 3                                # layer 1: 3 active, 9 rows every step
+        active, rows = (deltas > 0).sum(2), deltas.sum(2)
+        cpu = 2 * (FIXED * active + ROW * rows)      # layer 1 costs like the others, x2
+        cpu[0] /= 2
+        m.observe(deltas, np.tile([0, 1, 2, 3, 1, 2], (2, 1)), cpu.T)
+    fit = m.fit()
+    assert fit.ready and fit.fixed[1] > 0 and fit.row[1] > 0
+    assert fit.fixed[1] / fit.row[1] == pytest.approx(fit.fixed[0] / fit.row[0], rel=1e-6)
+    assert 3 * fit.fixed[1] + 9 * fit.row[1] == pytest.approx(2 * (3 * FIXED + 9 * ROW),
+                                                              rel=0.05)

@@ -316,6 +316,8 @@ class Engine:
         # the policy runner's thread CPU (drain, decode, policy), measured by the manager itself
         out["critical_path"]["manager_thread_cpu_s"] = float(out["policy_cpu_seconds"])
         out["requests"] = self.sched.load()
+        if self.manager is not None:
+            out["cost_model"] = self.manager.cost_status()
         out["nnodes"], out["rank_node"] = self.cfg.runtime.nnodes, list(self.rank_node)
         e = self.cfg.eplb
         out["capacity"] = {"mode": e.moe_capacity_mode, "factor": e.moe_capacity_factor,

@@ -11,7 +11,10 @@ hot expert over two replicas (two smaller GEMMs) can make the slowest rank slowe
 
 :class:`CostModel` fits ``fixed`` and ``row`` per layer from the workers' measured expert CPU
 seconds (``StepTimings.expert_cpu_s``) and the step's per-slot counts, robustly (Huber-weighted
-least squares, both coefficients >= 0, over a ring of recent rank-steps), and keeps an
+least squares, both coefficients >= 0, over a ring of recent rank-steps). A layer whose own
+data cannot separate the two (a coefficient comes out 0, or active slots and rows move together:
+condition number over ``MAX_CONDITION``) takes the fit pooled over the other layers, scaled
+to its own mean cost. It also keeps an
 exponentially weighted per-step rate of every logical expert. From these it predicts, for any
 placement row, each rank's expected per-step cost (:func:`rank_costs`): a slot whose expected
 rows per step are ``lam`` is active with probability ``1 - exp(-lam)`` (Poisson arrivals), so
@@ -38,6 +41,9 @@ RING_STEPS = 256
 RATE_HALF_LIFE = 128
 #: Huber threshold, in robust standard deviations of the residuals
 HUBER_K = 1.5
+#: condition number (unit-norm columns) above which a layer's active slots and rows are too
+#: collinear to separate the two costs
+MAX_CONDITION = 20.0
 
 
 @dataclass(frozen=True)
@@ -89,6 +95,17 @@ def fit_layer(active: np.ndarray, rows: np.ndarray, seconds: np.ndarray,
         r = np.abs(res) / (HUBER_K * sigma)
         w = np.where(r <= 1.0, 1.0, 1.0 / np.maximum(r, 1e-12))
     return float(coef[0]), float(coef[1])
+
+
+def separable(active: np.ndarray, rows: np.ndarray) -> bool:
+    """True when the columns (active slots, rows) of the observations [n] are independent
+    enough to fit two coefficients (condition number of the unit-norm columns)."""
+    x = np.stack([np.asarray(active, dtype=np.float64), np.asarray(rows, dtype=np.float64)], 1)
+    norms = np.linalg.norm(x, axis=0)
+    if (norms <= 0).any():
+        return False
+    s = np.linalg.svd(x / norms, compute_uv=False)
+    return bool(s[-1] > 0 and s[0] / s[-1] <= MAX_CONDITION)
 
 
 def _nnls2(a: np.ndarray, n: np.ndarray, y: np.ndarray, w: np.ndarray) -> np.ndarray:
@@ -207,14 +224,32 @@ class CostModel:
             k = self.filled
             fixed, row = np.zeros(self.L), np.zeros(self.L)
             samples = np.zeros(self.L, dtype=np.int64)
+            weak = np.zeros(self.L, dtype=bool)
             for lay in range(self.L):
-                a = self.active[:k, lay].ravel()
+                a, n = self.active[:k, lay].ravel(), self.rows[:k, lay].ravel()
                 samples[lay] = int((a > 0).sum())
-                fixed[lay], row[lay] = fit_layer(a, self.rows[:k, lay].ravel(),
-                                                 self.seconds[:k, lay].ravel())
+                fixed[lay], row[lay] = fit_layer(a, n, self.seconds[:k, lay].ravel())
+                weak[lay] = not separable(a[a > 0], n[a > 0])
+            self._pool(fixed, row, k, weak | (fixed <= 0) | (row <= 0))
             ok = (samples >= MIN_SAMPLES) & ((fixed > 0) | (row > 0))
             self._fit = CostFit(fixed, row, samples, ok)
         return self._fit
+
+    def _pool(self, fixed: np.ndarray, row: np.ndarray, k: int, weak: np.ndarray) -> None:
+        """``weak`` layers take the fit pooled over the others (all layers when every one is
+        weak), scaled to their own mean (in place)."""
+        if not weak.any() or k == 0:
+            return
+        a, n, y = self.active[:k], self.rows[:k], self.seconds[:k]
+        src = ~weak if (~weak).any() else np.ones_like(weak)
+        pf, pr = fit_layer(a[:, src].ravel(), n[:, src].ravel(), y[:, src].ravel())
+        if pf <= 0 or pr <= 0:
+            return
+        for lay in np.nonzero(weak)[0]:
+            pred = (pf * a[:, lay] + pr * n[:, lay]).sum()
+            if pred > 0:
+                s = y[:, lay].sum() / pred
+                fixed[lay], row[lay] = pf * s, pr * s
 
     def per_step_rate(self) -> np.ndarray:
         """Expected rows per step of every logical expert, float64 [L, E] (bias-corrected)."""

@@ -136,6 +136,25 @@ def cost_input(cost: cost_model.CostSnapshot, logical: np.ndarray) -> np.ndarray
     return cost_model.expert_weights(cost.fit, cost.rate, scale)
 
 
+def cost_candidates(policy: EplbPolicy, cost: cost_model.CostSnapshot, logical: np.ndarray,
+                    deployed: np.ndarray) -> list[np.ndarray | None]:
+    """A cost-aware round's candidates: the policy plans twice, on token counts and on
+    :func:`cost_input`; per layer the row with the lower modelled critical path wins (a
+    policy's split assumption is even token halves, so either input can plan better)."""
+    by_tokens = policy.plan(logical, deployed)
+    by_cost = policy.plan(cost_input(cost, logical), deployed)
+    out: list[np.ndarray | None] = []
+    for layer, (a, b) in enumerate(zip(by_tokens, by_cost, strict=True)):
+        rows = [np.asarray(c, dtype=np.int64) for c in (a, b) if c is not None]
+        if len(rows) < 2:
+            out.append(rows[0] if rows else None)
+            continue
+        crit = cost_model.critical_path(cost.fit, cost.rate, np.stack(rows), policy.ep_size,
+                                        np.array([layer, layer]))
+        out.append(rows[int(np.argmin(crit))])
+    return out
+
+
 def _inputs(policy: EplbPolicy, logical, deployed, physical):
     """Shape-checked (logical [L, E], deployed [L, D*S] with -1 rows, physical or None)."""
     lg = np.asarray(logical)
@@ -170,7 +189,7 @@ def propose(policy: EplbPolicy, logical: np.ndarray, deployed: np.ndarray | None
     """
     min_improvement = check_min_improvement(min_improvement)
     lg, dep, physical = _inputs(policy, logical, deployed, physical)
-    cands = policy.plan(lg if cost is None else cost_input(cost, lg), dep)
+    cands = policy.plan(lg, dep) if cost is None else cost_candidates(policy, cost, lg, dep)
     table = np.stack([dep[i] if c is None else np.asarray(c, dtype=np.int64)
                       for i, c in enumerate(cands)])
     planned = np.array([c is not None for c in cands])

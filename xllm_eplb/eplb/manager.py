@@ -116,6 +116,7 @@ class EplbManager:
             raise ValueError(f"initial placement of shape {self._active.shape}, expected "
                              f"[layers, ep_size*slots]={(num_layers, cfg.ep_size * self.slots)}")
         self._active.setflags(write=False)
+        self._initial = self._active
         self._lock = threading.Lock()
         self._queue: collections.deque = collections.deque()
         self._deadline: float | None = None
@@ -199,6 +200,12 @@ class EplbManager:
                 waiting_on=self.pipe.waiting_on(), round_in_progress=self.pipe.in_progress,
                 next_prepare_token=self.pipe.next_token, policy=self.policy_name,
                 timer_deadline=self._deadline).as_dict()
+
+    def cost_status(self) -> dict:
+        """The cost model for /eplb/status: the fit per layer and the modelled step critical
+        path (seconds, summed over layers) under the deployed and the initial placement."""
+        with self._lock:
+            return self.cost.status(self._active, self._initial)
 
     def close(self) -> None:
         """Stop the background thread (idempotent)."""

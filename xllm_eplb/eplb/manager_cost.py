@@ -9,7 +9,7 @@ import logging
 import numpy as np
 
 from xllm_eplb.eplb.cost_check import CheckResult, CostChecks
-from xllm_eplb.eplb.cost_model import CostModel, CostSnapshot
+from xllm_eplb.eplb.cost_model import CostModel, CostSnapshot, critical_path
 from xllm_eplb.obs.logs import event
 
 log = logging.getLogger("xllm_eplb.eplb.manager")
@@ -55,6 +55,20 @@ class CostGuard:
         if res.regressed:
             c.layers_regressed += 1
             self.rollback[res.layer] = res.prev_row
+
+    def status(self, active: np.ndarray, initial: np.ndarray) -> dict:
+        """Fit (``fixed_s`` / ``row_s`` / ``samples`` per layer, ``ready``) and, once ready,
+        the modelled critical path per step under ``active`` and ``initial`` (seconds)."""
+        fit = self.model.fit()
+        out = {"ready": fit.ready, "fixed_s": fit.fixed.tolist(), "row_s": fit.row.tolist(),
+               "samples": fit.samples.tolist(), "observed_steps": self.model.steps,
+               "predicted_critical_s": None, "predicted_critical_initial_s": None}
+        if fit.ready:
+            rate, d = self.model.per_step_rate(), self.model.D
+            out["predicted_critical_s"] = float(critical_path(fit, rate, active, d).sum())
+            out["predicted_critical_initial_s"] = float(critical_path(fit, rate, initial,
+                                                                      d).sum())
+        return out
 
     def on_commit(self, layer: int, prev_row: np.ndarray, generation: int) -> None:
         self.checks.on_commit(layer, prev_row, generation)

@@ -88,7 +88,8 @@ class EngineMetrics:
         self.rounds = self._c("rebalance_rounds", "policy rounds completed")
         self.layers = self._c("rebalance_layers", "layers by outcome: published (passed the "
                               "gate), committed (activated on all ranks), timed_out (rolled "
-                              "back)", ("result",))
+                              "back), regressed (measured slower after the commit), "
+                              "rolled_back (restored after a regression)", ("result",))
         self.policy_seconds = self._h("policy_duration_seconds", "one policy round (all "
                                       "layers), background thread", _SLOW)
         self.rebalancing = self._g("rebalancing", "1 while a layer is being prepared or "
@@ -217,7 +218,7 @@ class EngineMetrics:
             self.steps.labels(kind)
         for result in REQUEST_RESULTS:
             self.requests.labels(result)
-        for result in ("published", "committed", "timed_out"):
+        for result in ("published", "committed", "timed_out", "regressed", "rolled_back"):
             self.layers.labels(result)
         self.p2p_bytes.labels("sent")
         for phase in ("materialize", "transfer", "activation", "total"):
