@@ -171,10 +171,13 @@ class Scheduler:
         return rows
 
     def _pick_rank(self, rows: list[int], prefill: list[int], n: int) -> int:
-        """Least-loaded rank with room for one more row of ``n`` prompt tokens, or -1."""
+        """Least-loaded rank with room for one more row of ``n`` prompt tokens, or -1 (a
+        re-prefill longer than ``max_prefill_tokens`` goes alone onto a rank)."""
         best = -1
         for k in range(self.dp_size):
-            if rows[k] >= self.max_batch_size or prefill[k] + n > self.max_prefill_tokens:
+            over = prefill[k] + n > self.max_prefill_tokens and (
+                prefill[k] or n <= self.max_prefill_tokens)
+            if rows[k] >= self.max_batch_size or over:
                 continue
             if best < 0 or rows[k] < rows[best]:
                 best = k
@@ -190,17 +193,18 @@ class Scheduler:
         rows, prefill = self._rows_per_rank(), [0] * self.dp_size
         while self.waiting:
             req = self.waiting[0]
-            k = self._pick_rank(rows, prefill, len(req.prompt))
+            k = self._pick_rank(rows, prefill, req.num_tokens)
             if k < 0:
                 break  # NOTE: FIFO admission; the head waits until a rank has room
             self.waiting.popleft()
             req.dp_rank = k
             rows[k] += 1
-            prefill[k] += len(req.prompt)
+            prefill[k] += req.num_tokens
             self.running[req.req_id] = req
-            batches[k].rows.append(SeqRow(req.req_id, list(req.prompt), 0, True,
-                                          req.temperature, req.seed, req.top_p, req.top_k,
-                                          req.logprobs))
+            # NOTE: prompt + output: a re-prefill (void_step) continues where it stopped
+            batches[k].rows.append(SeqRow(req.req_id, list(req.prompt) + list(req.output), 0,
+                                          True, req.temperature, req.seed, req.top_p,
+                                          req.top_k, req.logprobs))
         return batches
 
     def update(self, sampled: dict[int, int], logprobs: dict | None = None) -> list[Request]:
@@ -235,6 +239,20 @@ class Scheduler:
             req.finish("error", error)
         self.running.clear()
         self.waiting.clear()
+
+    def void_step(self) -> list[Request]:
+        """``--elastic_ep``: the step in flight died with a rank; none of its tokens is
+        committed. Every running request's KV cache is released on its rank and the request
+        goes back to the head of the queue, to be re-prefilled from prompt + output (its
+        sampling is seeded by (seed, position), so it continues with the same tokens).
+        Returns those requests."""
+        back = sorted(self.running.values(), key=lambda r: r.req_id)
+        for req in back:
+            del self.running[req.req_id]
+            self._release[req.dp_rank].append(req.req_id)
+        self._flush = self._flush or bool(back)
+        self.waiting.extendleft(reversed(back))
+        return back
 
     def fail_in_flight(self, error: str) -> list[Request]:
         """Finish every running and waiting request with ``error`` (a stalled step,
