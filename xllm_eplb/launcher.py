@@ -38,6 +38,7 @@ from xllm_eplb.ipc.errors import SegmentBusyError
 from xllm_eplb.ipc.objects import sweep_dead_runs, sweep_run
 from xllm_eplb.ipc.ring import InputRing, OutputRing
 from xllm_eplb.ipc.shm import resolve_run_id
+from xllm_eplb.ipc.store import host_store
 from xllm_eplb.obs.logs import FILE_ONLY, event, run_log_dir, setup_logging
 from xllm_eplb.obs.progress import Progress, ready_line
 from xllm_eplb.preflight import StartupError, check_port, check_serve
@@ -181,6 +182,10 @@ class Launcher:
         self.progress = progress
         self.t0 = time.monotonic()
         self.killed_at = ""     # wall_clock() of the last stop's SIGKILLs
+        # --- elastic EP (#23): the store outlives any worker; dead workers are replaced
+        self.store = None
+        self.generation = 1
+        self.restarts = 0
 
     # --- signals ---------------------------------------------------------------------------
     def _on_signal(self, signum, frame) -> None:
@@ -209,15 +214,15 @@ class Launcher:
     def _spawn(self, who: str, target, *args) -> None:
         """Start child ``who``; an argument that is ``self.events`` becomes the child's own
         :class:`EventSender` (one pipe per child). An EP worker or the engine starts on its
-        pinned cores (the worker also gets them as its last argument: it sizes its torch
-        threads to them)."""
+        pinned cores (the worker also gets them as ``cores=``: it sizes its torch threads to
+        them)."""
         sender = self.events.sender(who)
         args = tuple(sender if a is self.events else a for a in args)
         cores = self._cores(who)
-        if target is worker_main:
-            args = (*args, cores)
+        kwargs = {"cores": cores} if target is worker_main else {}
         with _child_env(), affinity.pinned(cores):
-            p = self.ctx.Process(target=target, name=who, args=args, daemon=False)
+            p = self.ctx.Process(target=target, name=who, args=args, kwargs=kwargs,
+                                 daemon=False)
             p.start()
         self.events.spawned(sender)
         self.procs[who] = p
@@ -227,6 +232,10 @@ class Launcher:
         """Shared memory, then the engine (it binds the port first), then the workers."""
         cfg, me = self.cfg, os.getpid()
         self.shm = RunShm.create(cfg)
+        if cfg.runtime.elastic_ep:   # hosted here, not by worker 0: any worker may die
+            rt = cfg.runtime
+            self.store = host_store(rt.master_addr, rt.master_port,
+                                    rt.elastic_join_timeout_seconds)
         self._spawn("engine", engine_main, cfg, self.events, me)
         self._wait_stage("engine", "http_bound")
         for r in range(cfg.eplb.ep_size):
@@ -264,6 +273,8 @@ class Launcher:
     def _report_stage(self, who: str, stage: str, detail: str) -> None:
         if stage == "error" and detail and who not in self.errors:
             self.errors[who] = detail            # named in the death message
+        if stage in ("attached", "kill"):
+            self._elastic_event(who, stage, detail)
         if self.progress is not None:
             self.progress.update(who, stage)
         log.debug(event("launcher stage", proc=who, stage=stage, detail=detail,
@@ -288,11 +299,15 @@ class Launcher:
                 f"see {Path(self.cfg.serve.log_dir) / log_name(who)} (seen at {wall_clock()})")
 
     def supervise(self) -> int:
-        """Block until a signal (-> 0) or a child's death (-> 1)."""
+        """Block until a signal (-> 0) or a child's death (-> 1; ``--elastic_ep``: a dead
+        worker is replaced instead, up to ``--elastic_max_restarts`` times)."""
         sentinels = {p.sentinel: who for who, p in self.procs.items()}
         while not self.stop_signal:
             ready = mpc.wait(list(sentinels), timeout=0.5)
             self._drain_events()
+            if ready and self._replace(sentinels[ready[0]]):
+                sentinels = {p.sentinel: who for who, p in self.procs.items()}
+                continue
             if ready and not self._stopping_together():
                 who = self._first_failed(sentinels[ready[0]])
                 self.procs[who].join(2.0)  # reap it: the exit cause names the signal
@@ -300,6 +315,44 @@ class Launcher:
                 return 1
         log.info(event("launcher stop", signal=signal.Signals(self.stop_signal).name))
         return 0
+
+    # --- elastic EP ------------------------------------------------------------------------
+    def _replace(self, who: str) -> bool:
+        """``--elastic_ep``: respawn dead worker ``who`` in place for the next generation and
+        tell the engine (``("died", who, message, generation, seen_at)``); False when this
+        death stops the run (elasticity off, the engine, a stop, restarts used up)."""
+        rt = self.cfg.runtime
+        if (not rt.elastic_ep or not who.startswith("ep") or self.stop_signal
+                or self.procs["engine"].exitcode is not None):
+            return False
+        p = self.procs[who]
+        p.join(2.0)
+        if p.exitcode is None or self.restarts >= rt.elastic_max_restarts:
+            return False
+        self.restarts += 1
+        self.generation += 1
+        msg = self.death_message(who)
+        seen = time.time()
+        log.warning(event("EPLB elastic detect", proc=who, pid=p.pid,
+                          cause=describe_exit(p.exitcode), generation=self.generation,
+                          restart=self.restarts, message=msg))
+        self.events.notify("engine", ("died", who, msg, self.generation, seen))
+        self.errors.pop(who, None)
+        self._spawn(who, worker_main, self.cfg, int(who[2:]), self.events, os.getpid(),
+                    self.generation)
+        return True
+
+    def _elastic_event(self, who: str, stage: str, detail: str) -> None:
+        """A replacement attached its rings (-> the engine may send the regroup), or the
+        engine asks for a silent worker to be SIGKILLed (a hang becomes a death)."""
+        if stage == "attached":
+            self.events.notify("engine", ("attached", who, int(detail or 0)))
+        elif who == "engine" and detail in self.procs and detail.startswith("ep"):
+            p = self.procs[detail]
+            log.warning(event("EPLB elastic fence silent worker", proc=detail, pid=p.pid,
+                              signal="SIGKILL"))
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p.pid, signal.SIGKILL)
 
     def _report_death(self, who: str) -> None:
         """One message, said three times alike: the engine's notice (its clients are told
@@ -380,9 +433,10 @@ class Launcher:
         return killed
 
     def cleanup(self) -> None:
-        """Close and sweep the run's shared memory; close the event queue."""
+        """Close and sweep the run's shared memory; close the event queue and the store."""
         if self.shm is not None:
             self.shm.close()
+        self.store = None
         sweep_run(self.cfg.runtime.run_id)
         with contextlib.suppress(Exception):
             self.events.close()

@@ -195,6 +195,20 @@ class RuntimeConfig:
     rendezvous_timeout_seconds: float = opt(
         120.0, "multi-node start-up: every node must join the rendezvous within this",
         unit="s", lo=0, lo_open=True)
+    # --- elastic EP (#23) ---
+    elastic_ep: bool = opt(False, "fault-tolerant EP: a worker that dies (or is silent for "
+                           "--elastic_silence_seconds) is replaced in place, the ranks re-form "
+                           "their process groups (next generation) and every request in flight "
+                           "is re-prefilled from prompt + output; off: a death stops the run")
+    elastic_silence_seconds: float = opt(5.0, "with --elastic_ep: a worker that has not read a "
+                                         "step's input for this long is SIGKILLed (a hang "
+                                         "becomes a death)", unit="s", lo=0, lo_open=True)
+    elastic_join_timeout_seconds: float = opt(120.0, "with --elastic_ep: the ranks must re-form "
+                                              "(the replacement loaded and joined) within "
+                                              "this, else the run stops", unit="s", lo=0,
+                                              lo_open=True)
+    elastic_max_restarts: int = opt(3, "with --elastic_ep: worker replacements per run before "
+                                    "a death stops the run (a crash loop ends)", lo=0)
 
 
 @dataclass(frozen=True)

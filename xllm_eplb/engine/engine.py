@@ -108,6 +108,7 @@ class Engine:
         self.placement = initial_placement(cfg)       # [L, D*S]: what the workers start from
         self.recorder = ExpertRecorder(cfg.num_moe_layers, self.D, cfg.slots_per_rank,
                                        cfg.model.num_experts, cfg.eplb.eplb_record_trace_max_steps)
+        self.membership = None     # --elastic_ep: engine/membership.Membership (after warm-up)
         self.step_no = 0
         self.state = "starting"
         self.stopping = False
@@ -129,7 +130,9 @@ class Engine:
         self.inp.put(msg, timeout=timeout)
         if time.perf_counter() - t0 > 0.01:
             self.metrics.ring_full.labels("input").inc()
-        outs = [self._get(r, timeout) for r in range(self.D)]
+        outs = self._gather(timeout)
+        if outs is None:                  # elastic: a rank died, the step was void
+            return None
         seconds = time.perf_counter() - t0
         self.watch.end()
         self._ring_occupancy()
@@ -146,6 +149,17 @@ class Engine:
             eplb_s += time.thread_time() - c0
         self.tele.on_step(step_kind(batches, warmup, pure), outs, seconds, eplb_engine_s=eplb_s)
         return outs
+
+    def _gather(self, timeout: float) -> list | None:
+        """Every rank's output of the step; ``--elastic_ep``: None after a recovery from a
+        rank's death (``engine/membership.py``; the step is void)."""
+        try:
+            return [self._get(r, timeout) for r in range(self.D)]
+        except WorkerFault as e:
+            if self.membership is None:
+                raise
+            self.membership.recover(e)
+            return None
 
     @property
     def active_placement(self):
@@ -169,7 +183,8 @@ class Engine:
             except RingTimeoutError:
                 if left <= WAIT_SLICE:
                     raise
-                self.failures.between_slices(self.step_no, self.inp, self.outs)
+                if self.state == "serving":     # not the warm-up (workers still loading)
+                    self.failures.between_slices(self.step_no, self.inp, self.outs)
 
     def _get(self, rank: int, timeout: float):
         try:
@@ -223,6 +238,8 @@ class Engine:
             batches = self.sched.schedule()
             self.live.on_scheduled(batches, self.sched.running, time.monotonic())
             outs = self.step(batches)
+            if outs is None:         # --elastic_ep: the step died with a rank (voided)
+                continue
             sampled: dict[int, int] = {}
             logprobs: dict = {}
             for o in outs:
@@ -319,6 +336,8 @@ class Engine:
         if self.manager is not None:
             out["cost_model"] = self.manager.cost_status()
         out["nnodes"], out["rank_node"] = self.cfg.runtime.nnodes, list(self.rank_node)
+        out["membership"] = (self.membership.status() if self.membership is not None
+                             else {"elastic": False})
         e = self.cfg.eplb
         out["capacity"] = {"mode": e.moe_capacity_mode, "factor": e.moe_capacity_factor,
                            "fallback_routing": e.moe_fallback_routing,

@@ -54,6 +54,12 @@ class FailureWatch:
         self.on_failed = on_failed or (lambda reqs: None)   # the finished requests (metrics)
         self.stalled_step = -1
         self.death: str = ""          # the launcher's message for a dead child, once known
+        self.died: tuple | None = None    # that notice: ("died", who, message[, gen, seen])
+        self.attached: list[tuple] = []   # elastic: ("attached", who, generation) notices
+        #: elastic: ``kill(who)`` asks the launcher to SIGKILL a silent worker (None: off)
+        self.kill = None
+        self.silence_seconds = 0.0
+        self.killed_step = -1
 
     def between_slices(self, step: int, inp, outs) -> None:
         """Called while a step waits for an output: a death notice raises
@@ -61,6 +67,7 @@ class FailureWatch:
         (once per step)."""
         if self._poll(0.0):
             raise WorkerFault(self.death)
+        self._fence_silent(step, inp)
         if self.stalled_step == step:
             return
         silent = self.watch.stalled(inp, outs)
@@ -78,12 +85,48 @@ class FailureWatch:
         if self.notices is None or self.death:
             return bool(self.death)
         notice = self.notices(timeout)
+        if notice and notice[0] == "attached":
+            self.attached.append(notice)
         if notice and notice[0] == "died":
-            self.death = str(notice[2])
+            self.died, self.death = tuple(notice), str(notice[2])
             # NOTE: file only: the launcher's console line says it once
             log.error(event("engine notice worker died", proc=notice[1], message=self.death),
                       extra=FILE_ONLY)
         return bool(self.death)
+
+    def _fence_silent(self, step: int, inp) -> None:
+        """``--elastic_ep``: ranks that have not read this step's input for
+        ``--elastic_silence_seconds`` are SIGKILLed by the launcher (once per step): a hang
+        becomes a death, which the elastic path recovers from."""
+        if self.kill is None or self.killed_step == step:
+            return
+        if self.watch.in_flight_seconds() <= self.silence_seconds:
+            return
+        silent = self.watch.unread(inp)
+        if silent:
+            self.killed_step = step
+            log.warning(event("EPLB elastic silent", step=step, ranks=",".join(map(str, silent)),
+                              seconds=round(self.watch.in_flight_seconds(), 2)))
+            for r in silent:
+                self.kill(f"ep{r}")
+
+    def clear_death(self) -> None:
+        """After a recovery: the next death is a new one."""
+        self.death, self.died = "", None
+
+    def next_attached(self, timeout: float):
+        """The next ``("attached", who, generation)`` notice within ``timeout`` s, or None
+        (a ``died`` notice meanwhile is kept in :attr:`died`)."""
+        deadline = time.monotonic() + timeout
+        while not self.attached and time.monotonic() < deadline:
+            if self.notices is None:
+                return None
+            notice = self.notices(min(0.1, max(0.0, deadline - time.monotonic())))
+            if notice and notice[0] == "attached":
+                self.attached.append(notice)
+            elif notice and notice[0] == "died":
+                self.died, self.death = tuple(notice), str(notice[2])
+        return self.attached.pop(0) if self.attached else None
 
     def explain(self, fault: BaseException, wait: float = NOTICE_WAIT) -> str:
         """The reason requests get when the run stops on ``fault``: the launcher's death

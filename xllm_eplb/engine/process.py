@@ -74,6 +74,21 @@ def _api(cfg: Config, engine_ref: dict):
     return ApiServer(cfg.serve.host, cfg.serve.port, backend)
 
 
+def _elastic(cfg: Config, eng: Engine, events) -> None:
+    """``--elastic_ep``: the membership (recovery) with its store client, and the launcher
+    asked to SIGKILL a worker silent for ``--elastic_silence_seconds``."""
+    if not cfg.runtime.elastic_ep:
+        return
+    from xllm_eplb.engine.membership import Membership
+    from xllm_eplb.ipc.store import store_client
+
+    rt = cfg.runtime
+    eng.membership = Membership(eng, store_client(rt.master_addr, rt.master_port,
+                                                  rt.elastic_join_timeout_seconds))
+    eng.failures.kill = lambda who: send_event(events, "engine", "kill", who)
+    eng.failures.silence_seconds = rt.elastic_silence_seconds
+
+
 def _start_workload(cfg: Config, engine: Engine):
     if cfg.serve.workload != "synthetic":
         return None
@@ -102,6 +117,7 @@ def _serve(cfg: Config, events, parent_pid: int, res: dict) -> int:
     eng.warmup()
     signal.signal(signal.SIGTERM, eng.request_stop)
     send_event(events, "engine", "warmup")
+    _elastic(cfg, eng, events)
     eng.manager = res["manager"] = _make_manager(cfg, eng.placement)
     eng.metrics.enabled.set(1 if eng.manager is not None else 0)
     res["workload"] = _start_workload(cfg, eng)
