@@ -135,3 +135,28 @@ def test_bad_statistic_folder_is_one_error_line(tmp_path):
                                   str(tmp_path / "o.json")])
     assert r.exit_code == 2 and "meta_info.json" in r.output
     assert not (tmp_path / "o.json").exists()
+
+
+@pytest.mark.parametrize("fmt", ["sglang", "vllm-ascend", "trtllm"])
+def test_other_engines_files_plan_expert_counts_the_ranks_do_not_divide(tmp_path, fmt):
+    """6 experts on 4 ranks (vLLM's and TensorRT-LLM's test shape): refused for this engine's
+    own file, planned for the others (ceil(6/4) + 1 = 3 slots per rank)."""
+    rows = [[0] * 6] + [[60, 10, 30, 5, 80, 15], [1, 2, 3, 4, 5, 6]]
+    load = tmp_path / "six.json"
+    load.write_text(json.dumps(rows))
+    args = ["--load", str(load), "--ep-size", "4", "--redundant-experts-num", "1"]
+    r = CliRunner().invoke(plan, [*args, "-o", str(tmp_path / "n.json")])
+    assert r.exit_code == 2 and "not divisible by --ep-size=4" in r.output
+    out = tmp_path / f"o{formats.SUFFIX[fmt]}"
+    r = CliRunner().invoke(plan, [*args, "--format", fmt, "-o", str(out)])
+    assert r.exit_code == 0, r.output
+    if fmt == "sglang":
+        t = formats.check_sglang(out, num_layers=3, num_physical=12, num_logical=6, ep_size=4,
+                                 dense=1)[1:]
+    elif fmt == "vllm-ascend":
+        t = formats.check_vllm_ascend(out, num_moe_layers=2, ep_size=4, num_logical=6)
+    else:
+        t = formats.check_trtllm(out, dense=1, num_moe_layers=2, num_logical=6, ep_size=4)
+    t = np.asarray(t).reshape(2, 4, 3)
+    assert all(set(layer.ravel()) == set(range(6)) for layer in t)
+    assert all(len(set(rank)) == 3 for layer in t for rank in layer)     # no rank repeats

@@ -29,7 +29,7 @@ import numpy as np
 from xllm_eplb.cli import handle_user_errors
 from xllm_eplb.eplb.balance import balancedness, rank_loads_from_phy2log
 from xllm_eplb.eplb.loads import parse_layer_range
-from xllm_eplb.eplb.placement import PlacementError, diff, initial_phy2log, validate_phy2log
+from xllm_eplb.eplb.placement import PlacementError, diff, validate_phy2log
 from xllm_eplb.errors import InputFileError, UserError
 
 
@@ -108,6 +108,16 @@ def read_previous(path: str, layers: range, total_layers: int, ep_size: int, slo
     return a
 
 
+def make_layout_policy(kind, ep_size, num_e, redundant, slots, opts):
+    """The policy for ``slots`` per rank (the engine's rules when E divides, else explicit
+    slots), with the option check of ``make_policy``."""
+    from xllm_eplb.eplb.policy import make_policy, policy_class
+
+    if num_e % ep_size == 0:
+        return make_policy(kind, ep_size, num_e, redundant, **opts)
+    return policy_class(kind)(ep_size, num_e, redundant, slots, **opts)
+
+
 def _policy_opts(kind: str, num_nodes: int, num_groups: int, budget_slots: int) -> dict:
     if kind == "node_aware":
         return dict(num_nodes=num_nodes, num_groups=num_groups)
@@ -118,9 +128,13 @@ def _policy_opts(kind: str, num_nodes: int, num_groups: int, budget_slots: int) 
 
 def run_plan(load: str, ep_size: int, redundant: int, policy: str, previous: str | None,
              moe_layers: str | None, num_nodes: int = 1, num_groups: int = 0,
-             budget_slots: int = 0):
-    """Everything but the file writes. Returns (result dict, before [L, D], after [L, D], info)."""
-    from xllm_eplb.eplb.policy import make_policy, normalize_kind
+             budget_slots: int = 0, fmt: str = "native"):
+    """Everything but the file writes. Returns (result dict, before [L, D], after [L, D], info).
+
+    For another engine's file (``fmt`` not native) the expert count need not divide the EP size:
+    a rank then has ``ceil(E / ep_size) + redundant`` slots (the layouts other engines plan)."""
+    from xllm_eplb.eplb.placement import initial_phy2log_any
+    from xllm_eplb.eplb.policy import normalize_kind
     from xllm_eplb.integrations.recordings import read_any
 
     lf = read_any(load)
@@ -136,18 +150,19 @@ def run_plan(load: str, ep_size: int, redundant: int, policy: str, previous: str
                         f"num_nodes >= 1 and num_groups >= 0")
     if redundant < 0:
         raise UserError(f"--redundant-experts-num={redundant}: must be >= 0")
-    if num_e % ep_size:
+    if num_e % ep_size and fmt == "native":
         raise InputFileError(f"{load}: {num_e} experts per layer is not divisible by "
-                             f"--ep-size={ep_size}")
-    slots = num_e // ep_size + redundant
+                             f"--ep-size={ep_size} (this engine's layout rule; --format "
+                             f"sglang|vllm-ascend|trtllm plan any expert count)")
+    slots = -(-num_e // ep_size) + redundant
     if slots > num_e:
         raise UserError(f"--redundant-experts-num={redundant}: {slots} slots per rank exceed "
                         f"the {num_e} experts (one replica of an expert per rank)")
     kind = normalize_kind(policy)
     prev = (read_previous(previous, layers, total, ep_size, slots, num_e) if previous else
-            np.tile(initial_phy2log(num_e, ep_size, redundant), (len(layers), 1)))
-    pol = make_policy(kind, ep_size, num_e, redundant,
-                      **_policy_opts(kind, num_nodes, num_groups, budget_slots))
+            np.tile(initial_phy2log_any(num_e, ep_size, slots), (len(layers), 1)))
+    pol = make_layout_policy(kind, ep_size, num_e, redundant, slots,
+                             _policy_opts(kind, num_nodes, num_groups, budget_slots))
     t0 = time.perf_counter()
     cands = pol.plan(loads, prev)
     seconds = time.perf_counter() - t0
@@ -224,7 +239,8 @@ def plan(load, ep_size, redundant, policy, previous, moe_layers, output, fmt, re
     """Compute a placement from an expert-load file."""
     check_outputs(output, report, plot)
     result, before, after, info = run_plan(load, ep_size, redundant, policy, previous,
-                                           moe_layers, num_nodes, num_groups, budget_slots)
+                                           moe_layers, num_nodes, num_groups, budget_slots,
+                                           fmt)
     if result["dense_layers_skipped"]:
         click.echo(f"skipped {result['dense_layers_skipped']} leading all-zero (dense) layers "
                    f"of {load}")
