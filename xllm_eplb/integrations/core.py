@@ -11,8 +11,9 @@ Layouts beyond the engine's rules (``config.layout_rules``):
 - more slots per rank than experts (``S > E``): one replica per rank is impossible, so each rank
   is split into ``V`` *virtual ranks* of ``S / V`` consecutive slots (``V`` the smallest divisor
   of ``S`` with ``S / V <= E``) and the policy plans ``ranks * V`` virtual ranks with one replica
-  per virtual rank: replicas of one expert share a rank only where unavoidable (at most ``V``
-  of them). Balanced virtual ranks make balanced ranks (a rank's load is their sum).
+  per virtual rank: a rank holds an expert at most ``V`` times (``ceil(S / E)``, the least
+  possible, whenever that divides ``S``). Balanced virtual ranks make balanced ranks (a rank's
+  load is their sum).
 
 Afterwards every rank keeps the experts it keeps in their old slots (``keep_slots``), the
 retained-slot rule of vLLM's and vllm-ascend's callers.
