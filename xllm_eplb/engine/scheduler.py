@@ -59,7 +59,8 @@ class Request:
     req_id: int = -1
     dp_rank: int = -1
     #: prompt tokens scheduled into the KV cache so far (chunked prefill; the prompt is
-    #: prefilled when this reaches ``len(prompt)``)
+    #: prefilled when this reaches ``len(prompt)``). NOTE: a request prefilled again from
+    #: scratch (its KV cache lost) must start again from 0
     prefilled: int = 0
     output: list[int] = field(default_factory=list)
     arrival: float = field(default_factory=time.monotonic)
