@@ -14,6 +14,7 @@ from xllm_eplb.config import (
     SECTIONS,
     Config,
     EplbConfig,
+    ServeConfig,
     as_flat_dict,
     format_value,
     normalize_policy_kind,
@@ -46,8 +47,10 @@ def test_defaults_other_than_ep_size_are_valid():
 
 def test_spec_section_11_defaults():
     e = EplbConfig()
-    assert (e.enable_eplb, e.redundant_experts_num, e.eplb_update_interval) == (False, 1, 1000)
-    assert (e.eplb_min_peak_load_improvement, e.eplb_policy_kind) == (0.05, "balanced")
+    # this project's defaults (spec section 11): EPLB on, incremental (xLLM: off, balanced)
+    assert (e.enable_eplb, e.redundant_experts_num, e.eplb_update_interval) == (True, 1, 1000)
+    assert (e.eplb_min_peak_load_improvement, e.eplb_policy_kind) == (0.05, "incremental")
+    assert e.eplb_plan_on == "cost" and ServeConfig().workload == "none"
     assert (e.eplb_use_decode_only_load, e.eplb_prepare_timeout_seconds) == (False, 30)
     assert (e.expert_parallel_degree, e.enable_fused_mc2) == (0, -1)
 

@@ -263,3 +263,23 @@ def test_cancel_during_chunked_prefill_releases_the_partial_cache():
     s.pull()
     assert r.finish_reason == "cancelled" and r.output == []
     assert s.schedule()[0].release == [r.req_id] and not s.has_work
+
+
+def test_fail_in_flight_ends_every_request_and_releases_running_kv():
+    # a stalled step (engine/failures.py): running and waiting requests end with the error, the
+    # step's late tokens are ignored and the next step releases the running ones' KV caches
+    s = Scheduler(dp_size=2, max_batch_size=1, max_prefill_tokens=64)
+    reqs = [s.submit(_req()) for _ in range(3)]
+    s.pull()
+    b = s.schedule()                       # two admitted (one per rank), one waiting
+    late = s.submit(_req())                # still in the inbox
+    failed = s.fail_in_flight("engine stalled: rank 1")
+    assert sorted(r.req_id for r in failed) == sorted(r.req_id for r in reqs + [late])
+    assert all(r.finish_reason == "error" and r.error == "engine stalled: rank 1"
+               for r in reqs + [late])
+    assert _sample_all(s, b) == [] and all(r.output == [] for r in reqs)
+    assert s.has_work
+    nxt = s.schedule()
+    assert sorted(x for batch in nxt for x in batch.release) == sorted(
+        r.req_id for batch in b for r in batch.rows)
+    assert not s.has_work and all(not batch.rows for batch in nxt)

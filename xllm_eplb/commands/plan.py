@@ -25,7 +25,7 @@ import numpy as np
 
 from xllm_eplb.cli import handle_user_errors
 from xllm_eplb.eplb.balance import balancedness, rank_loads_from_phy2log
-from xllm_eplb.eplb.loads import parse_layer_range, read_loads
+from xllm_eplb.eplb.loads import parse_layer_range
 from xllm_eplb.eplb.placement import PlacementError, diff, initial_phy2log, validate_phy2log
 from xllm_eplb.errors import InputFileError, UserError
 
@@ -118,8 +118,9 @@ def run_plan(load: str, ep_size: int, redundant: int, policy: str, previous: str
              budget_slots: int = 0):
     """Everything but the file writes. Returns (result dict, before [L, D], after [L, D], info)."""
     from xllm_eplb.eplb.policy import make_policy, normalize_kind
+    from xllm_eplb.integrations.recordings import read_any
 
-    lf = read_loads(load)
+    lf = read_any(load)
     total, num_e = lf.loads.shape
     layers = parse_layer_range(moe_layers, total)
     loads = lf.loads[layers.start:layers.stop]
@@ -161,7 +162,7 @@ def run_plan(load: str, ep_size: int, redundant: int, policy: str, previous: str
     before = rank_loads_from_phy2log(prev, loads, ep_size)
     after = rank_loads_from_phy2log(table, loads, ep_size)
     skipped = [i for i, c in enumerate(cands) if c is None]
-    return result, before, after, dict(skipped=skipped, layers=layers)
+    return result, before, after, dict(skipped=skipped, layers=layers, moe_total=total)
 
 
 def render_report(result: dict, before: np.ndarray, after: np.ndarray, load: str,
@@ -192,7 +193,7 @@ def render_report(result: dict, before: np.ndarray, after: np.ndarray, load: str
 
 @click.command("plan")
 @click.option("--load", "load", required=True, help="expert-load file: SGLang dump .json, "
-              "JSON [layers][experts], or .npy")
+              "JSON [layers][experts], .npy, or a TensorRT-LLM expert-statistic folder")
 @click.option("--ep-size", type=int, required=True, help="EP ranks")
 @click.option("--redundant-experts-num", "redundant", type=int, default=1, show_default=True,
               help="extra slots per rank")
@@ -201,7 +202,12 @@ def render_report(result: dict, before: np.ndarray, after: np.ndarray, load: str
 @click.option("--previous", default=None, help="current placement JSON (a plan output); "
               "default: xLLM's initial layout")
 @click.option("--moe-layers", default=None, help="a:b, MoE layers to plan (after dense ones)")
-@click.option("--output", "-o", required=True, help="placement JSON to write")
+@click.option("--output", "-o", required=True, help="placement file to write (--format)")
+@click.option("--format", "fmt", type=click.Choice(["native", "sglang", "vllm-ascend", "trtllm"]),
+              default="native", show_default=True,
+              help="native: this engine's plan JSON (serve --eplb_init_placement); sglang: "
+                   "--init-expert-location JSON; vllm-ascend: expert_map_path JSON; trtllm: "
+                   "MoE load balancer YAML (docs/integrations.md)")
 @click.option("--report", default=None, help="markdown report to write")
 @click.option("--plot", default=None, help="rank-load PNG to write")
 @click.option("--num-nodes", type=int, default=1, show_default=True, help="node_aware: nodes")
@@ -210,7 +216,7 @@ def render_report(result: dict, before: np.ndarray, after: np.ndarray, load: str
 @click.option("--budget-slots", type=int, default=0, show_default=True,
               help="incremental: max moved slots over all layers (0 = auto)")
 @handle_user_errors
-def plan(load, ep_size, redundant, policy, previous, moe_layers, output, report, plot,
+def plan(load, ep_size, redundant, policy, previous, moe_layers, output, fmt, report, plot,
          num_nodes, num_groups, budget_slots):
     """Compute a placement from an expert-load file."""
     check_outputs(output, report, plot)
@@ -232,7 +238,8 @@ def plan(load, ep_size, redundant, policy, previous, moe_layers, output, report,
         if report:
             write_atomic(report, render_report(result, before, after, load, info["layers"]))
             written.append(report)
-        write_atomic(output, json.dumps(result) + "\n")
+        write_atomic(output, json.dumps(result) + "\n" if fmt == "native" else
+                     render_format(fmt, result, info))
     except (OSError, ValueError) as e:
         for path in written:
             Path(path).unlink(missing_ok=True)
@@ -243,4 +250,20 @@ def plan(load, ep_size, redundant, policy, previous, moe_layers, output, report,
            f"policy_ms={result['policy_seconds'] * 1000:.1f}")
     if "moved_slots" in result:
         msg += f" moved_slots={result['moved_slots']} weight_copies={result['weight_copies']}"
-    click.echo(msg + f" output={output}")
+    click.echo(msg + f" format={fmt} output={output}")
+
+
+def render_format(fmt: str, result: dict, info: dict) -> str:
+    """The placement file of another engine (``xllm_eplb.integrations.formats``): the planned
+    MoE layers, every other MoE layer on the trivial map (slot s -> expert s % E), dense layers
+    as the target numbers them."""
+    from xllm_eplb.integrations import formats
+
+    table = np.asarray(result["phy2log"], dtype=np.int64)
+    num_e, ep = result["num_logical_experts"], result["ep_size"]
+    fill = np.tile(np.arange(table.shape[1]) % num_e, (info["moe_total"], 1))
+    first = info["layers"].start
+    if fmt == "vllm-ascend":
+        return formats.render_ascend(table, ep, first=first, moe_fill=fill)
+    return formats.render(fmt, table, num_logical=num_e, dense=result["dense_layers_skipped"],
+                          first=first, moe_fill=fill)

@@ -136,6 +136,28 @@ def _cross_rules(cfg: Config) -> list[tuple[str, Any, str]]:
         bad.append(("eplb_num_nodes", e.eplb_num_nodes,
                     f"must divide --ep_size={e.ep_size}"))
     bad += topology_rules(e.ep_size, r.nnodes, r.node_rank, r.master_port)
+    bad += elastic_rules(cfg)
+    return bad
+
+
+def elastic_rules(cfg: Config) -> list[tuple[str, Any, str]]:
+    """``--elastic_ep``: single node, and a redundancy that survives one loss: the other N-1
+    ranks' slots can hold every expert, ``(N-1) x slots_per_rank >= num_experts``."""
+    e, m, r = cfg.eplb, cfg.model, cfg.runtime
+    if not r.elastic_ep or e.ep_size is None:
+        return []
+    bad: list[tuple[str, Any, str]] = []
+    if r.nnodes > 1:
+        bad.append(("elastic_ep", True, f"needs --nnodes=1 (got {r.nnodes}); multi-node runs "
+                                        "stop cleanly on a death"))
+    need = -(-m.num_experts // (e.ep_size - 1)) - m.num_experts // e.ep_size if e.ep_size > 1 \
+        else None
+    if need is not None and (e.ep_size - 1) * cfg.slots_per_rank < m.num_experts:
+        bad.append(("redundant_experts_num", e.redundant_experts_num,
+                    f"with --elastic_ep the other --ep_size-1={e.ep_size - 1} ranks must hold "
+                    f"every expert: (ep_size-1) x slots_per_rank >= num_experts="
+                    f"{m.num_experts} needs --redundant_experts_num >= {need} (or "
+                    "--elastic_ep=false: a death stops the run)"))
     return bad
 
 

@@ -254,7 +254,7 @@ def _routes(app: FastAPI, backend: ApiBackend) -> None:
 
 def _model_card(s: ServedModel) -> dict:
     return {"id": s.name, "object": "model", "created": s.created, "owned_by": "xllm-eplb",
-            "max_model_len": s.limits.max_position_embeddings}
+            "max_model_len": s.limits.max_position_embeddings, "quantization": s.quantization}
 
 
 #: path prefixes that need the API key when one is set

@@ -59,6 +59,7 @@ class ServedModel:
     tokenizer: Tokenizer
     limits: ApiLimits
     created: int = 0
+    quantization: dict | None = None    # the checkpoint's FP8 format (model.fp8.quant_info)
 
 
 # --- schema ---------------------------------------------------------------------------------

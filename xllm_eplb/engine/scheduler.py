@@ -58,10 +58,12 @@ class Request:
     token_logprobs: list = field(default_factory=list)
     req_id: int = -1
     dp_rank: int = -1
-    #: prompt tokens scheduled into the KV cache so far (chunked prefill; the prompt is
-    #: prefilled when this reaches ``len(prompt)``). NOTE: a request prefilled again from
-    #: scratch (its KV cache lost) must start again from 0
+    #: context tokens scheduled into the KV cache so far (chunked prefill; the context is
+    #: prefilled when this reaches ``prefill_to``)
     prefilled: int = 0
+    #: context tokens to prefill: the prompt, or prompt + output for a re-prefill (set when
+    #: admitted; -1: the prompt)
+    prefill_to: int = -1
     output: list[int] = field(default_factory=list)
     arrival: float = field(default_factory=time.monotonic)
     first_token_at: float = 0.0
@@ -72,8 +74,8 @@ class Request:
 
     @property
     def prefilling(self) -> bool:
-        """Part of the prompt still waits for a prefill chunk."""
-        return self.prefilled < len(self.prompt)
+        """Part of the context still waits for a prefill chunk."""
+        return self.prefilled < (len(self.prompt) if self.prefill_to < 0 else self.prefill_to)
 
     @property
     def num_tokens(self) -> int:
@@ -186,10 +188,13 @@ class Scheduler:
         return rows
 
     def _pick_rank(self, rows: list[int], prefill: list[int], n: int) -> int:
-        """Least-loaded rank with room for one more row of ``n`` prompt tokens, or -1."""
+        """Least-loaded rank with room for one more row of ``n`` prompt tokens, or -1 (a
+        re-prefill longer than ``max_prefill_tokens`` goes alone onto a rank)."""
         best = -1
         for k in range(self.dp_size):
-            if rows[k] >= self.max_batch_size or prefill[k] + n > self.max_prefill_tokens:
+            over = prefill[k] + n > self.max_prefill_tokens and (
+                prefill[k] or n <= self.max_prefill_tokens)
+            if rows[k] >= self.max_batch_size or over:
                 continue
             if best < 0 or rows[k] < rows[best]:
                 best = k
@@ -211,27 +216,32 @@ class Scheduler:
         rows = self._rows_per_rank()
         while self.waiting:
             req = self.waiting[0]
-            k = self._pick_rank(rows, prefill, min(len(req.prompt), self.max_prefill_tokens))
+            # NOTE: prompt + output: a re-prefill (void_step) continues where it stopped
+            k = self._pick_rank(rows, prefill, min(req.num_tokens, self.max_prefill_tokens))
             if k < 0:
                 break  # NOTE: FIFO admission; the head waits until a rank has room
             self.waiting.popleft()
             req.dp_rank = k
             rows[k] += 1
+            req.prefilled, req.prefill_to = 0, req.num_tokens
             self.running[req.req_id] = req
             self._add_chunk(batches, prefill, req)
         return batches
 
     def _add_chunk(self, batches: list[RankBatch], prefill: list[int], req: Request) -> None:
-        """The next prefill chunk of ``req`` on its rank: as many of its remaining prompt tokens
-        as the rank's prefill budget still holds this step (none when it is spent)."""
+        """The next prefill chunk of ``req`` on its rank: as many of its remaining context tokens
+        (prompt, plus the output so far for a re-prefill) as the rank's prefill budget still
+        holds this step (none when it is spent)."""
         k = req.dp_rank
-        n = min(len(req.prompt) - req.prefilled, self.max_prefill_tokens - prefill[k])
+        n = min(req.prefill_to - req.prefilled, self.max_prefill_tokens - prefill[k])
         if n <= 0:
             return
         start = req.prefilled
         prefill[k] += n
         req.prefilled += n
-        batches[k].rows.append(SeqRow(req.req_id, req.prompt[start:start + n], start, True,
+        ctx = req.prompt[start:start + n] if start + n <= len(req.prompt) else \
+            (list(req.prompt) + list(req.output))[start:start + n]
+        batches[k].rows.append(SeqRow(req.req_id, ctx, start, True,
                                       req.temperature, req.seed, req.top_p, req.top_k,
                                       req.logprobs))
 
@@ -268,6 +278,34 @@ class Scheduler:
             req.finish("error", error)
         self.running.clear()
         self.waiting.clear()
+
+    def void_step(self) -> list[Request]:
+        """``--elastic_ep``: the step in flight died with a rank; none of its tokens is
+        committed. Every running request's KV cache is released on its rank and the request
+        goes back to the head of the queue, to be re-prefilled from prompt + output (its
+        sampling is seeded by (seed, position), so it continues with the same tokens).
+        Returns those requests."""
+        back = sorted(self.running.values(), key=lambda r: r.req_id)
+        for req in back:
+            del self.running[req.req_id]
+            self._release[req.dp_rank].append(req.req_id)
+        self._flush = self._flush or bool(back)
+        self.waiting.extendleft(reversed(back))
+        return back
+
+    def fail_in_flight(self, error: str) -> list[Request]:
+        """Finish every running and waiting request with ``error`` (a stalled step,
+        ``engine/failures.py``) while the engine keeps running: the running ones' KV caches are
+        released by the next step, a late token of theirs is ignored. Returns them."""
+        self.pull()
+        reqs = list(self.running.values())
+        for req in reqs:
+            self._retire(req, "error", error)
+        self._flush = self._flush or bool(reqs)
+        waiting, self.waiting = list(self.waiting), deque()
+        for req in waiting:
+            req.finish("error", error)
+        return reqs + waiting
 
     def _retire(self, req: Request, reason: str, error: str = "") -> None:
         del self.running[req.req_id]
