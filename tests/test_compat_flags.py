@@ -98,6 +98,10 @@ def test_model_size_errors_name_config_json(mixtral4):
     assert "--num_experts=64" not in r.output
     r = _validate("--model", str(mixtral4), "--ep-size", "2", "--redundant_experts_num=3")
     assert r.exit_code == 2 and "num_local_experts=4 in " in r.output, r.output
+    r = _validate("--model", str(mixtral4), "--ep-size", "4", "--workload",
+                  "--workload_prompt_len=2100")
+    assert r.exit_code == 2 and "must be <= max_position_embeddings=2048 of " \
+        f"{mixtral4}/config.json" in r.output, r.output
     assert _validate("--model", str(mixtral4), "--ep-size", "4").exit_code == 0
 
 

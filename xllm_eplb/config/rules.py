@@ -118,8 +118,8 @@ def _cross_rules(cfg: Config) -> list[tuple[str, Any, str]]:
         bad.append(("backend", r.backend, f"needs --device={devices[0]} "
                                           f"(got --device={r.device})"))
     s = cfg.serve
-    if s.workload == "synthetic" and (s.workload_prompt_len + s.workload_output_len
-                                      > m.max_position_embeddings):
+    if s.workload == "synthetic" and not m.model and (
+            s.workload_prompt_len + s.workload_output_len > m.max_position_embeddings):
         bad.append(("workload_output_len", s.workload_output_len,
                     f"--workload_prompt_len + --workload_output_len must be <= "
                     f"--max_position_embeddings={m.max_position_embeddings}"))
