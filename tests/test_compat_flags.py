@@ -81,6 +81,8 @@ def test_ep_size_one_is_the_single_rank_baseline():
         load("--ep-size", "1", "--enable_eplb")
     with pytest.raises(ConfigError, match="--redundant_experts_num=2: must be 0 with"):
         load("--ep-size", "1", "--redundant_experts_num=2")
+    with pytest.raises(ConfigError, match="--nnodes=2: must divide --ep_size=1"):
+        load("--ep-size", "1", "--nnodes", "2", "--master_port", "29500")
     r = _validate("--ep-size", "1", "--config", "configs/eplb.yaml")
     assert r.exit_code == 0 and "ep_size=1" in r.output, r.output
 
