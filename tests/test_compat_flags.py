@@ -81,6 +81,8 @@ def test_ep_size_one_is_the_single_rank_baseline():
         load("--ep-size", "1", "--enable_eplb")
     with pytest.raises(ConfigError, match="--redundant_experts_num=2: must be 0 with"):
         load("--ep-size", "1", "--redundant_experts_num=2")
+    with pytest.raises(ConfigError, match="--nnodes=2: must divide --ep_size=1"):
+        load("--ep-size", "1", "--nnodes", "2", "--master_port", "29500")
     r = _validate("--ep-size", "1", "--config", "configs/eplb.yaml")
     assert r.exit_code == 0 and "ep_size=1" in r.output, r.output
 
@@ -98,6 +100,10 @@ def test_model_size_errors_name_config_json(mixtral4):
     assert "--num_experts=64" not in r.output
     r = _validate("--model", str(mixtral4), "--ep-size", "2", "--redundant_experts_num=3")
     assert r.exit_code == 2 and "num_local_experts=4 in " in r.output, r.output
+    r = _validate("--model", str(mixtral4), "--ep-size", "4", "--workload",
+                  "--workload_prompt_len=2100")
+    assert r.exit_code == 2 and "must be <= max_position_embeddings=2048 of " \
+        f"{mixtral4}/config.json" in r.output, r.output
     assert _validate("--model", str(mixtral4), "--ep-size", "4").exit_code == 0
 
 

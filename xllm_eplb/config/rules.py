@@ -118,8 +118,8 @@ def _cross_rules(cfg: Config) -> list[tuple[str, Any, str]]:
         bad.append(("backend", r.backend, f"needs --device={devices[0]} "
                                           f"(got --device={r.device})"))
     s = cfg.serve
-    if s.workload == "synthetic" and (s.workload_prompt_len + s.workload_output_len
-                                      > m.max_position_embeddings):
+    if s.workload == "synthetic" and not m.model and (
+            s.workload_prompt_len + s.workload_output_len > m.max_position_embeddings):
         bad.append(("workload_output_len", s.workload_output_len,
                     f"--workload_prompt_len + --workload_output_len must be <= "
                     f"--max_position_embeddings={m.max_position_embeddings}"))
@@ -132,7 +132,7 @@ def _cross_rules(cfg: Config) -> list[tuple[str, Any, str]]:
     # layout against them (model/validate.py), naming the file
     bad += layout_rules(m.num_experts, e.ep_size, e.redundant_experts_num) if not m.model \
         else layout_rules(e.ep_size, e.ep_size, 0)
-    if e.ep_size > 1 and e.ep_size % e.eplb_num_nodes:
+    if e.ep_size % e.eplb_num_nodes:
         bad.append(("eplb_num_nodes", e.eplb_num_nodes,
                     f"must divide --ep_size={e.ep_size}"))
     bad += topology_rules(e.ep_size, r.nnodes, r.node_rank, r.master_port)
@@ -167,7 +167,7 @@ def topology_rules(ep_size: int, nnodes: int, node_rank: int,
     ``ep_size/nnodes`` EP ranks per node), ``node_rank`` < ``nnodes``, and with more than one
     node an explicit ``master_port`` (every node must find the rendezvous)."""
     bad: list[tuple[str, Any, str]] = []
-    if ep_size > 1 and ep_size % nnodes:
+    if ep_size % nnodes:
         bad.append(("nnodes", nnodes, f"must divide --ep_size={ep_size} (ep_size/nnodes "
                                       f"workers per node)"))
     if node_rank >= nnodes:

@@ -28,6 +28,13 @@ def validate_model_config(cfg: Config) -> None:
     if m.routing_mode == "trace":
         from xllm_eplb.model.routing import load_trace
         load_trace(m.routing_trace)
+    s = cfg.serve
+    if m.model and s.workload == "synthetic" and (s.workload_prompt_len + s.workload_output_len
+                                                  > m.max_position_embeddings):
+        raise ConfigError(f"--workload_prompt_len + --workload_output_len = "
+                          f"{s.workload_prompt_len + s.workload_output_len}: must be <= "
+                          f"max_position_embeddings={m.max_position_embeddings} of "
+                          f"{m.model}/config.json")
     if not m.model:
         spec_for(cfg)              # the generated default checkpoint can have these sizes
 
