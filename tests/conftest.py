@@ -26,7 +26,8 @@ def shared_data() -> Path:
     """``../shared/data/sglang_ep_statistics`` (real DeepSeek load dumps); skips when absent."""
     path = (REPO_ROOT / ".." / "shared" / "data" / "sglang_ep_statistics").resolve()
     if not path.is_dir() or not any(path.glob("*.json")):
-        pytest.skip(f"shared load data not found at {path}")
+        pytest.skip(f"shared load data not found at {path} (the SGLang dumps: README.md, "
+                    f"'Real DeepSeek-V3/R1 expert loads', says where they come from)")
     return path
 
 
