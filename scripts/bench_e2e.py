@@ -28,7 +28,9 @@ the mode order reversed every other round. Per mode and round (deltas of ``/eplb
 - the cost model (``/eplb/status`` ``cost_model`` of the ``on`` server): its predicted
   critical path under the initial and the deployed placement; predicted wall-clock gain =
   ``tpot_off / (tpot_off - (pred_initial - pred_deployed)) - 1`` against the measured gain,
-  and predicted critical-path gain against ``crit_off / crit_on - 1``.
+  and predicted critical-path gain against ``crit_off / crit_on - 1``; and the ``on``
+  server's own post-commit checks (``commit_checks``: per committed layer, the measured gain of
+  the steps just after vs just before the commit, on the same server, and the predicted one).
 
 With 2 cores and EP2 the engine shares a core with the ranks: wall-clock numbers include that,
 the critical path does not (it is each rank's own CPU time). ``--project`` replays the
@@ -119,6 +121,20 @@ def measure(srv, prompts, args) -> dict:
             "layers_committed": s1.get("layers_committed", 0),
             "layers_regressed": s1.get("layers_regressed", 0),
             "cost_model": s1.get("cost_model")}
+
+
+def cost_checks(srv) -> list[dict]:
+    """The server's post-commit checks (``EPLB layer cost check`` lines of engine.log): per
+    committed layer the measured critical-path gain (same server, the steps just before vs just
+    after the commit) and the one the cost model predicted."""
+    out = []
+    for line in (srv.log_dir / "engine.log").read_text().splitlines():
+        if "EPLB layer cost check" not in line:
+            continue
+        kv = dict(f.split("=", 1) for f in line.split() if "=" in f)
+        out.append({k: (None if kv[k] == "None" else json.loads(kv[k].lower()))
+                    for k in ("layer", "measured_gain", "predicted_gain", "regressed")})
+    return out
 
 
 def pair_numbers(r: dict) -> dict:
@@ -240,6 +256,7 @@ def main(argv=None) -> int:
                 print(f"bench_e2e: round {i + 1}/{args.pairs} {order}", file=sys.stderr,
                       flush=True)
                 rounds.append({m: measure(servers[m], meas_p, args) for m in order})
+            checks = {m: cost_checks(servers[m]) for m in modes if m != "off"}
         finally:
             for s in servers.values():
                 s.stop()
@@ -250,7 +267,7 @@ def main(argv=None) -> int:
         warm={m: {k: warmed[m].get(k) for k in ("layers_committed", "rounds", "layers_regressed",
                                                  "layers_rolled_back", "slots_moved")}
               for m in modes},
-        cost_model_fit=fit, args=vars(args) | {"json": str(args.json)},
+        cost_model_fit=fit, commit_checks=checks, args=vars(args) | {"json": str(args.json)},
         rounds=[{m: {k: v for k, v in r[m].items() if k not in ("outputs", "cost_model")}
                  for m in r} for r in rounds])
     if args.project:
