@@ -109,7 +109,6 @@ def _fault(s, client, ref, hit, what: str) -> dict:
 def test_killed_and_frozen_workers_are_replaced_and_no_request_is_lost(ckpt, start_server):
     s = start_server("--ep-size", "4", "--model", str(ckpt), "--dtype=float64",
                      "--workload=none", "--enable_eplb=false", "--elastic_ep=true",
-                     "--num_experts=8", "--num_experts_per_tok=2",
                      "--redundant_experts_num=1", "--elastic_silence_seconds=2",
                      "--max_batch_size=4")
     s.wait_ready(240)

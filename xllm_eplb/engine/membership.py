@@ -13,8 +13,10 @@ Recovery (the launcher respawns the dead worker in place and sends the engine a 
              survivors leave generation g and join g+1 with the replacement (same ranks)
     resume   the next step is ordinary; streams continue without a repeated or skipped token
 
-A death the engine cannot recover from stops the run as without elasticity: no launcher
-notice (a real error), an EPLB round in flight, a second death during recovery, or a re-form
+An EPLB round in flight is dropped (``EplbManager.abort_round``: committed layers stay, the
+rest is re-planned by a later round). A death the engine cannot recover from stops the run as
+without elasticity: no launcher notice (a real error), an EPLB layer activation in flight (some
+rank may have switched it), a second death during recovery, or a re-form
 that does not finish within ``--elastic_join_timeout_seconds``. Each phase logs one
 ``EPLB elastic ...`` line with its duration.
 """
@@ -68,9 +70,9 @@ class Membership:
         rank, step = int(who[2:]), eng.step_no
         log.warning(event("EPLB elastic detect", rank=rank, step=step, generation=generation,
                           detect_s=round(time.time() - seen, 3), cause=msg))
-        if eng.manager is not None and eng.manager.pipe.in_progress:
-            raise WorkerFault(f"{msg}; an EPLB round was in flight (--elastic_ep recovers only "
-                              "between rounds)")
+        if eng.manager is not None and not eng.manager.abort_round():
+            raise WorkerFault(f"{msg}; an EPLB layer activation was in flight (some rank may "
+                              "have switched it): the run stops")
         self._fence(rank, step)
         back = eng.sched.void_step()
         t_fence = time.monotonic()
