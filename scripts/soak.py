@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import datetime
 import http.client
 import json
 import os
@@ -272,13 +273,28 @@ def _cmdline(p: psutil.Process) -> list[str]:
         return []
 
 
-def recoveries(log_dir: Path) -> list[float]:
-    """Seconds of every ``EPLB elastic resume`` in the engine log (detect -> re-formed)."""
+def recoveries(log_dir: Path, kills: list[tuple[float, str]]) -> dict:
+    """From the engine log: per recovery, the engine's detect latency (launcher saw the exit
+    -> engine detects, ``detect_s``), detect -> re-formed (``seconds``) and kill -> resumed
+    (the kill times of the chaos thread against the ``EPLB elastic resume`` stamps)."""
     path = log_dir / "engine.log"
-    if not path.exists():
-        return []
-    return [float(ln.split(" seconds=")[1].split()[0]) for ln in path.read_text().splitlines()
-            if "EPLB elastic resume" in ln and " seconds=" in ln]
+    lines = path.read_text().splitlines() if path.exists() else []
+
+    def field(ln: str, key: str) -> float:
+        return float(ln.split(f" {key}=")[1].split()[0])
+
+    def stamp(ln: str) -> float:
+        return datetime.datetime.fromisoformat(ln.split()[0]).timestamp()
+
+    detect = [field(ln, "detect_s") for ln in lines if "EPLB elastic detect " in ln]
+    resume = [ln for ln in lines if "EPLB elastic resume " in ln]
+    kill_to_resume = []
+    for t_kill, _ in kills:
+        after = [stamp(ln) - t_kill for ln in resume if stamp(ln) > t_kill]
+        if after:
+            kill_to_resume.append(round(min(after), 3))
+    return {"detect_s": detect, "reform_s": [field(ln, "seconds") for ln in resume],
+            "kill_to_resume_s": kill_to_resume}
 
 
 def soak(model: Path, tmp: Path, pool, ref, minutes: float, n_clients: int,
@@ -332,7 +348,7 @@ def soak(model: Path, tmp: Path, pool, ref, minutes: float, n_clients: int,
             **({"kills": len(chaos.kills), "recovered": st["membership"].get("recoveries", 0),
                 "generation": st["membership"].get("generation", 0),
                 "requests_reprefilled": st["membership"].get("requests_reprefilled", 0),
-                "recovery_s": recoveries(tmp / "logs_soak")} if chaos else {})}
+                **recoveries(tmp / "logs_soak", chaos.kills)} if chaos else {})}
 
 
 def make_model(tmp: Path) -> Path:

@@ -70,6 +70,7 @@ class Membership:
         rank, step = int(who[2:]), eng.step_no
         log.warning(event("EPLB elastic detect", rank=rank, step=step, generation=generation,
                           detect_s=round(time.time() - seen, 3), cause=msg))
+        self.mark_down(rank)
         if eng.manager is not None and not eng.manager.abort_round():
             raise WorkerFault(f"{msg}; an EPLB layer activation was in flight (some rank may "
                               "have switched it): the run stops")
@@ -82,10 +83,23 @@ class Membership:
         t_done = time.monotonic()
         self.generation, self.recoveries = generation, self.recoveries + 1
         self.reprefilled += len(back)
+        self._metrics(t_done - t0, len(back))
         self.last = {"rank": rank, "step": step, "generation": generation,
                      "fence_s": round(t_fence - t0, 3), "reform_s": round(t_done - t_fence, 3),
                      "seconds": round(t_done - t0, 3), "requests_reprefilled": len(back)}
         log.warning(event("EPLB elastic resume", **self.last))
+
+    def _metrics(self, seconds: float, reprefilled: int) -> None:
+        """The replacement re-read its whole shard (every slot of every MoE layer) from the
+        checkpoint; nothing moved between replicas."""
+        m, cfg = self.eng.metrics, self.eng.cfg
+        m.generation.set(self.generation)
+        m.recovery_seconds.observe(seconds)
+        m.reprefilled.inc(reprefilled)
+        m.experts_reloaded.labels("checkpoint").inc(cfg.slots_per_rank * cfg.num_moe_layers)
+
+    def mark_down(self, rank: int) -> None:
+        self.eng.metrics.rank_active.labels(str(rank)).set(0)
 
     def _fence(self, dead: int, step: int) -> None:
         """Drop the survivors' outputs of the void step (each writes exactly one)."""
@@ -115,6 +129,7 @@ class Membership:
         eng.inp.put(msg, timeout=self.join_timeout)
         for r in range(eng.D):
             self._regroup_answer(r, eng.step_no, time.monotonic() + self.join_timeout)
+        eng.metrics.rank_active.labels(str(dead)).set(1)
         log.info(event("EPLB elastic re-form", generation=generation, rank=dead,
                        seconds=round(time.monotonic() - t0, 3)))
 
