@@ -95,6 +95,15 @@ def test_reprefill_continues_with_the_tokens_of_an_uninterrupted_run():
         ckpt = make_checkpoint("deepseek_v3", Path(d) / "c", num_experts=8, top_k=2)
         cfg = resolve_config(load_config(["--ep-size", "2", "--model", str(ckpt),
                                           "--dtype=float64"])[0])
+        # --model: the rule is checked on the checkpoint's expert count (8 here, not 64)
+        from xllm_eplb.model.validate import validate_model_config
+
+        bad = resolve_config(load_config(["--ep-size", "4", "--model", str(ckpt),
+                                          "--elastic_ep=true",
+                                          "--redundant_experts_num=0"])[0])
+        with pytest.raises(ConfigError, match=r"config.json: routed experts 8: "
+                                              r"--redundant_experts_num=0: .* >= 1"):
+            validate_model_config(bad)
         m = Decoder.reference(cfg)
         for temp, seed in ((0.0, 0), (0.9, 5)):
             full = _generate(m, [3, 9, 27, 81], 12, temp, seed, RankBatch, SeqRow, rid=1)
@@ -114,3 +123,18 @@ def _generate(m, prompt, n, temp, seed, RankBatch, SeqRow, rid):
         out.append(res.sampled[rid])
     m.release([rid])
     return out
+
+
+def test_abort_round_drops_the_round_unless_an_activation_is_awaited():
+    from xllm_eplb.eplb.manager_state import LayerPipeline
+
+    p = LayerPipeline(3, 2)
+    p.start_round(np.zeros((3, 4), dtype=np.int64), np.array([True, False, True]))
+    t = p.command(0.0).prepare_token                 # layer 0 preparing
+    assert p.in_progress and p.abort_round() and not p.in_progress
+    assert p.command(1.0).prepare_layer_id == -1     # nothing left of that round
+    p.start_round(np.zeros((3, 4), dtype=np.int64), np.array([True, False, False]))
+    t = p.command(2.0).prepare_token
+    p.observe_prepared([t, t], 2.5)
+    assert p.command(3.0).update_layer_id == 0       # activation sent: awaited
+    assert not p.abort_round() and p.in_progress     # some rank may have switched: refused

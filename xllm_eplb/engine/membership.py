@@ -13,8 +13,10 @@ Recovery (the launcher respawns the dead worker in place and sends the engine a 
              survivors leave generation g and join g+1 with the replacement (same ranks)
     resume   the next step is ordinary; streams continue without a repeated or skipped token
 
-A death the engine cannot recover from stops the run as without elasticity: no launcher
-notice (a real error), an EPLB round in flight, a second death during recovery, or a re-form
+An EPLB round in flight is dropped (``EplbManager.abort_round``: committed layers stay, the
+rest is re-planned by a later round). A death the engine cannot recover from stops the run as
+without elasticity: no launcher notice (a real error), an EPLB layer activation in flight (some
+rank may have switched it), a second death during recovery, or a re-form
 that does not finish within ``--elastic_join_timeout_seconds``. Each phase logs one
 ``EPLB elastic ...`` line with its duration.
 """
@@ -68,9 +70,10 @@ class Membership:
         rank, step = int(who[2:]), eng.step_no
         log.warning(event("EPLB elastic detect", rank=rank, step=step, generation=generation,
                           detect_s=round(time.time() - seen, 3), cause=msg))
-        if eng.manager is not None and eng.manager.pipe.in_progress:
-            raise WorkerFault(f"{msg}; an EPLB round was in flight (--elastic_ep recovers only "
-                              "between rounds)")
+        self.mark_down(rank)
+        if eng.manager is not None and not eng.manager.abort_round():
+            raise WorkerFault(f"{msg}; an EPLB layer activation was in flight (some rank may "
+                              "have switched it): the run stops")
         self._fence(rank, step)
         back = eng.sched.void_step()
         t_fence = time.monotonic()
@@ -80,10 +83,23 @@ class Membership:
         t_done = time.monotonic()
         self.generation, self.recoveries = generation, self.recoveries + 1
         self.reprefilled += len(back)
+        self._metrics(t_done - t0, len(back))
         self.last = {"rank": rank, "step": step, "generation": generation,
                      "fence_s": round(t_fence - t0, 3), "reform_s": round(t_done - t_fence, 3),
                      "seconds": round(t_done - t0, 3), "requests_reprefilled": len(back)}
         log.warning(event("EPLB elastic resume", **self.last))
+
+    def _metrics(self, seconds: float, reprefilled: int) -> None:
+        """The replacement re-read its whole shard (every slot of every MoE layer) from the
+        checkpoint; nothing moved between replicas."""
+        m, cfg = self.eng.metrics, self.eng.cfg
+        m.generation.set(self.generation)
+        m.recovery_seconds.observe(seconds)
+        m.reprefilled.inc(reprefilled)
+        m.experts_reloaded.labels("checkpoint").inc(cfg.slots_per_rank * cfg.num_moe_layers)
+
+    def mark_down(self, rank: int) -> None:
+        self.eng.metrics.rank_active.labels(str(rank)).set(0)
 
     def _fence(self, dead: int, step: int) -> None:
         """Drop the survivors' outputs of the void step (each writes exactly one)."""
@@ -113,6 +129,7 @@ class Membership:
         eng.inp.put(msg, timeout=self.join_timeout)
         for r in range(eng.D):
             self._regroup_answer(r, eng.step_no, time.monotonic() + self.join_timeout)
+        eng.metrics.rank_active.labels(str(dead)).set(1)
         log.info(event("EPLB elastic re-form", generation=generation, rank=dead,
                        seconds=round(time.monotonic() - t0, 3)))
 

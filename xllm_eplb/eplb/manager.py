@@ -177,6 +177,16 @@ class EplbManager:
         with self._lock:
             self._observe_activation(int(activation_token))
 
+    def abort_round(self) -> bool:
+        """``--elastic_ep`` recovery: drop the round in flight (``LayerPipeline.abort_round``);
+        False when an activation is awaited (the run must stop)."""
+        with self._lock:
+            busy = self.pipe.in_progress
+            ok = self.pipe.abort_round()
+        if busy and ok:
+            log.warning(event("EPLB elastic round aborted", reason="rank lost"))
+        return ok
+
     def tick(self) -> None:
         """Advance timeouts (and, sync runner, the timer and the policy) without outputs."""
         now = self.clock()

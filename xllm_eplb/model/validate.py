@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from xllm_eplb.config import Config, layout_error
+from xllm_eplb.config import Config, elastic_rules, layout_error
 from xllm_eplb.errors import ConfigError, InputFileError
 from xllm_eplb.model.default_checkpoint import spec_for
 
@@ -17,6 +17,9 @@ def validate_model_config(cfg: Config) -> None:
         raise ConfigError(_from_config_json(m.model, m.num_experts, err))
     if err:
         raise ConfigError(err)
+    for flag, value, rule in elastic_rules(cfg):       # --elastic_ep: survives one loss
+        where = f"{m.model}/config.json: routed experts {m.num_experts}: " if m.model else ""
+        raise ConfigError(f"{where}--{flag}={value}: {rule}")
     if m.num_experts_per_tok > m.num_experts:
         raise ConfigError(f"num_experts_per_tok={m.num_experts_per_tok} is larger than "
                           f"num_experts={m.num_experts}")
