@@ -40,7 +40,7 @@ SIZE_OPTIONS = {
     "--num-kv-heads": ("num_kv_heads", int, "key/value heads (default heads/2; deepseek: heads)"),
     "--vocab-size": ("vocab_size", int, "vocabulary incl. 4 special tokens (default 512)"),
     "--max-position-embeddings": ("max_position_embeddings", int, "longest sequence "
-                                  "(default 1024)"),
+                                  "(default 2048)"),
     "--routing-skew": ("routing_skew", float, "topic/router alignment strength, 0 = none "
                        "(default 1.0)"),
 }

@@ -90,7 +90,7 @@ class CheckpointSpec:
     norm_topk_prob: bool | None = None      # deepseek_v3/qwen3_moe: True; qwen2_moe: False
     tie_word_embeddings: bool = False
     vocab_size: int = 512
-    max_position_embeddings: int = 1024
+    max_position_embeddings: int = 2048
     rope_theta: float | None = None         # 10000 (mixtral: 1e6)
     rms_norm_eps: float | None = None       # 1e-6 (mixtral: 1e-5)
     routing_skew: float = 1.0

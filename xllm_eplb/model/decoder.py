@@ -286,7 +286,8 @@ class Decoder(RankModel):
         return out, cnt, dt, ids, cpu
 
 
-def build_model(cfg: Config, ep_rank: int, ep_group=None, *, device=None) -> Decoder:
+def build_model(cfg: Config, ep_rank: int, ep_group=None, *, device=None,
+                phy2log: np.ndarray | None = None) -> Decoder:
     """The worker's model: a :class:`Decoder` of ``cfg.model.model`` (the launcher has filled
     it with the generated default checkpoint when ``--model`` was empty), starting from
     ``initial_placement(cfg)`` (``--eplb_init_placement`` or xLLM's layout) and loading only this
@@ -294,5 +295,6 @@ def build_model(cfg: Config, ep_rank: int, ep_group=None, *, device=None) -> Dec
     if not cfg.model.model:
         raise ValueError("build_model: cfg.model.model is empty; the launcher resolves it "
                          "with model.default_checkpoint.with_default_checkpoint first")
-    phy2log = initial_placement(resolve_config(cfg))
+    if phy2log is None:       # an elastic replacement passes the deployed table instead
+        phy2log = initial_placement(resolve_config(cfg))
     return Decoder(cfg, ep_rank, ep_group, phy2log, device=device)

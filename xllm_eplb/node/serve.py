@@ -17,7 +17,7 @@ from pathlib import Path
 
 from xllm_eplb.config import Config, node_ranks
 from xllm_eplb.ipc.shm import resolve_run_id, validate_run_id
-from xllm_eplb.launcher import free_port, launcher_process, run_launcher
+from xllm_eplb.launcher import free_port, launcher_process, run_launcher, sweep_dead_at_start
 from xllm_eplb.node.launcher import NodeLauncher, node_run_id
 from xllm_eplb.node.rendezvous import host_run, join_run, open_store, report_failure
 from xllm_eplb.obs.logs import event
@@ -30,7 +30,8 @@ log = logging.getLogger(__name__)
 
 def resolve_topology(cfg: Config) -> Config:
     """``eplb_num_nodes`` left at 1 becomes ``nnodes`` (``node_aware`` sees the real nodes);
-    ``log_dir`` becomes ``<log_dir>/node<n>`` (per-node log files, also on one machine)."""
+    ``log_dir`` becomes ``<log_dir>/node<n>`` (per-node log files, also on one machine; each run
+    in its own ``<time>/`` folder there, ``node<n>/latest`` the newest)."""
     rt = cfg.runtime
     e = cfg.eplb
     if e.eplb_num_nodes == 1:
@@ -75,7 +76,7 @@ def serve_nodes(cfg: Config, digest: str = "") -> int:
 
     cfg = _checks(resolve_topology(resolve_config(cfg)))
     node = cfg.runtime.node_rank
-    launcher_process(cfg, f"xllm-eplb:launcher-node{node}")
+    cfg = launcher_process(cfg, f"xllm-eplb:launcher-node{node}")   # node<n>/<time>/
     store_port = cfg.runtime.master_port
     store = open_store(cfg, master=node == 0)
     cfg, origin = _rendezvous(cfg, store)   # compares the flags as given, not local paths
@@ -85,6 +86,7 @@ def serve_nodes(cfg: Config, digest: str = "") -> int:
                    run_id=cfg.runtime.run_id, dist_port=cfg.runtime.master_port,
                    ranks=f"{node_ranks(cfg).start}-{node_ranks(cfg).stop - 1}")
              + (" " + digest if digest else ""))
+    sweep_dead_at_start()
     return _run(cfg, store, origin, store_port)
 
 
