@@ -253,8 +253,7 @@ class LogicalMoE:
                     t.copy_(w[name])
         self.layer_id = layer_id
         self.num_logical = E
-        ids = torch.arange(E, device=store.tensors()[next(iter(store.tensors()))].device)
-        self.w13, self.w2, _ = store.weights(ids)
+        self.w13, self.w2, _ = store.weights(torch.arange(E, device=torch.device(device)))
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         """x [T, H], topk_ids [T, k] logical -> expert outputs [T, k, H] (unweighted)."""
