@@ -213,3 +213,45 @@ def test_fp8_checkpoint_passes_the_checks_and_reports_itself(fp8_ckpt):
     info = fp8.quant_info(str(fp8_ckpt), False)
     assert info == {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [16, 16],
                     "activation_scheme": "dynamic", "expert_dequant": "per_step"}
+
+
+def test_make_checkpoint_cli_writes_fp8(tmp_path):
+    from xllm_eplb.model.loader import read_header
+
+    out = tmp_path / "ds"
+    r = CliRunner().invoke(cli, ["make-checkpoint", "--arch", "deepseek_v3", "--quant", "fp8",
+                                 "--block-size", "32", "--num-experts", "8", "--num-layers",
+                                 "2", "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    assert "quant=fp8 block_size=32 scale_dtype=float32" in r.output
+    q = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert q["quant_method"] == "fp8" and q["weight_block_size"] == [32, 32]
+    assert q["modules_to_not_convert"] == ["model.layers.0.self_attn.kv_a_proj_with_mqa",
+                                           "model.layers.1.self_attn.kv_a_proj_with_mqa"]
+    hdr = read_header(out / "model.safetensors")
+    w = "model.layers.1.mlp.experts.7.down_proj.weight"
+    assert hdr[w]["dtype"] == "F8_E4M3" and hdr[w + "_scale_inv"]["shape"] == [2, 1]
+    assert hdr["model.layers.1.mlp.gate.weight"]["dtype"] == "F32"        # the router stays
+    r = CliRunner().invoke(cli, ["make-checkpoint", "--quant", "fp8", "--block-size", "0",
+                                 "--out", str(tmp_path / "x")])
+    assert r.exit_code == 2
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+def test_serve_refuses_a_bad_scale_before_starting_anything(fp8_ckpt, tmp_path):
+    import subprocess
+    import sys
+
+    p = tmp_path / "bad"
+    shutil.copytree(fp8_ckpt, p)
+    _with_scale(p, _set(-2.0))
+    logs = tmp_path / "logs"
+    r = subprocess.run([sys.executable, "-m", "xllm_eplb", "serve", "--model", str(p),
+                        "--ep-size", "2", "--port", "0", "--log_dir", str(logs)],
+                       capture_output=True, text=True, timeout=50)
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and re.match(rf"error: .*scale '{EXPERT}_scale_inv' holds -2.0 at "
+                                        r"\[0, 1\]", lines[0]), r.stderr
+    assert not logs.exists()                    # nothing started, nothing written
