@@ -5,7 +5,8 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 TORCH   ?= torch==2.13.0
 EP_SIZE ?= 16
-SERVE_ARGS ?= --ep-size $(EP_SIZE) --config configs/eplb.yaml --enable_eplb=true --eplb_update_interval=20
+# EPLB is on by default (incremental, cost-aware); add --workload=synthetic for demo traffic
+SERVE_ARGS ?= --ep-size $(EP_SIZE) --config configs/eplb.yaml --eplb_update_interval=20
 
 .PHONY: help install test test-fast serve lint docs clean
 
@@ -29,7 +30,7 @@ test-fast: install  ## the in-process core only (no test marked slow or oracle),
 
 # no --model: the launcher generates the default deepseek_v3 checkpoint from the config's sizes
 # once into .cache/checkpoints/<family>-<hash>/ and serves it (reused by later runs)
-serve: install  ## serve the generated tiny checkpoint at 16 EP ranks with the built-in workload
+serve: install  ## serve the generated tiny checkpoint at 16 EP ranks (EPLB on, no built-in workload)
 	$(BIN)/xllm-eplb serve $(SERVE_ARGS)
 
 lint: install  ## ruff check

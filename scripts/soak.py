@@ -21,11 +21,21 @@ Targets over 10 minutes (docs/benchmarks.md): 0 failed requests, 0 mismatches, R
 
     python scripts/soak.py --minutes 10 [--model DIR] [--json PATH] [--clients 4]
     python scripts/soak.py --quick --json /tmp/soak.json        # 1 minute
+
+``--chaos`` (issue #23): the soak server runs ``--elastic_ep=true`` and a random worker is
+SIGKILLed every ``--kill-every`` seconds (default 60; 20 with ``--quick``); the launcher
+replaces it and the ranks re-form. Targets: 0 failed requests, 0 token mismatches, every kill
+recovered (``/eplb/status`` ``membership``), the recovery seconds of each kill reported.
+
+    python scripts/soak.py --chaos --minutes 10 --json /tmp/chaos.json
+    python scripts/soak.py --chaos --quick
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import datetime
 import http.client
 import json
 import os
@@ -222,11 +232,77 @@ def reference(model: Path, tmp: Path, pool: list[dict]) -> list[list[int]]:
     return ref
 
 
+def elastic_flags(model: Path) -> list[str]:
+    """``--elastic_ep=true`` with the least redundancy that survives one loss at EP4."""
+    cfg = json.loads((model / "config.json").read_text())
+    e = int(cfg.get("n_routed_experts") or cfg.get("num_experts") or cfg["num_local_experts"])
+    need = max(1, -(-e // 3) - e // 4)
+    return ["--elastic_ep=true", f"--redundant_experts_num={need}",
+            "--elastic_max_restarts=100000", "--elastic_silence_seconds=5"]
+
+
+class Chaos:
+    """SIGKILL a random worker every ``every`` seconds (seeded); kill times are recorded."""
+
+    def __init__(self, server: Server, every: float, seed: int = 23):
+        self.s, self.every, self.rng = server, every, random.Random(seed)
+        self.kills: list[tuple[float, str]] = []
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self.stop.wait(self.every):
+            workers = [p for p in self.s.procs() if p.pid != self.s.proc.pid
+                       and "xllm-eplb:ep" in " ".join(_cmdline(p))]
+            if workers:
+                p = self.rng.choice(workers)
+                self.kills.append((time.time(), " ".join(_cmdline(p))))
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    p.kill()
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(10)
+
+
+def _cmdline(p: psutil.Process) -> list[str]:
+    try:
+        return p.cmdline()
+    except psutil.Error:
+        return []
+
+
+def recoveries(log_dir: Path, kills: list[tuple[float, str]]) -> dict:
+    """From the engine log: per recovery, the engine's detect latency (launcher saw the exit
+    -> engine detects, ``detect_s``), detect -> re-formed (``seconds``) and kill -> resumed
+    (the kill times of the chaos thread against the ``EPLB elastic resume`` stamps)."""
+    path = log_dir / "engine.log"
+    lines = path.read_text().splitlines() if path.exists() else []
+
+    def field(ln: str, key: str) -> float:
+        return float(ln.split(f" {key}=")[1].split()[0])
+
+    def stamp(ln: str) -> float:
+        return datetime.datetime.fromisoformat(ln.split()[0]).timestamp()
+
+    detect = [field(ln, "detect_s") for ln in lines if "EPLB elastic detect " in ln]
+    resume = [ln for ln in lines if "EPLB elastic resume " in ln]
+    kill_to_resume = []
+    for t_kill, _ in kills:
+        after = [stamp(ln) - t_kill for ln in resume if stamp(ln) > t_kill]
+        if after:
+            kill_to_resume.append(round(min(after), 3))
+    return {"detect_s": detect, "reform_s": [field(ln, "seconds") for ln in resume],
+            "kill_to_resume_s": kill_to_resume}
+
+
 def soak(model: Path, tmp: Path, pool, ref, minutes: float, n_clients: int,
-         warmup_s: float) -> dict:
-    s = Server(model, tmp / "logs_soak", ["--enable_eplb=true", "--eplb_update_interval=2",
-                                          "--eplb_min_peak_load_improvement=0"])
-    clients = None
+         warmup_s: float, chaos_every: float = 0.0) -> dict:
+    flags = ["--enable_eplb=true", "--eplb_update_interval=2",
+             "--eplb_min_peak_load_improvement=0"]
+    s = Server(model, tmp / "logs_soak", flags + (elastic_flags(model) if chaos_every else []))
+    clients = chaos = None
     try:
         s.wait_ready()
         clients = Clients(s.port, pool, ref, n_clients)
@@ -234,6 +310,7 @@ def soak(model: Path, tmp: Path, pool, ref, minutes: float, n_clients: int,
         time.sleep(warmup_s)
         start = quiet_snapshot(s, clients)
         st0 = s.get("/eplb/status")
+        chaos = Chaos(s, chaos_every) if chaos_every else None
         peak = dict(start["rss"])
         end_at = time.monotonic() + max(minutes * 60.0 - warmup_s, 1.0)
         while time.monotonic() < end_at:
@@ -241,12 +318,16 @@ def soak(model: Path, tmp: Path, pool, ref, minutes: float, n_clients: int,
             assert s.proc.poll() is None, f"server died: {s.out.read_text()[-2000:]}"
             for k, v in snapshot(s)["rss"].items():
                 peak[k] = max(peak.get(k, 0), v)
+        if chaos is not None:
+            chaos.close()
         clients.pause()
         time.sleep(1.5)
         end = snapshot(s)
         st = s.get("/eplb/status")
         clients.close()
     finally:
+        if chaos is not None:
+            chaos.close()
         code = s.stop()
     growth = {k: peak[k] / v - 1.0 for k, v in start["rss"].items() if k in peak and v > 0}
     return {"minutes": minutes, "clients": n_clients, "warmup_s": warmup_s,
@@ -263,7 +344,11 @@ def soak(model: Path, tmp: Path, pool, ref, minutes: float, n_clients: int,
             "shm_objects_start": start["shm"], "shm_objects_end": end["shm"],
             "exit_code": code,
             "shm_objects_after_exit": len([n for n in os.listdir("/dev/shm")
-                                           if f"xllm_eplb_{s.run_id}_" in n])}
+                                           if f"xllm_eplb_{s.run_id}_" in n]),
+            **({"kills": len(chaos.kills), "recovered": st["membership"].get("recoveries", 0),
+                "generation": st["membership"].get("generation", 0),
+                "requests_reprefilled": st["membership"].get("requests_reprefilled", 0),
+                **recoveries(tmp / "logs_soak", chaos.kills)} if chaos else {})}
 
 
 def make_model(tmp: Path) -> Path:
@@ -281,6 +366,10 @@ def main() -> None:
     ap.add_argument("--json", type=Path, help="write the results here")
     ap.add_argument("--model", type=Path, help="checkpoint folder (default: generate one)")
     ap.add_argument("--clients", type=int, default=4, help="client threads (one request each)")
+    ap.add_argument("--chaos", action="store_true",
+                    help="--elastic_ep=true and a random worker SIGKILLed every --kill-every s")
+    ap.add_argument("--kill-every", type=float, default=None,
+                    help="seconds between kills (default 60; 20 with --quick)")
     ap.add_argument("--warmup-s", type=float, default=None,
                     help="seconds before the start figures (default min(60, 10%% of the run))")
     args = ap.parse_args()
@@ -292,11 +381,13 @@ def main() -> None:
         model = args.model or make_model(tmp)
         t0 = time.monotonic()
         ref = reference(model, tmp, pool)
-        res = soak(model, tmp, pool, ref, minutes, args.clients, warm)
+        every = (args.kill_every or (20.0 if args.quick else 60.0)) if args.chaos else 0.0
+        res = soak(model, tmp, pool, ref, minutes, args.clients, warm, every)
         res["wall_s"] = round(time.monotonic() - t0, 1)
     keys = ("requests_ok", "requests_failed", "token_mismatches", "rebalances", "layers_moved",
             "rss_growth_max", "fds_start", "fds_end", "threads_start", "threads_end",
             "shm_objects_start", "shm_objects_end", "exit_code")
+    keys += ("kills", "recovered") if args.chaos else ()
     print("soak " + " ".join(f"{k}={res[k]:.4f}" if isinstance(res[k], float) else
                              f"{k}={res[k]}" for k in keys), flush=True)
     if res["first_error"]:

@@ -46,10 +46,10 @@ def start_server(tmp_path):
     """``start(*flags) -> Server``: real `xllm-eplb serve` runs, killed and swept after the test."""
     servers: list[Server] = []
 
-    def start(*args: str) -> Server:
+    def start(*args: str, base: list[str] | None = None) -> Server:
         d = tmp_path / f"s{len(servers)}"
         d.mkdir()
-        s = Server(d, list(args))
+        s = Server(d, list(args), base)
         servers.append(s)
         return s
 

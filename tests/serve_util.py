@@ -46,9 +46,11 @@ def kill_run(proc, alive) -> None:
 class Server:
     """One `xllm-eplb serve` process group with its logs and every process it started."""
 
-    def __init__(self, tmp: Path, args: list[str], *, cmd: list[str] | None = None,
-                 cwd: Path = ROOT, env: dict | None = None, port: int | None = None):
-        """``cmd``: the whole command line instead of ``python -m xllm_eplb serve ... *args``
+    def __init__(self, tmp: Path, args: list[str], base: list[str] | None = None, *,
+                 cmd: list[str] | None = None, cwd: Path = ROOT, env: dict | None = None,
+                 port: int | None = None):
+        """``base``: the run's fixed flags (default: 4 ranks from the example config);
+        ``cmd``: the whole command line instead of ``python -m xllm_eplb serve ... *args``
         (it must listen on ``port`` and log under ``cwd``)."""
         self.port = port or free_port()
         self.run_id = f"p{self.port}"
@@ -57,8 +59,9 @@ class Server:
         self.log_dir = self.log_root / "latest"
         self.out, self.err = tmp / "stdout.txt", tmp / "stderr.txt"
         if cmd is None:
-            cmd = [sys.executable, "-m", "xllm_eplb", "serve", "--ep-size", "4", "--config",
-                   str(ROOT / "configs" / "eplb.yaml"), "--port", str(self.port),
+            if base is None:
+                base = ["--ep-size", "4", "--config", str(ROOT / "configs" / "eplb.yaml")]
+            cmd = [sys.executable, "-m", "xllm_eplb", "serve", *base, "--port", str(self.port),
                    "--log_dir", str(self.log_root), *args]
         else:
             self.log_root, self.log_dir = cwd / "logs", cwd / "logs" / "latest"

@@ -125,8 +125,21 @@ def _subst(text: str, clone: dict, port: int | None = None) -> str:
 def _run(b: Block, clone: dict, port: int | None = None) -> subprocess.CompletedProcess:
     text = _subst(b.text, clone, port)
     cmd = ["python", "-c", text] if b.lang == "python" else ["bash", "-e", "-c", text]
-    return subprocess.run(cmd, cwd=clone["cwd"], env=clone["env"], capture_output=True,
-                          text=True, timeout=BLOCK_TIMEOUT)
+    # NOTE: its own session, so a block that overruns is killed with everything it started
+    p = subprocess.Popen(cmd, cwd=clone["cwd"], env=clone["env"], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = p.communicate(timeout=BLOCK_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGTERM)        # a server: graceful stop, shm swept
+        try:
+            p.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.communicate()
+        raise AssertionError(f"{b.where}: still running after {BLOCK_TIMEOUT} s (a long run "
+                             f"belongs in a `bash` block)\n--- block\n{b.text}") from None
+    return subprocess.CompletedProcess(cmd, p.returncode, out, err)
 
 
 def _ok(b: Block, r: subprocess.CompletedProcess) -> None:

@@ -22,7 +22,8 @@ N_NEW = 16
 #: EPLB rounds every 3 s on the synthetic workload, every layer published
 EPLB_FLAGS = ["--eplb_update_interval=3", "--workload=synthetic", "--workload_rate=6",
               "--workload_output_len=16", "--workload_prompt_len=8",
-              "--eplb_min_peak_load_improvement=0"]
+              "--eplb_min_peak_load_improvement=0", "--eplb_policy_kind=balanced",
+              "--eplb_plan_on=tokens"]
 
 
 @pytest.fixture(scope="module")

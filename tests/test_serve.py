@@ -98,8 +98,9 @@ def _reference_tokens(argv: list[str]) -> list[list[int]]:
 
 @pytest.mark.timeout(200)
 def test_serve_rebalances_keeps_tokens_identical_and_stops_cleanly(start_server):
-    flags = ["--eplb_update_interval=3", "--dtype=float64", "--workload_rate=6",
-             "--workload_output_len=24", "--log_stats_interval=1"]
+    flags = ["--eplb_update_interval=3", "--dtype=float64", "--workload=synthetic",
+             "--workload_rate=6", "--workload_output_len=24", "--eplb_policy_kind=balanced",
+             "--eplb_plan_on=tokens", "--log_stats_interval=1"]
     s = start_server(*flags)
     s.wait_ready()
     before = [_post(s.url, b) for b in REQUESTS]
@@ -182,17 +183,32 @@ def _check_live_view(s: Server, fams: dict) -> None:
 @pytest.mark.timeout(90)
 def test_killed_worker_stops_the_run_naming_the_rank(start_server):
     # steps in flight when the rank dies: every survivor fails its all-to-all
-    s = start_server("--workload_rate=20", "--enable_eplb=false")
+    import openai
+
+    s = start_server("--workload=synthetic", "--workload_rate=20", "--enable_eplb=false")
     s.wait_ready()
+    # a streaming client in flight is told which rank died, not "server shutting down" (#26)
+    c = openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0, timeout=60)
+    stream = iter(c.completions.create(model="xllm-eplb", prompt="go", max_tokens=1000,
+                                       stream=True, extra_body={"ignore_eos": True}))
+    next(stream)
     time.sleep(1.0)
     victim = next(p for p in psutil.Process(s.proc.pid).children()
                   if "ep2" in " ".join(p.cmdline()))
     t0 = time.monotonic()
     victim.kill()
+    with pytest.raises(openai.APIError) as told:
+        for _ in stream:
+            pass
     rc = s.proc.wait(15)
     assert rc != 0 and time.monotonic() - t0 < 10
     err = s.err.read_text()
     assert "rank 2" in err and "SIGKILL" in err
+    assert f"rank 2 (pid {victim.pid}) died during serving: killed by SIGKILL" in str(told.value)
+    # the console's summary line and the launcher log say the same thing, stamp included
+    line = next(ln for ln in err.splitlines() if ln.startswith("error:"))
+    assert line[len("error: "):] in (s.log_dir / "launcher.log").read_text().replace('\\"', '"')
+    assert "(seen at " in line
     # one summary line on the console; the survivors' tracebacks only in their rank logs
     assert [ln for ln in err.splitlines() if ln.startswith("error:")] == [
         next(ln for ln in err.splitlines() if "died during serving" in ln)], err[-3000:]
@@ -219,10 +235,25 @@ def test_sigterm_to_the_whole_process_group_is_a_clean_stop(start_server):
 
 
 @pytest.mark.timeout(90)
-def test_killed_launcher_takes_its_children_and_shm_with_it(start_server):
+def test_killed_launcher_takes_its_children_and_shm_with_it(start_server, tmp_path):
+    # a dead run's leftovers (every process SIGKILLed): the next serve sweeps them (#23 item 11)
+    from test_shm_hygiene import OLD, _age, _killed_creator, _names, _rid
+
+    dead = _rid()
+    _killed_creator(dead)
+    _age(dead, OLD)
     s = start_server("--workload=none", "--enable_eplb=false")
     s.wait_ready()
     assert shm_objects(s.run_id)
+    assert _names(dead) == []
+    swept = [ln for ln in (s.log_dir / "launcher.log").read_text().splitlines()
+             if "shm swept dead runs" in ln]
+    assert len(swept) == 1 and dead in swept[0], swept
+    # the launcher's event channel is pipes: no process of the run maps a named semaphore of
+    # multiprocessing (a SIGKILLed launcher and its resource tracker would leave sem.mp-*)
+    s.note_children()
+    for pid in s.alive():
+        assert "/dev/shm/sem.mp-" not in Path(f"/proc/{pid}/maps").read_text(), pid
     s.proc.kill()                                   # SIGKILL: no handler, no cleanup
     s.proc.wait(5)
     deadline = time.monotonic() + 10

@@ -135,13 +135,23 @@ def test_openai_client_streaming_cancellation_and_stall(start_server):
     assert "Traceback" not in log.read_text()
     assert _metric(s, "xllm_eplb_requests_total", result="cancelled") == 1
 
-    # a frozen worker: /health says stalled and names it, worker_up drops, ages grow
+    # a frozen worker: a streaming client gets an error event naming it within
+    # --stall_seconds (#26 item 5); /health says stalled and names it, worker_up drops, ages grow
     w1 = _worker(s, 1)
     w1.suspend()
+    t0 = time.monotonic()
     try:
         done = {}
-        t = threading.Thread(target=lambda: done.update(
-            r=c.completions.create(model="xllm-eplb", prompt="wait", max_tokens=2)))
+
+        def read_stream():
+            try:
+                for _ in c.completions.create(model="xllm-eplb", prompt="wait", max_tokens=400,
+                                              stream=True, extra_body={"ignore_eos": True}):
+                    pass
+            except openai.APIError as e:
+                done.update(err=str(e), at=time.monotonic() - t0)
+
+        t = threading.Thread(target=read_stream)
         t.start()
         st, body = _wait_for(lambda: (lambda x: x if x[0] == 503 else None)(
             _get(s.url + "/health")), 20, "a stalled /health")
@@ -156,12 +166,19 @@ def test_openai_client_streaming_cancellation_and_stall(start_server):
         with pytest.raises(openai.APIStatusError) as e:
             c.completions.create(model="xllm-eplb", prompt="x", max_tokens=1)
         assert e.value.status_code == 503 and "stalled" in e.value.message
+        t.join(20)
+        assert "engine stalled" in done["err"] and "on rank 1 " in done["err"], done
+        assert done["at"] < 1 + 1.5, done          # --stall_seconds=1, checked every 0.25 s
     finally:
         w1.resume()
     t.join(60)
-    assert done["r"].choices[0].finish_reason in ("length", "stop")
-    assert json.loads(_get(s.url + "/health")[1])["status"] == "serving"
+    # the worker woke up: the step completes, the failed request's KV cache is released, and
+    # the engine serves again
+    _wait_for(lambda: json.loads(_get(s.url + "/health")[1])["status"] == "serving", 20,
+              "serving again")
+    assert c.completions.create(model="xllm-eplb", prompt="x", max_tokens=2).choices[0]
     assert _metric(s, "xllm_eplb_worker_up", rank="1") == 1
+    assert "engine stall step=" in log.read_text()
 
 
 @pytest.mark.timeout(120)
@@ -171,7 +188,7 @@ def test_worker_timeout_names_the_silent_rank(start_server):
     s.note_children()
     _worker(s, 1).suspend()
     try:
-        with pytest.raises((openai.APIError, openai.APIConnectionError)):
+        with pytest.raises((openai.APIError, openai.APIConnectionError)) as told:
             _client(s).completions.create(model="xllm-eplb", prompt="x", max_tokens=2)
         rc = s.proc.wait(60)
     finally:
@@ -181,5 +198,13 @@ def test_worker_timeout_names_the_silent_rank(start_server):
     assert rc == 1, err
     assert "rank 1: stopped answering" in err and "rank 0:" not in err, err
     assert "rank 1 did not stop" in err        # it was frozen: SIGKILL, named
+    assert "rank 1: stopped answering" in str(told.value)      # the client is told why
+    # the console's final error line and the launcher log agree on who was killed, why, when
+    last = [ln for ln in err.splitlines() if ln.startswith("error:")][-1]
+    at = last.rsplit(" at ", 1)[1]
+    killed = [ln for ln in (s.log_dir / "launcher.log").read_text().splitlines()
+              if "launcher killed" in ln]
+    assert last.startswith("error: rank 1 did not stop") and len(killed) == 1, (last, killed)
+    assert "procs=ep1" in killed[0] and f"at={at}" in killed[0] and "SIGKILL" in killed[0]
     time.sleep(0.3)
     assert s.alive() == [] and shm_objects(s.run_id) == []

@@ -2,7 +2,12 @@
 
 Every child names itself, ignores terminal ^C (only the launcher decides when to stop), dies
 with the launcher (Linux ``PR_SET_PDEATHSIG`` plus a parent-pid check), reports start-up stages
-on the launcher's event queue and leaves with ``os._exit``.
+on its end of the launcher's event channel (:class:`EventSender`) and leaves with ``os._exit``.
+
+NOTE: the event channel is one pipe per child, not a ``multiprocessing.Queue``: a spawn-context
+Queue is three named POSIX semaphores (``/dev/shm/sem.mp-*``) that only the creator's resource
+tracker unlinks, so a launcher SIGKILLed together with its tracker (a killed process group)
+left them behind (issue #23 item 11). A pipe is an fd: the kernel frees it with its holders.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ import ctypes
 import os
 import signal
 import sys
+import threading
 
 PR_SET_PDEATHSIG = 1
 
@@ -54,3 +60,40 @@ def send_event(events, who: str, stage: str, detail: str = "") -> None:
     """Report a start-up stage (``who``: ``engine`` or ``ep<r>``) to the launcher."""
     with contextlib.suppress(Exception):
         events.put((who, stage, detail))
+
+
+class EventSender:
+    """A child's end of the launcher's event channel (one pipe per child; picklable into a
+    spawned child). ``put((who, stage, detail))`` is thread-safe (one lock per process);
+    ``notice(timeout)`` reads what the launcher sent this child (the engine: a worker's death,
+    ``("died", who, detail)``), or None."""
+
+    def __init__(self, conn):
+        self.conn = conn
+        self._lock = threading.Lock()
+
+    def __getstate__(self):
+        return {"conn": self.conn}
+
+    def __setstate__(self, state):
+        self.conn, self._lock = state["conn"], threading.Lock()
+
+    def put(self, item) -> None:
+        with self._lock:
+            self.conn.send(item)
+
+    def notice(self, timeout: float = 0.0):
+        """The launcher's next notice to this child, or None within ``timeout`` seconds."""
+        try:
+            if self.conn.poll(timeout):
+                return self.conn.recv()
+        except (EOFError, OSError):
+            pass
+        return None
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.conn.close()
+
+    def join_thread(self) -> None:
+        """Nothing to wait for (a pipe write is synchronous); kept for the Queue interface."""

@@ -30,6 +30,7 @@ import math
 import threading
 import time
 import urllib.parse
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -85,6 +86,21 @@ def check_url(url: str) -> tuple[str, int]:
     if u.scheme != "http" or not u.hostname:
         raise UserError(f"--url={url}: unknown url type (want http://HOST:PORT)")
     return u.hostname, u.port or 80
+
+
+def workload_warning(status: dict) -> str | None:
+    """One warning line when the server runs its built-in synthetic workload (``status``: its
+    ``/eplb/status``, whose ``workload`` is ``{"kind": ..., "rate_per_s": ...}``): those
+    requests share the engine with the measured ones, so every number is lower than the server
+    can give. None otherwise (or unknown)."""
+    w = status.get("workload")
+    kind = w.get("kind", "none") if isinstance(w, dict) else "none"
+    if kind == "none":
+        return None
+    return (f"warning: the server runs the built-in {kind} workload "
+            f"({w.get('rate_per_s', '?')} req/s): it shares the engine with these requests, "
+            f"so the numbers below understate the server (serve with --workload=none to measure "
+            f"it alone)")
 
 
 def stream_one(host: str, port: int, body: dict, timeout: float) -> dict:
@@ -311,6 +327,9 @@ def bench(url, n, concurrency, prompt_len, max_tokens, topics, skew, dataset, ma
     prompts = (sharegpt_prompts(dataset, n, seed, max_prompt_chars) if dataset
                else make_prompts(n, prompt_len, topics, skew, seed))
     info = server_info(url)
+    warn = workload_warning(info.get("status", {}))
+    if warn:
+        click.echo(warn, err=True)
     res = run_bench(url, prompts, max_tokens, concurrency, seed, request_rate=request_rate,
                     burstiness=burstiness)
     res.pop("outputs")

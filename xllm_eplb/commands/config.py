@@ -52,12 +52,23 @@ with `xllm-eplb config validate ...`, see every resolved value and where it came
 
 `eplb_policy_kind` is case-insensitive: `balanced`, `greedy`, `incremental`, `node_aware`; the
 historical names `flat`, `deepseek_flat`, `deepseek-flat`, `deepseek_hier`, `deepseek-hier`,
-`hier`, `hierarchical` mean `balanced`; any other value logs one warning and becomes `greedy`
-(as in xLLM).
+`hier`, `hierarchical` mean `balanced`; any other value is an error (exit 2) when the config
+is read; the rebalance loop keeps xLLM's fallback to `greedy` (one warning) for a value that
+reaches it another way.
+
+Names from other engines: `--max-model-len` / `--context-length` = `--max_position_embeddings`,
+`--max-num-seqs` / `--max-running-requests` = `--max_batch_size` (rows per EP rank per step),
+`--chunked-prefill-size` = `--max_prefill_tokens`, `--model-path` = `--model`,
+`--tokenizer-path` = `--tokenizer`, `--expert-parallel-size` = `--ep_size`; a flag of a
+feature this engine does not have (`--tensor-parallel-size`, `--pipeline-parallel-size`,
+`--gpu-memory-utilization`, ...) is an error that says so. `--workload` alone means
+`--workload=synthetic`, `--noworkload` means `--workload=none`.
 
 Cross-field rules:
 
-- `ep_size` is required to serve, `ep_size > 1`, and `num_experts % ep_size == 0`;
+- `ep_size` is required to serve, `ep_size >= 1`, and `num_experts % ep_size == 0`;
+  `ep_size=1` is one rank holding every expert: EPLB off and no redundant slot (a config
+  file's values are overridden, a flag asking otherwise is an error);
 - `redundant_experts_num <= num_experts - num_experts / ep_size` (one replica per rank);
 - `eplb_num_nodes` divides `ep_size`;
 - `num_experts_per_tok <= num_experts`; `hidden_size % num_attention_heads == 0`;
@@ -103,7 +114,7 @@ def render_docs() -> str:
 
 def show_lines(cfg: Config, sources: dict[str, str]) -> list[str]:
     """``name=value (source)`` for every field, in section order."""
-    return [f"{k}={format_value(v)} ({sources[k]})" for k, v in as_flat_dict(cfg).items()]
+    return [f"{k}={format_value(v)} ({sources[k]})" for k, v in as_flat_dict(cfg, redact=True).items()]
 
 
 @click.group("config")

@@ -22,6 +22,7 @@ import time
 
 from xllm_eplb import __version__
 from xllm_eplb.config import Config, node_of_rank, ranks_per_node, resolve_backend
+from xllm_eplb.engine.failures import WAIT_SLICE, FailureWatch, WorkerFault
 from xllm_eplb.engine.health import StepWatch
 from xllm_eplb.engine.live_stats import LiveStats
 from xllm_eplb.engine.scheduler import Request, Scheduler, is_pure_decode_step
@@ -35,6 +36,7 @@ from xllm_eplb.eplb.recorder import ExpertRecorder
 from xllm_eplb.ipc.errors import IpcError, RingTimeoutError
 from xllm_eplb.ipc.messages import ForwardInput
 from xllm_eplb.model.batch import RankBatch, SeqRow
+from xllm_eplb.model.fp8 import quant_info
 from xllm_eplb.obs.logs import event
 from xllm_eplb.obs.metrics import EngineMetrics
 
@@ -45,8 +47,7 @@ IDLE_WAIT = 0.5
 STARTUP_TIMEOUT = 600.0
 
 
-class WorkerFault(RuntimeError):
-    """A worker reported an error, answered the wrong step, or went silent."""
+__all__ = ["Engine", "WorkerFault", "agreed_token", "step_kind"]
 
 
 def step_kind(batches: list[RankBatch], warmup: bool, pure_decode: bool) -> str:
@@ -68,6 +69,12 @@ def agreed_token(tokens: list[int]) -> int:
         log.warning(event("EPLB activation token mismatch", tokens=",".join(map(str, tokens))))
         return NO_TOKEN
     return first
+
+
+def decode_costs(outs, pure: bool) -> list | None:
+    """The ranks' per-layer expert CPU seconds of a pure-decode step (the cost model's input),
+    else None (prefill rows are not all counted)."""
+    return [o.timings.expert_cpu_s for o in outs] if pure else None
 
 
 class Engine:
@@ -95,9 +102,13 @@ class Engine:
         for r, n in enumerate(self.rank_node):
             self.metrics.rank_node.labels(str(r)).set(n)
         self.watch = StepWatch(self.D, cfg.serve.stall_seconds)
+        # stall -> clients told; launcher's death notices (``notices`` set by engine/process)
+        self.failures = FailureWatch(self.sched, self.watch, cfg.serve.stall_seconds,
+                                     on_failed=self.tele.on_requests)
         self.placement = initial_placement(cfg)       # [L, D*S]: what the workers start from
         self.recorder = ExpertRecorder(cfg.num_moe_layers, self.D, cfg.slots_per_rank,
                                        cfg.model.num_experts, cfg.eplb.eplb_record_trace_max_steps)
+        self.membership = None     # --elastic_ep: engine/membership.Membership (after warm-up)
         self.step_no = 0
         self.state = "starting"
         self.stopping = False
@@ -119,7 +130,9 @@ class Engine:
         self.inp.put(msg, timeout=timeout)
         if time.perf_counter() - t0 > 0.01:
             self.metrics.ring_full.labels("input").inc()
-        outs = [self._get(r, timeout) for r in range(self.D)]
+        outs = self._gather(timeout)
+        if outs is None:                  # elastic: a rank died, the step was void
+            return None
         seconds = time.perf_counter() - t0
         self.watch.end()
         self._ring_occupancy()
@@ -130,11 +143,23 @@ class Engine:
         if self.manager is not None and not warmup:
             c0 = time.thread_time()
             self.manager.on_outputs([o.counters for o in outs], [o.prepared_token for o in outs],
-                                    agreed_token([o.activation_token for o in outs]))
+                                    agreed_token([o.activation_token for o in outs]),
+                                    expert_cpu=decode_costs(outs, pure))
             self.tele.on_eplb(self.manager.stats())
             eplb_s += time.thread_time() - c0
         self.tele.on_step(step_kind(batches, warmup, pure), outs, seconds, eplb_engine_s=eplb_s)
         return outs
+
+    def _gather(self, timeout: float) -> list | None:
+        """Every rank's output of the step; ``--elastic_ep``: None after a recovery from a
+        rank's death (``engine/membership.py``; the step is void)."""
+        try:
+            return [self._get(r, timeout) for r in range(self.D)]
+        except WorkerFault as e:
+            if self.membership is None:
+                raise
+            self.membership.recover(e)
+            return None
 
     @property
     def active_placement(self):
@@ -147,9 +172,23 @@ class Engine:
             ring = max(self.outs, key=lambda o: o.ring.pending()).ring
             self.metrics.ring_occupancy.labels("output").set(ring.pending() / ring.slots)
 
+    def _wait_output(self, rank: int, timeout: float):
+        """Rank ``rank``'s output within ``timeout`` s, read in ``WAIT_SLICE`` slices; between
+        slices the failure watch acts on a stall or a death notice (``engine/failures.py``)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                return self.outs[rank].get(timeout=max(0.0, min(WAIT_SLICE, left)))
+            except RingTimeoutError:
+                if left <= WAIT_SLICE:
+                    raise
+                if self.state == "serving":     # not the warm-up (workers still loading)
+                    self.failures.between_slices(self.step_no, self.inp, self.outs)
+
     def _get(self, rank: int, timeout: float):
         try:
-            out = self.outs[rank].get(timeout=timeout)
+            out = self._wait_output(rank, timeout)
         except RingTimeoutError:
             # NOTE: every rank blocks in the all-to-all behind a silent one: name the ranks
             # that did not read this step's input (or did not answer), not the first waited on.
@@ -199,6 +238,8 @@ class Engine:
             batches = self.sched.schedule()
             self.live.on_scheduled(batches, self.sched.running, time.monotonic())
             outs = self.step(batches)
+            if outs is None:         # --elastic_ep: the step died with a rank (voided)
+                continue
             sampled: dict[int, int] = {}
             logprobs: dict = {}
             for o in outs:
@@ -292,7 +333,11 @@ class Engine:
         # the policy runner's thread CPU (drain, decode, policy), measured by the manager itself
         out["critical_path"]["manager_thread_cpu_s"] = float(out["policy_cpu_seconds"])
         out["requests"] = self.sched.load()
+        if self.manager is not None:
+            out["cost_model"] = self.manager.cost_status()
         out["nnodes"], out["rank_node"] = self.cfg.runtime.nnodes, list(self.rank_node)
+        out["membership"] = (self.membership.status() if self.membership is not None
+                             else {"elastic": False})
         e = self.cfg.eplb
         out["capacity"] = {"mode": e.moe_capacity_mode, "factor": e.moe_capacity_factor,
                            "fallback_routing": e.moe_fallback_routing,
@@ -300,5 +345,6 @@ class Engine:
                            **self.tele.serving_summary()}
         # capacity without fallback drops rows, with fallback re-routes them: both change outputs
         out["outputs_exact"] = e.moe_capacity_mode == "none"
+        out["quantization"] = quant_info(self.cfg.model.model, self.cfg.model.fp8_dequant_cache)
         out["workload"] = workload_status(self.cfg.serve)   # bench prints it in its header
         return out

@@ -62,11 +62,37 @@ class StepWatch:
                     return unread
         return pending
 
+    def unread(self, inp) -> list[int]:
+        """Ranks silent in the in-flight step: those that have not read its input frame, else
+        those whose process is stopped (SIGSTOP; mid-step the others wait for it inside the
+        all-to-all and cannot be told apart otherwise); [] when none or unknown."""
+        if not self.started:
+            return []
+        with contextlib.suppress(Exception):
+            behind = [r for r in range(self.D) if reader_behind(inp.ring, r)]
+            return behind or [r for r in range(self.D)
+                              if _stopped(reader_pid(inp.ring, r))]
+        return []
+
     def stalled(self, inp=None, outs=None) -> list[int] | None:
         """The silent ranks when the in-flight step is older than the threshold, else None."""
         if self.in_flight_seconds() <= self.stall_seconds:
             return None
         return self.waiting_on(inp, outs)
+
+
+def reader_pid(ring, index: int) -> int:
+    """The pid registered by reader ``index`` of the broadcast ``ring`` (0 = none)."""
+    return READER.unpack(ring.seg.read(RING_HEADER + READER.size * index, READER.size))[1]
+
+
+def _stopped(pid: int) -> bool:
+    """True when process ``pid`` is stopped (state ``T``, e.g. SIGSTOP)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return False
 
 
 def _has_frame(out) -> bool:

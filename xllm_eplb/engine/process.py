@@ -13,7 +13,8 @@ from pathlib import Path
 
 from xllm_eplb.child import child_exit, child_setup, parent_alive, send_event
 from xllm_eplb.config import Config
-from xllm_eplb.engine.engine import Engine, WorkerFault
+from xllm_eplb.engine.engine import Engine
+from xllm_eplb.engine.failures import SHUTDOWN, WorkerFault
 from xllm_eplb.engine.workload import SyntheticWorkload
 from xllm_eplb.ipc.objects import sweep_until_clean
 from xllm_eplb.ipc.ring import InputRing, OutputRing
@@ -41,13 +42,16 @@ def _attach_rings(cfg: Config):
 def _api(cfg: Config, engine_ref: dict):
     from xllm_eplb.engine.api import ApiBackend, ApiLimits, ApiServer, ServedModel
     from xllm_eplb.engine.record_api import record_router
-    from xllm_eplb.engine.tokenizer import load_tokenizer
+    from xllm_eplb.engine.tokenizer import served_tokenizer
+    from xllm_eplb.model.fp8 import quant_info
 
-    m, rt = cfg.model, cfg.runtime
-    limits = ApiLimits(m.vocab_size, rt.max_prefill_tokens, m.max_position_embeddings)
+    m = cfg.model
+    # a prompt up to the model length is served (chunked prefill over --max_prefill_tokens)
+    limits = ApiLimits(m.vocab_size, m.max_position_embeddings, m.max_position_embeddings)
     # the checkpoint's tokenizer (--model, or the default the launcher generated without it)
-    tok = load_tokenizer(getattr(m, "model", "") or None)
-    served = ServedModel(cfg.serve.served_model_name, tok, limits, created=int(time.time()))
+    tok = served_tokenizer(m.model or None, cfg.serve.tokenizer, cfg.serve.chat_template)
+    served = ServedModel(cfg.serve.served_model_name, tok, limits, created=int(time.time()),
+                         quantization=quant_info(m.model, m.fp8_dequant_cache))
 
     def eng():
         return engine_ref.get("engine")
@@ -65,8 +69,24 @@ def _api(cfg: Config, engine_ref: dict):
         health=lambda: eng().health() if eng() else (False, {"status": "starting"}),
         served=served,
         admit=lambda: need().admit(),
-        routers=(record_router(lambda: eng().recorder if eng() else None),))
+        routers=(record_router(lambda: eng().recorder if eng() else None),),
+        api_key=cfg.serve.api_key)
     return ApiServer(cfg.serve.host, cfg.serve.port, backend)
+
+
+def _elastic(cfg: Config, eng: Engine, events) -> None:
+    """``--elastic_ep``: the membership (recovery) with its store client, and the launcher
+    asked to SIGKILL a worker silent for ``--elastic_silence_seconds``."""
+    if not cfg.runtime.elastic_ep:
+        return
+    from xllm_eplb.engine.membership import Membership
+    from xllm_eplb.ipc.store import store_client
+
+    rt = cfg.runtime
+    eng.membership = Membership(eng, store_client(rt.master_addr, rt.master_port,
+                                                  rt.elastic_join_timeout_seconds))
+    eng.failures.kill = lambda who: send_event(events, "engine", "kill", who)
+    eng.failures.silence_seconds = rt.elastic_silence_seconds
 
 
 def _start_workload(cfg: Config, engine: Engine):
@@ -93,9 +113,11 @@ def _serve(cfg: Config, events, parent_pid: int, res: dict) -> int:
     res["rings"] = [inp] + outs
     send_event(events, "engine", "rings")
     res["engine"] = eng = ref["engine"] = Engine(cfg, inp, outs)
+    eng.failures.notices = getattr(events, "notice", None)   # the launcher's death notices
     eng.warmup()
     signal.signal(signal.SIGTERM, eng.request_stop)
     send_event(events, "engine", "warmup")
+    _elastic(cfg, eng, events)
     eng.manager = res["manager"] = _make_manager(cfg, eng.placement)
     eng.metrics.enabled.set(1 if eng.manager is not None else 0)
     res["workload"] = _start_workload(cfg, eng)
@@ -106,7 +128,7 @@ def _serve(cfg: Config, events, parent_pid: int, res: dict) -> int:
     return 0
 
 
-def _teardown(res: dict, parent_pid: int, run_id: str) -> None:
+def _teardown(res: dict, parent_pid: int, run_id: str, reason: str = SHUTDOWN) -> None:
     for key in ("workload", "manager"):
         if res.get(key) is not None:
             with contextlib.suppress(Exception):
@@ -114,7 +136,7 @@ def _teardown(res: dict, parent_pid: int, run_id: str) -> None:
     eng = res.get("engine")
     if eng is not None:
         eng.state = "stopping"
-        eng.sched.fail_all("server shutting down")
+        eng.sched.fail_all(reason)
         eng.shutdown_workers()
     if res.get("api") is not None:
         with contextlib.suppress(Exception):
@@ -137,21 +159,24 @@ def engine_main(cfg: Config, events, parent_pid: int) -> None:
     res: dict = {}
     stop = {"early": False}
     signal.signal(signal.SIGTERM, lambda *a: stop.update(early=True) or _raise_exit())
-    code = 1
+    code, reason = 1, SHUTDOWN
     try:
         code = _serve(cfg, events, parent_pid, res)
     except SystemExit as e:
         code = 0 if stop["early"] else int(e.code or 0)
     except WorkerFault as e:
+        # clients are told which rank died (the launcher's notice), not the survivor's error
+        eng = res.get("engine")
+        reason = eng.failures.explain(e) if eng is not None else str(e)
         # the launcher prints the one summary line (with this reason when the engine stops)
-        log.error(event("engine worker fault", error=str(e)), extra=FILE_ONLY)
+        log.error(event("engine worker fault", error=str(e), reason=reason), extra=FILE_ONLY)
         send_event(events, "engine", "error", str(e))
     except Exception as e:  # noqa: BLE001
         log.exception(event("engine failed", error=repr(e)))
         send_event(events, "engine", "error", f"{type(e).__name__}: {e}")
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        _teardown(res, parent_pid, cfg.runtime.run_id)
+        _teardown(res, parent_pid, cfg.runtime.run_id, reason)
         log.info(event("engine exit", code=code, steps=getattr(res.get("engine"), "step_no", 0)))
         logging.shutdown()
     child_exit(code, events)

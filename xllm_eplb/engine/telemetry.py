@@ -216,7 +216,8 @@ class Telemetry:
         m = self.m
         m.inc_to("rounds", m.rounds, st.get("rounds", 0))
         for key, label in (("layers_published", "published"), ("layers_committed", "committed"),
-                           ("layers_timed_out", "timed_out")):
+                           ("layers_timed_out", "timed_out"), ("layers_regressed", "regressed"),
+                           ("layers_rolled_back", "rolled_back")):
             m.inc_to(key, m.layers.labels(label), st.get(key, 0))
         m.inc_to("slots_moved", m.slots_moved, st.get("slots_moved", 0))
         if st.get("generation", 0) > self.eplb.get("generation", 0):

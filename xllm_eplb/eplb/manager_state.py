@@ -87,6 +87,17 @@ class LayerPipeline:
         self.state = [IDLE] * self.num_layers
         self.active_layer = self._next_enabled(NO_LAYER)
 
+    def abort_round(self) -> bool:
+        """Drop what is left of the round (elastic recovery: the workers' prepared buffers are
+        gone); committed layers stay deployed. False, and nothing changed, while an activation
+        is awaited (some rank may already have switched that layer)."""
+        if self.awaiting is not None:
+            return False
+        self.enable[:] = False
+        self.state = [IDLE] * self.num_layers
+        self.active_layer, self.active_token, self.pending = NO_LAYER, NO_TOKEN, None
+        return True
+
     def _next_enabled(self, after: int) -> int:
         for layer in range(after + 1, self.num_layers):
             if self.enable[layer]:

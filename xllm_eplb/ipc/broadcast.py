@@ -188,17 +188,25 @@ class Ring:
         self._seq = U64.unpack(self.seg.read(WSEQ, 8))[0]
         return self
 
-    def claim_reader(self, index: int) -> "Ring":
-        """Register this process as reader ``index``; it resumes at that reader's position."""
+    def claim_reader(self, index: int, *, skip: bool = False) -> "Ring":
+        """Register this process as reader ``index``; it resumes at that reader's position
+        (``skip``: at the newest frame instead, dropping what a dead predecessor left unread;
+        NOTE: only while the producer puts nothing, e.g. an elastic replacement that the
+        engine waits for)."""
         if not 0 <= index < self.num_readers:
             raise ValueError(f"ring {self.name}: reader index {index} not in [0, {self.num_readers})")
         off = RING_HEADER + READER.size * index
         with generation_lock():
             self._claim(off + 8, f"reader {index}")
-        self._seq = U64.unpack(self.seg.read(off, 8))[0]
         self.reader_index = index
         self._rseq_abs = HEADER_SIZE + off
         self._rdata, self._rspace = self._data[index], self._space[index]
+        if skip:
+            while self._rdata.value > 0:        # frames pending for this reader: give back
+                self._rdata.acquire(0)
+                self._rspace.release()
+            U64.pack_into(self._mm, self._rseq_abs, U64.unpack(self.seg.read(WSEQ, 8))[0])
+        self._seq = U64.unpack(self.seg.read(off, 8))[0]
         return self
 
     def _claim(self, off: int, role: str) -> None:

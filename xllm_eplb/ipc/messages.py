@@ -56,6 +56,9 @@ class ForwardInput:
     warmup: bool = False
     pure_decode: bool = False
     shutdown: bool = False
+    #: > 0 (``--elastic_ep``): leave the current process groups and join this generation
+    #: (``worker/regroup.py``); the step carries no rows
+    regroup: int = 0
 
     @classmethod
     def make_shutdown(cls, step: int = -1) -> "ForwardInput":
@@ -64,7 +67,8 @@ class ForwardInput:
     def to_dict(self) -> dict:
         return {"step": int(self.step), "batches": [b.to_dict() for b in self.batches],
                 "eplb": self.eplb_info.to_dict(), "warmup": bool(self.warmup),
-                "pure_decode": bool(self.pure_decode), "shutdown": bool(self.shutdown)}
+                "pure_decode": bool(self.pure_decode), "shutdown": bool(self.shutdown),
+                "regroup": int(self.regroup)}
 
     @classmethod
     def from_dict(cls, d: dict) -> "ForwardInput":
@@ -73,7 +77,7 @@ class ForwardInput:
                    eplb_info=EplbInfo.from_dict(_typed(d, "eplb", dict)),
                    warmup=_typed(d, "warmup", bool),
                    pure_decode=_typed(d, "pure_decode", bool),
-                   shutdown=_typed(d, "shutdown", bool))
+                   shutdown=_typed(d, "shutdown", bool), regroup=_int(d, "regroup"))
 
 
 @dataclass
@@ -88,6 +92,9 @@ class ForwardOutput:
     timings: StepTimings = field(default_factory=StepTimings)
     heartbeat: WorkerHeartbeat = field(default_factory=WorkerHeartbeat)
     error: str | None = None
+    #: (``--elastic_ep``) the step's collective failed because a peer is gone: ``error`` says
+    #: how; the worker stays up and waits for a regroup (``ForwardInput.regroup``)
+    peer_lost: bool = False
 
     def to_dict(self) -> dict:
         c = np.ascontiguousarray(self.counters, dtype=np.int64)
@@ -100,7 +107,7 @@ class ForwardOutput:
                 "logprobs": [[int(k), float(lp), [[int(i), float(x)] for i, x in top]]
                              for k, (lp, top) in self.logprobs.items()],
                 "timings": self.timings.to_dict(), "heartbeat": self.heartbeat.to_dict(),
-                "error": self.error}
+                "error": self.error, "peer_lost": bool(self.peer_lost)}
 
     @classmethod
     def from_dict(cls, d: dict) -> "ForwardOutput":
@@ -119,7 +126,8 @@ class ForwardOutput:
                    sampled={int(k): int(v) for k, v in _typed(d, "sampled", list)},
                    logprobs=_logprobs(_typed(d, "logprobs", list)),
                    timings=StepTimings.from_dict(_typed(d, "timings", dict)),
-                   heartbeat=WorkerHeartbeat.from_dict(_typed(d, "heartbeat", dict)), error=err)
+                   heartbeat=WorkerHeartbeat.from_dict(_typed(d, "heartbeat", dict)), error=err,
+                   peer_lost=_typed(d, "peer_lost", bool))
 
 
 def _is_int(x) -> bool:

@@ -10,6 +10,12 @@ Rules for ``clean`` (all under the generation lock):
 * a segment is removed when no process holds it (``flock(LOCK_EX|LOCK_NB)`` succeeds);
 * a semaphore is removed when no segment of its run is held (semaphores are used only
   together with their ring's segment, whose users all hold it).
+
+``sweep_dead_runs`` (``serve`` runs it at start, issue #23 item 11) is stricter, because other
+runs share the machine (another server, a test that reclaims a stale segment on purpose): it
+removes a run's objects only when *every* object of the run is unheld, mapped by no process
+(``/proc/<pid>/maps``) and older than a grace period, so a run being created, torn down or
+tested right now is never touched.
 """
 
 from __future__ import annotations
@@ -165,3 +171,75 @@ def sweep_until_clean(run_id: str, seconds: float = 10.0) -> None:
         if not list_objects(run_id) or time.monotonic() >= deadline:
             return
         time.sleep(0.2)
+
+
+#: a run whose newest object is younger than this is never swept at serve start (seconds)
+DEAD_RUN_GRACE_SECONDS = 30.0
+
+
+def mapped_paths() -> set[str]:
+    """``/dev/shm`` paths mapped by any process whose ``/proc/<pid>/maps`` this process can
+    read (a mapping outlives its fd, so flock holders alone do not prove nobody maps it)."""
+    out: set[str] = set()
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/maps") as f:
+                for line in f:
+                    i = line.find(SHM_DIR + "/")
+                    if i >= 0 and PROJECT_PREFIX in line:   # segments and sem.<name>
+                        out.add(line[i:].split(" (deleted)")[0].strip())
+        except OSError:
+            continue
+    return out
+
+
+def _path(o: ShmObject) -> str:
+    """``/dev/shm/<name>`` (``/dev/shm/sem.<name>`` for a semaphore)."""
+    bare = o.name.lstrip("/")
+    return os.path.join(SHM_DIR, (SEM_PREFIX + bare) if o.kind == "semaphore" else bare)
+
+
+def _age(o: ShmObject, now: float) -> float:
+    try:
+        st = os.stat(_path(o))
+    except FileNotFoundError:
+        return float("inf")
+    return now - st.st_mtime    # created or last written (os.utime can age it in tests)
+
+
+def dead_runs(grace_s: float = DEAD_RUN_GRACE_SECONDS,
+              run_ids: set[str] | None = None) -> dict[str, list[ShmObject]]:
+    """Runs (of ``run_ids`` when given) none of whose objects is held or mapped and whose
+    newest object is older than ``grace_s`` seconds: run id -> its objects. Call under
+    :func:`generation_lock`."""
+    runs: dict[str, list[ShmObject]] = {}
+    for o in _list_locked(None):
+        if run_ids is None or o.run_id in run_ids:
+            runs.setdefault(o.run_id, []).append(o)
+    mapped, now = mapped_paths(), time.time()
+
+    def dead(objs: list[ShmObject]) -> bool:
+        return all(not o.held and not o.holders and _age(o, now) >= grace_s
+                   and _path(o) not in mapped for o in objs)
+
+    return {r: objs for r, objs in runs.items() if dead(objs)}
+
+
+def sweep_dead_runs(grace_s: float = DEAD_RUN_GRACE_SECONDS,
+                    run_ids: set[str] | None = None) -> dict[str, int]:
+    """Remove every object of the runs :func:`dead_runs` finds (a node whose processes were all
+    SIGKILLed); returns run id -> objects removed. Never raises (start-up must go on)."""
+    removed: dict[str, int] = {}
+    try:
+        with generation_lock():
+            for run_id, objs in dead_runs(grace_s, run_ids).items():
+                for o in objs:
+                    fn = (posix_ipc.unlink_shared_memory if o.kind == "segment"
+                          else posix_ipc.unlink_semaphore)
+                    if _unlink(fn, o.name):
+                        removed[run_id] = removed.get(run_id, 0) + 1
+    except Exception as e:  # noqa: BLE001 - a failed sweep must not stop a start
+        log.warning(event("shm sweep of dead runs failed", error=repr(e)))
+    return removed

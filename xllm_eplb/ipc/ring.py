@@ -110,15 +110,17 @@ class InputRing(_MessageRing):
     @classmethod
     def attach(cls, run_id: str, reader_index: int | None = None, *, producer: bool = False,
                num_readers: int | None = None, slots: int | None = None,
-               frame_bytes: int | None = None, timeout: float = 0.0) -> "InputRing":
+               frame_bytes: int | None = None, timeout: float = 0.0,
+               skip: bool = False) -> "InputRing":
         """Worker: ``reader_index=r``; an engine that did not create the ring: ``producer=True``.
-        Dimensions given are checked against the ring (LayoutError on mismatch)."""
+        Dimensions given are checked against the ring (LayoutError on mismatch). ``skip``: an
+        elastic replacement reader starts at the newest frame (``Ring.claim_reader``)."""
         if (reader_index is None) == (not producer):
             raise ValueError("InputRing.attach: give exactly one of reader_index / producer=True")
         ring = Ring.attach(input_ring_name(validate_run_id(run_id)), num_readers=num_readers,
                            slots=slots, frame_bytes=frame_bytes, timeout=timeout)
         try:
-            ring.claim_producer() if producer else ring.claim_reader(reader_index)
+            ring.claim_producer() if producer else ring.claim_reader(reader_index, skip=skip)
         except BaseException:
             ring.close()
             raise

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from xllm_eplb.config import Config, node_ranks
 from xllm_eplb.ipc.shm import resolve_run_id, validate_run_id
-from xllm_eplb.launcher import free_port, launcher_process, run_launcher
+from xllm_eplb.launcher import free_port, launcher_process, run_launcher, sweep_dead_at_start
 from xllm_eplb.node.launcher import NodeLauncher, node_run_id
 from xllm_eplb.node.rendezvous import host_run, join_run, open_store, report_failure
 from xllm_eplb.obs.logs import event
@@ -86,6 +86,7 @@ def serve_nodes(cfg: Config, digest: str = "") -> int:
                    run_id=cfg.runtime.run_id, dist_port=cfg.runtime.master_port,
                    ranks=f"{node_ranks(cfg).start}-{node_ranks(cfg).stop - 1}")
              + (" " + digest if digest else ""))
+    sweep_dead_at_start()
     return _run(cfg, store, origin, store_port)
 
 

@@ -48,6 +48,7 @@ class EngineMetrics:
         self._define_live()
         self._define_experts(hot_experts, all_experts)
         self._define_health()
+        self._define_elastic()
 
     # --- definitions ---------------------------------------------------------------------
     def _g(self, name, doc, labels=()):
@@ -88,7 +89,8 @@ class EngineMetrics:
         self.rounds = self._c("rebalance_rounds", "policy rounds completed")
         self.layers = self._c("rebalance_layers", "layers by outcome: published (passed the "
                               "gate), committed (activated on all ranks), timed_out (rolled "
-                              "back)", ("result",))
+                              "back), regressed (measured slower after the commit), "
+                              "rolled_back (restored after a regression)", ("result",))
         self.policy_seconds = self._h("policy_duration_seconds", "one policy round (all "
                                       "layers), background thread", _SLOW)
         self.rebalancing = self._g("rebalancing", "1 while a layer is being prepared or "
@@ -207,6 +209,25 @@ class EngineMetrics:
             self.worker_up.labels(str(r)).set(0)
         self._zero_series()
 
+    def _define_elastic(self):
+        """``--elastic_ep`` (#23): membership and recoveries (engine/membership.py)."""
+        self.rank_active = self._g("rank_active", "1 while the EP rank is a member of the "
+                                   "current process-group generation", ("rank",))
+        self.generation = self._g("generation", "process-group generation (1 at start, +1 "
+                                  "per elastic recovery)")
+        self.recovery_seconds = self._h("recovery_seconds", "elastic recovery: death detected "
+                                        "-> ranks re-formed", (0.1, 0.25, 0.5, 1, 2, 3, 5, 10,
+                                                              30, 60))
+        self.reprefilled = self._c("requests_reprefilled", "requests re-prefilled from prompt "
+                                   "+ output after a rank died")
+        self.experts_reloaded = self._c("experts_reloaded", "expert slots loaded again after a "
+                                        "rank died, by source", ("source",))
+        self.generation.set(1)
+        for r in range(self.ep_size):
+            self.rank_active.labels(str(r)).set(1)
+        for source in ("replica", "checkpoint"):
+            self.experts_reloaded.labels(source)
+
     def _zero_series(self) -> None:
         """Create every labelled series whose label values are known up front, so a counter
         that is still 0 is exported as 0 (dashboards show 0, not "No data")."""
@@ -217,7 +238,7 @@ class EngineMetrics:
             self.steps.labels(kind)
         for result in REQUEST_RESULTS:
             self.requests.labels(result)
-        for result in ("published", "committed", "timed_out"):
+        for result in ("published", "committed", "timed_out", "regressed", "rolled_back"):
             self.layers.labels(result)
         self.p2p_bytes.labels("sent")
         for phase in ("materialize", "transfer", "activation", "total"):

@@ -9,9 +9,10 @@ list of per-rank return values. Any rank's exception or a timeout kills every ra
 from __future__ import annotations
 
 import multiprocessing as mp
+import multiprocessing.connection as mpc
 import os
-import queue
 import socket
+import time
 import traceback
 from datetime import timedelta
 from typing import Any, Callable
@@ -38,9 +39,9 @@ def _entry(fn, rank, world, port, backend, args, results, timeout):
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=world, timeout=timedelta(seconds=timeout))
         out = fn(rank, world, *args)
-        results.put((rank, True, out))
+        results.send((rank, True, out))
     except BaseException:  # noqa: BLE001 - reported to the parent, which raises
-        results.put((rank, False, traceback.format_exc()))
+        results.send((rank, False, traceback.format_exc()))
     finally:
         if dist.is_initialized():
             try:
@@ -53,24 +54,33 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
               backend: str = "gloo") -> list[Any]:
     """``fn`` must be importable (module level). Returns results ordered by rank."""
     ctx = mp.get_context("spawn")
-    results = ctx.Queue()
+    pipes = [ctx.Pipe(duplex=False) for _ in range(world_size)]
     port = free_port()
     procs = [ctx.Process(target=_entry, daemon=True,
-                         args=(fn, r, world_size, port, backend, args, results, timeout))
+                         args=(fn, r, world_size, port, backend, args, pipes[r][1], timeout))
              for r in range(world_size)]
-    for p in procs:
+    for p, (_, w) in zip(procs, pipes, strict=True):
         p.start()
+        w.close()            # the child holds its own end: EOF when it is gone
     out: dict[int, Any] = {}
     try:
+        deadline = time.monotonic() + timeout
+        live = [r for r, _ in pipes]
         while len(out) < world_size:
-            try:
-                rank, ok, val = results.get(timeout=timeout)
-            except queue.Empty:
+            ready = mpc.wait(live, max(0.0, deadline - time.monotonic()))
+            if not ready:
                 missing = sorted(set(range(world_size)) - set(out))
-                raise RankFailure(f"ranks {missing} produced no result within {timeout}s") from None
-            if not ok:
-                raise RankFailure(f"rank {rank} failed:\n{val}")
-            out[rank] = val
+                raise RankFailure(f"ranks {missing} produced no result within {timeout}s")
+            for conn in ready:
+                live.remove(conn)
+                try:
+                    rank, ok, val = conn.recv()
+                except EOFError:
+                    rank = next(i for i, (r, _) in enumerate(pipes) if r is conn)
+                    raise RankFailure(f"rank {rank} exited without a result") from None
+                if not ok:
+                    raise RankFailure(f"rank {rank} failed:\n{val}")
+                out[rank] = val
     finally:
         for p in procs:
             p.join(timeout=5)
@@ -78,5 +88,6 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
             if p.is_alive():
                 p.kill()
                 p.join(timeout=5)
-        results.close()
+        for r, _ in pipes:
+            r.close()
     return [out[r] for r in range(world_size)]

@@ -13,7 +13,9 @@ each stage to the launcher. Loop, one iteration per engine step::
 
 NOTE: every rank must run every step (empty batch included) in the same order: the MoE
 all-to-all and the EPLB P2P plan are collectives. A rank that fails reports the error in its
-output and exits non-zero; the launcher then stops the run.
+output and exits non-zero; the launcher then stops the run. With ``--elastic_ep`` a failed step
+is reported as ``peer_lost`` and the worker stays up for the engine's regroup message
+(``worker/regroup.py``); a replacement (``generation`` > 1) joins that generation at start.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from xllm_eplb.ipc.records import StepTimings, WorkerHeartbeat
 from xllm_eplb.ipc.ring import InputRing, OutputRing
 from xllm_eplb.model.decoder import build_model
 from xllm_eplb.obs.logs import FILE_ONLY, console_handler, event, setup_logging
-from xllm_eplb.worker import comm
+from xllm_eplb.worker import affinity, comm, regroup
 from xllm_eplb.worker.executor import make_executor
 from xllm_eplb.worker.faults import make_faults
 
@@ -75,11 +77,16 @@ def step_timings(model_timings: dict, *, step_s: float, cpu_s: float,
 class Worker:
     """One EP rank's resources: rings, process groups, model shard, executor."""
 
-    def __init__(self, cfg: Config, rank: int, events, parent_pid: int):
+    def __init__(self, cfg: Config, rank: int, events, parent_pid: int, generation: int = 0):
         self.cfg, self.rank, self.events, self.parent_pid = cfg, rank, events, parent_pid
+        self.elastic = cfg.runtime.elastic_ep
+        #: elastic: the process-group generation (1 at start; a replacement starts at > 1)
+        self.generation = max(1, generation) if self.elastic else 0
+        self.store = None
         self.inp = self.out = self.model = self.executor = None
         self.device = None
         self.faults = make_faults(cfg, rank, self._crash)
+        self.threads = 1                 # torch intra-op threads (= pinned cores, worker_main)
 
     def _crash(self, detail: str) -> None:
         """An injected crash: tell the launcher why, then leave at once (no clean-up)."""
@@ -89,13 +96,17 @@ class Worker:
         child_exit(INJECTED_CRASH_EXIT, self.events)
 
     def start(self) -> None:
-        torch.set_num_threads(1)
+        torch.set_num_threads(self.threads)
         rid, who = self.cfg.runtime.run_id, f"ep{self.rank}"
         # NOTE: a node's input ring has one reader per rank from the node's first rank on
         # (node 0: every rank, the bridges read the remote ones); single node: index = rank
         first = node_ranks(self.cfg).start
-        self.inp = InputRing.attach(rid, reader_index=self.rank - first, timeout=ATTACH_TIMEOUT)
+        joiner = self.generation > 1
+        self.inp = InputRing.attach(rid, reader_index=self.rank - first, timeout=ATTACH_TIMEOUT,
+                                    skip=joiner)
         self.out = OutputRing.attach(rid, self.rank, timeout=ATTACH_TIMEOUT)
+        if joiner:
+            send_event(self.events, who, "attached", str(self.generation))
         ep_group, eplb_group = self._init_dist()
         send_event(self.events, who, "dist_init")
         self._build(ep_group, eplb_group)
@@ -103,13 +114,21 @@ class Worker:
 
     def _init_dist(self):
         # NOTE: rendezvous waits for all ranks; 17 processes start slowly on 2 cores.
-        g = comm.init_groups(self.cfg, self.rank, self.cfg.eplb.ep_size,
-                             timeout_s=max(120.0, self.cfg.runtime.worker_timeout_seconds))
+        timeout = max(120.0, self.cfg.runtime.worker_timeout_seconds)
+        if self.elastic:     # the launcher's store, this generation's prefix
+            self.store = regroup.store_client(self.cfg, timeout)
+            g = regroup.join(self.cfg, self.store, self.rank, self.generation, timeout)
+        else:
+            g = comm.init_groups(self.cfg, self.rank, self.cfg.eplb.ep_size, timeout_s=timeout)
         self.device = g.device
         return g.ep_group, g.eplb_group
 
     def _build(self, ep_group, eplb_group) -> None:
-        self.model = build_model(self.cfg, self.rank, ep_group, device=self.device)
+        # a replacement builds the shard of the placement the engine deploys now
+        table = (regroup.get_placement(self.store, self.generation) if self.generation > 1
+                 else None)
+        self.model = build_model(self.cfg, self.rank, ep_group, device=self.device,
+                                 phy2log=table)
         self.executor = make_executor(self.model, eplb_group, self.cfg, faults=self.faults)
 
     # --- loop ------------------------------------------------------------------------------
@@ -133,10 +152,10 @@ class Worker:
             if msg.shutdown:
                 log.info(event("worker shutdown", rank=self.rank, step=msg.step))
                 return 0
-            out = self.step(msg)
+            out = self.regroup(msg) if msg.regroup else self.step(msg)
             self.out.put(out, timeout=self.cfg.runtime.worker_timeout_seconds,
                          bad_checksum=self.faults.corrupt(msg.step))
-            if out.error:
+            if out.error and not out.peer_lost:
                 send_event(self.events, f"ep{self.rank}", "error", out.error)
                 return 1
 
@@ -148,8 +167,35 @@ class Worker:
             # NOTE: after one rank crashes every survivor fails its collective: file only
             log.exception(event("worker step failed", rank=self.rank, step=msg.step),
                           extra=FILE_ONLY)
-            return ForwardOutput(step=msg.step, rank=self.rank,
+            # elastic: the worker stays up; the engine re-forms the groups or stops the run
+            return ForwardOutput(step=msg.step, rank=self.rank, peer_lost=self.elastic,
                                  error=f"rank {self.rank}: {type(e).__name__}: {e}")
+
+    def regroup(self, msg):
+        """``--elastic_ep``: leave the broken generation, join ``msg.regroup`` (same rank),
+        replace every group handle (the model's EP group; the executor, rebuilt on the new
+        EPLB group). A replacement already in that generation only answers."""
+        t0 = time.perf_counter()
+        try:
+            if msg.regroup != self.generation:
+                with contextlib.suppress(Exception):
+                    self.executor.close()
+                left = regroup.leave()
+                g = regroup.join(self.cfg, self.store, self.rank, msg.regroup,
+                                 self.cfg.runtime.elastic_join_timeout_seconds)
+                self.model.ep_group = g.ep_group
+                self.executor = make_executor(self.model, g.eplb_group, self.cfg,
+                                              faults=self.faults)
+                self.generation = msg.regroup
+                log.info(event("EPLB elastic re-formed", rank=self.rank, generation=msg.regroup,
+                               leave_s=round(left, 3),
+                               seconds=round(time.perf_counter() - t0, 3)))
+        except Exception as e:  # noqa: BLE001 - reported; the engine stops the run
+            log.exception(event("EPLB elastic re-form failed", rank=self.rank), extra=FILE_ONLY)
+            return ForwardOutput(step=msg.step, rank=self.rank,
+                                 error=f"rank {self.rank}: re-form failed: {type(e).__name__}: {e}")
+        return ForwardOutput(step=msg.step, rank=self.rank,
+                             heartbeat=WorkerHeartbeat(time.time(), self.executor.stats()))
 
     def _forward(self, msg):
         batch, info = msg.batches[self.rank], msg.eplb_info
@@ -193,12 +239,17 @@ class Worker:
                        dist_s=round(t[2] - t[1], 3), rings_s=round(t[3] - t[2], 3)))
 
 
-def worker_main(cfg: Config, rank: int, events, parent_pid: int) -> None:
-    """Process entry point (spawned by the launcher)."""
+def worker_main(cfg: Config, rank: int, events, parent_pid: int, generation: int = 0,
+                cores: tuple[int, ...] | None = None) -> None:
+    """Process entry point (spawned by the launcher; ``generation`` > 1: an elastic
+    replacement); ``cores``: this rank's pinned cores (``--worker_cpu_affinity``; None: not
+    pinned, one torch thread)."""
+    threads = affinity.apply(cores)
     child_setup(f"xllm-eplb:ep{rank}", parent_pid)
     _setup_logs(cfg, rank)
     send_event(events, f"ep{rank}", "spawned")
-    w = Worker(cfg, rank, events, parent_pid)
+    w = Worker(cfg, rank, events, parent_pid, generation)
+    w.threads = threads
     code = 1
     try:
         w.start()

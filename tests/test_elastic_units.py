@@ -1,0 +1,140 @@
+"""Elastic EP pieces in one process (issue #23): the redundancy rule at validation, the
+launcher-hosted store's placement keys, the scheduler's void step (re-prefill from prompt +
+output) and the re-prefill's tokens being those of an uninterrupted run."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from xllm_eplb.engine.scheduler import Request, Scheduler
+from xllm_eplb.errors import ConfigError
+from xllm_eplb.flags import load_config
+from xllm_eplb.testing.dist import free_port
+
+
+def _cfg(*flags):
+    return load_config(["--ep-size", "4", "--num_experts", "8", "--num_experts_per_tok", "2",
+                        *flags])[0]
+
+
+def test_elastic_needs_redundancy_that_survives_one_loss():
+    with pytest.raises(ConfigError) as e:
+        _cfg("--elastic_ep=true", "--redundant_experts_num=0")      # 3 x 2 < 8
+    msg = str(e.value)
+    assert "--redundant_experts_num=0" in msg and "(ep_size-1) x slots_per_rank" in msg
+    assert "needs --redundant_experts_num >= 1" in msg and "--elastic_ep=false" in msg
+    assert _cfg("--elastic_ep=true", "--redundant_experts_num=1").runtime.elastic_ep
+    assert not _cfg("--redundant_experts_num=0").runtime.elastic_ep       # off: no rule
+    with pytest.raises(ConfigError, match="--elastic_ep=true: needs --nnodes=1"):
+        _cfg("--elastic_ep=true", "--redundant_experts_num=1", "--nnodes=2", "--master_port=1")
+
+
+def test_store_carries_the_placement_of_a_generation():
+    from xllm_eplb.ipc.store import get_placement, host_store, put_placement, store_client
+
+    port = free_port()
+    host = host_store("127.0.0.1", port, 10)
+    client = store_client("127.0.0.1", port, 10)
+    table = np.arange(24, dtype=np.int64).reshape(2, 12) % 8
+    put_placement(client, 3, table)
+    assert np.array_equal(get_placement(store_client("127.0.0.1", port, 10), 3), table)
+    del client, host
+
+
+def test_void_step_requeues_running_requests_for_a_reprefill_of_prompt_and_output():
+    s = Scheduler(dp_size=2, max_batch_size=4, max_prefill_tokens=8)
+    a = s.submit(Request(prompt=[1, 2, 3], max_tokens=9))
+    b = s.submit(Request(prompt=[4, 5], max_tokens=9))
+    s.pull()
+    batches = s.schedule()
+    s.update({r.req_id: 7 for x in batches for r in x.rows})
+    s.update({r.req_id: 8 for x in s.schedule() for r in x.rows})
+    late = s.submit(Request(prompt=[6], max_tokens=2))
+    s.pull()
+    old = {a.req_id: a.dp_rank, b.req_id: b.dp_rank}
+    back = s.void_step()                       # the next step died with a rank
+    assert back == [a, b] and list(s.waiting)[:2] == [a, b] and list(s.waiting)[2] is late
+    assert a.output == [7, 8] and not a.done.is_set()
+    nxt = s.schedule()
+    rows = {r.req_id: r for x in nxt for r in x.rows}
+    assert rows[a.req_id].token_ids == [1, 2, 3, 7, 8] and rows[a.req_id].is_prefill
+    assert rows[a.req_id].start_pos == 0 and rows[b.req_id].token_ids == [4, 5, 7, 8]
+    released = {rid for k, x in enumerate(nxt) for rid in x.release if old.get(rid) == k}
+    assert released == {a.req_id, b.req_id}
+    # a re-prefill longer than --max_prefill_tokens is prefilled in chunks (8 + 3); the token
+    # sampled after the partial chunk is dropped
+    long = Request(prompt=list(range(1, 8)), max_tokens=20)
+    s2 = Scheduler(dp_size=1, max_batch_size=4, max_prefill_tokens=8)
+    s2.submit(long)
+    s2.pull()
+    s2.schedule()
+    for t in range(4):
+        s2.update({long.req_id: 10 + t})
+        s2.schedule()
+    s2.void_step()
+    assert [len(r.token_ids) for x in s2.schedule() for r in x.rows] == [8]
+    s2.update({long.req_id: 99})
+    assert [(r.start_pos, len(r.token_ids)) for x in s2.schedule() for r in x.rows] == [(8, 3)]
+    assert long.output == [10, 11, 12, 13]
+
+
+@pytest.mark.slow
+def test_reprefill_continues_with_the_tokens_of_an_uninterrupted_run():
+    """float64, greedy and seeded sampling: prefill(prompt) + decode == prefill(prompt +
+    first outputs) + decode, token for token (the single-process model)."""
+    import tempfile
+    from pathlib import Path
+
+    from xllm_eplb.model.batch import RankBatch, SeqRow
+    from xllm_eplb.model.checkpoint import make_checkpoint
+    from xllm_eplb.model.decoder import Decoder
+    from xllm_eplb.model.resolve import resolve_config
+
+    with tempfile.TemporaryDirectory() as d:
+        ckpt = make_checkpoint("deepseek_v3", Path(d) / "c", num_experts=8, top_k=2)
+        cfg = resolve_config(load_config(["--ep-size", "2", "--model", str(ckpt),
+                                          "--dtype=float64"])[0])
+        # --model: the rule is checked on the checkpoint's expert count (8 here, not 64)
+        from xllm_eplb.model.validate import validate_model_config
+
+        bad = resolve_config(load_config(["--ep-size", "4", "--model", str(ckpt),
+                                          "--elastic_ep=true",
+                                          "--redundant_experts_num=0"])[0])
+        with pytest.raises(ConfigError, match=r"config.json: routed experts 8: "
+                                              r"--redundant_experts_num=0: .* >= 1"):
+            validate_model_config(bad)
+        m = Decoder.reference(cfg)
+        for temp, seed in ((0.0, 0), (0.9, 5)):
+            full = _generate(m, [3, 9, 27, 81], 12, temp, seed, RankBatch, SeqRow, rid=1)
+            head = full[:5]
+            rest = _generate(m, [3, 9, 27, 81] + head, 7, temp, seed, RankBatch, SeqRow,
+                             rid=2)
+            assert head + rest == full, (temp, full, head + rest)
+
+
+def _generate(m, prompt, n, temp, seed, RankBatch, SeqRow, rid):
+    out = []
+    res = m.forward_step(RankBatch([SeqRow(rid, list(prompt), 0, True, temp, seed)]))
+    out.append(res.sampled[rid])
+    while len(out) < n:
+        pos = len(prompt) + len(out) - 1
+        res = m.forward_step(RankBatch([SeqRow(rid, [out[-1]], pos, False, temp, seed)]))
+        out.append(res.sampled[rid])
+    m.release([rid])
+    return out
+
+
+def test_abort_round_drops_the_round_unless_an_activation_is_awaited():
+    from xllm_eplb.eplb.manager_state import LayerPipeline
+
+    p = LayerPipeline(3, 2)
+    p.start_round(np.zeros((3, 4), dtype=np.int64), np.array([True, False, True]))
+    t = p.command(0.0).prepare_token                 # layer 0 preparing
+    assert p.in_progress and p.abort_round() and not p.in_progress
+    assert p.command(1.0).prepare_layer_id == -1     # nothing left of that round
+    p.start_round(np.zeros((3, 4), dtype=np.int64), np.array([True, False, False]))
+    t = p.command(2.0).prepare_token
+    p.observe_prepared([t, t], 2.5)
+    assert p.command(3.0).update_layer_id == 0       # activation sent: awaited
+    assert not p.abort_round() and p.in_progress     # some rank may have switched: refused

@@ -1,0 +1,150 @@
+"""Elastic EP membership (``--elastic_ep``, issue #23): the one owner, in the engine, of who is
+alive and of the process-group generation, and the recovery that follows a death.
+
+Recovery (the launcher respawns the dead worker in place and sends the engine a notice)::
+
+    detect   a step fails (a survivor's collective reports peer_lost, the dead rank's ring
+             producer is gone, or the launcher's notice arrives while the step waits)
+    fence    the step is void: the survivors' outputs of that step are drained and dropped
+             (no token of it is committed); every running request goes back to the queue to
+             be re-prefilled from prompt + output (same seeds, so the same tokens follow)
+    re-form  the deployed placement is put in the launcher's store for the replacement; once
+             it has attached its rings the engine sends ``ForwardInput(regroup=g+1)``: the
+             survivors leave generation g and join g+1 with the replacement (same ranks)
+    resume   the next step is ordinary; streams continue without a repeated or skipped token
+
+An EPLB round in flight is dropped (``EplbManager.abort_round``: committed layers stay, the
+rest is re-planned by a later round). A death the engine cannot recover from stops the run as
+without elasticity: no launcher notice (a real error), an EPLB layer activation in flight (some
+rank may have switched it), a second death during recovery, or a re-form
+that does not finish within ``--elastic_join_timeout_seconds``. Each phase logs one
+``EPLB elastic ...`` line with its duration.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from xllm_eplb.engine.failures import WorkerFault
+from xllm_eplb.ipc.errors import IpcError, RingTimeoutError
+from xllm_eplb.ipc.messages import ForwardInput
+from xllm_eplb.ipc.store import put_placement
+from xllm_eplb.model.batch import RankBatch
+from xllm_eplb.obs.logs import event
+
+log = logging.getLogger("xllm_eplb.engine.engine")
+
+#: how long a failed step waits for the launcher's death notice (seconds)
+NOTICE_WAIT = 3.0
+
+
+class Membership:
+    """Generation, ranks alive, recovery counters (``/eplb/status`` ``membership``)."""
+
+    def __init__(self, engine, store):
+        self.eng, self.store = engine, store
+        rt = engine.cfg.runtime
+        self.silence, self.join_timeout = rt.elastic_silence_seconds, rt.elastic_join_timeout_seconds
+        self.generation = 1
+        self.recoveries = 0
+        self.reprefilled = 0
+        self.last: dict = {}
+
+    def status(self) -> dict:
+        return {"elastic": True, "generation": self.generation, "ep_size": self.eng.D,
+                "ranks_active": list(range(self.eng.D)), "recoveries": self.recoveries,
+                "requests_reprefilled": self.reprefilled, "last_recovery": dict(self.last)}
+
+    # --- recovery --------------------------------------------------------------------------
+    def recover(self, fault: WorkerFault) -> None:
+        """Recover from the death behind ``fault`` or raise a :class:`WorkerFault` (the run
+        then stops as without elasticity)."""
+        eng, fw = self.eng, self.eng.failures
+        t0 = time.monotonic()
+        fw.explain(fault, wait=NOTICE_WAIT)
+        if fw.died is None or len(fw.died) < 5:
+            raise fault
+        _, who, msg, generation, seen = fw.died
+        fw.clear_death()                  # from here on, a death notice is a second death
+        rank, step = int(who[2:]), eng.step_no
+        log.warning(event("EPLB elastic detect", rank=rank, step=step, generation=generation,
+                          detect_s=round(time.time() - seen, 3), cause=msg))
+        self.mark_down(rank)
+        if eng.manager is not None and not eng.manager.abort_round():
+            raise WorkerFault(f"{msg}; an EPLB layer activation was in flight (some rank may "
+                              "have switched it): the run stops")
+        self._fence(rank, step)
+        back = eng.sched.void_step()
+        t_fence = time.monotonic()
+        log.info(event("EPLB elastic fence", step=step, requests_reprefilled=len(back),
+                       seconds=round(t_fence - t0, 3)))
+        self._reform(rank, generation)
+        t_done = time.monotonic()
+        self.generation, self.recoveries = generation, self.recoveries + 1
+        self.reprefilled += len(back)
+        self._metrics(t_done - t0, len(back))
+        self.last = {"rank": rank, "step": step, "generation": generation,
+                     "fence_s": round(t_fence - t0, 3), "reform_s": round(t_done - t_fence, 3),
+                     "seconds": round(t_done - t0, 3), "requests_reprefilled": len(back)}
+        log.warning(event("EPLB elastic resume", **self.last))
+
+    def _metrics(self, seconds: float, reprefilled: int) -> None:
+        """The replacement re-read its whole shard (every slot of every MoE layer) from the
+        checkpoint; nothing moved between replicas."""
+        m, cfg = self.eng.metrics, self.eng.cfg
+        m.generation.set(self.generation)
+        m.recovery_seconds.observe(seconds)
+        m.reprefilled.inc(reprefilled)
+        m.experts_reloaded.labels("checkpoint").inc(cfg.slots_per_rank * cfg.num_moe_layers)
+
+    def mark_down(self, rank: int) -> None:
+        self.eng.metrics.rank_active.labels(str(rank)).set(0)
+
+    def _fence(self, dead: int, step: int) -> None:
+        """Drop the survivors' outputs of the void step (each writes exactly one)."""
+        eng = self.eng
+        for r in range(eng.D):
+            if r == dead or eng.watch.answered[r]:
+                continue
+            try:
+                eng.outs[r].get(timeout=self.silence)
+            except (RingTimeoutError, IpcError) as e:
+                raise WorkerFault(f"EPLB elastic: rank {r} did not finish step {step} after "
+                                  f"rank {dead} died ({e})") from None
+        eng.watch.end()
+
+    def _reform(self, dead: int, generation: int) -> None:
+        """Placement to the store, wait for the replacement's rings, then the regroup step."""
+        eng, fw = self.eng, self.eng.failures
+        t0 = time.monotonic()
+        put_placement(self.store, generation, eng.active_placement)
+        got = fw.next_attached(self.join_timeout)
+        if got is None or fw.died is not None:
+            raise WorkerFault(f"EPLB elastic: the replacement of rank {dead} did not attach "
+                              f"within --elastic_join_timeout_seconds={self.join_timeout:g}"
+                              + (f" ({fw.death})" if fw.died is not None else ""))
+        eng.step_no += 1
+        msg = ForwardInput(eng.step_no, [RankBatch() for _ in range(eng.D)], regroup=generation)
+        eng.inp.put(msg, timeout=self.join_timeout)
+        for r in range(eng.D):
+            self._regroup_answer(r, eng.step_no, time.monotonic() + self.join_timeout)
+        eng.metrics.rank_active.labels(str(dead)).set(1)
+        log.info(event("EPLB elastic re-form", generation=generation, rank=dead,
+                       seconds=round(time.monotonic() - t0, 3)))
+
+    def _regroup_answer(self, r: int, step: int, deadline: float) -> None:
+        """Rank ``r``'s answer to the regroup step (a dead predecessor's stale frames are
+        skipped); an error or the deadline raises."""
+        while True:
+            try:
+                out = self.eng.outs[r].get(timeout=max(0.0, deadline - time.monotonic()))
+            except (RingTimeoutError, IpcError) as e:
+                raise WorkerFault(f"EPLB elastic: rank {r} did not re-form within "
+                                  f"--elastic_join_timeout_seconds={self.join_timeout:g} "
+                                  f"({e})") from None
+            if out.step != step:
+                continue
+            if out.error:
+                raise WorkerFault(out.error)
+            return

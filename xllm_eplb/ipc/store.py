@@ -1,0 +1,48 @@
+"""The store of an elastic run (``--elastic_ep``, issue #23): a torch.distributed TCPStore
+hosted by the launcher at ``--master_addr:--master_port`` (so no worker's death takes it with
+it), one client per process. Keys: each process-group generation rendezvouses under its own
+``PrefixStore("gen<g>/")`` (``worker/regroup.py``); ``placement/gen<g>`` holds the placement
+``[L, D*S]`` int64 the engine deployed when it asked for generation ``g``, which a
+replacement worker loads its shard from.
+
+NOTE: torch is imported inside the functions: the engine process loads it only here.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import numpy as np
+
+
+def host_store(addr: str, port: int, timeout_s: float):
+    """The launcher's TCPStore (``is_master``; it does not wait for clients)."""
+    import torch.distributed as dist
+
+    return dist.TCPStore(addr, port, is_master=True, wait_for_workers=False,
+                         timeout=timedelta(seconds=timeout_s))
+
+
+def store_client(addr: str, port: int, timeout_s: float):
+    """One client of the launcher's store (NOTE: never shared across threads)."""
+    import torch.distributed as dist
+
+    return dist.TCPStore(addr, port, is_master=False, timeout=timedelta(seconds=timeout_s))
+
+
+def placement_key(generation: int) -> str:
+    return f"placement/gen{generation}"
+
+
+def put_placement(store, generation: int, table: np.ndarray) -> None:
+    """Store the deployed placement ``table`` [L, D*S] for ``generation``."""
+    t = np.ascontiguousarray(table, dtype=np.int64)
+    store.set(placement_key(generation), f"{t.shape[0]},{t.shape[1]};".encode() + t.tobytes())
+
+
+def get_placement(store, generation: int) -> np.ndarray:
+    """The placement of ``generation`` (waits until the engine has set it)."""
+    raw = bytes(store.get(placement_key(generation)))
+    head, body = raw.split(b";", 1)
+    shape = tuple(int(x) for x in head.decode().split(","))
+    return np.frombuffer(body, dtype=np.int64).reshape(shape).copy()

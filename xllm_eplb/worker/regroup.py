@@ -1,0 +1,64 @@
+"""Elastic EP (``--elastic_ep``, issue #23): a worker's process groups by *generation*.
+
+The launcher hosts the run's TCPStore at ``--master_addr:--master_port`` (``ipc/store.py``), so
+no worker's death takes the store with it. Generation ``g`` of the world lives under its own
+``PrefixStore("gen<g>/")``: every re-formation starts clean, whatever the broken generation
+left in the store. Each process has one store client (NOTE: never share a client across
+threads; a shared one stalled 2.8 s in measurements).
+
+A survivor whose collective failed keeps its model and KV cache, leaves the broken generation
+(``destroy_process_group``: ~30 ms on gloo) and joins the next one with the same rank when the
+engine says so (``ForwardInput.regroup``); a replacement joins that generation at start-up and
+builds its shard from the placement the engine deployed (``get_placement``). Every cached
+group handle is replaced: the model's EP group and the EPLB executor (rebuilt on the new EPLB
+group).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from xllm_eplb.config import Config
+from xllm_eplb.ipc import store
+from xllm_eplb.obs.logs import event
+from xllm_eplb.worker import comm
+
+log = logging.getLogger(__name__)
+
+
+def store_client(cfg: Config, timeout_s: float):
+    """This worker's one client of the launcher's store."""
+    return store.store_client(cfg.runtime.master_addr, cfg.runtime.master_port, timeout_s)
+
+
+def get_placement(client, generation: int):
+    """The placement ``[L, D*S]`` the engine deployed for ``generation``."""
+    return store.get_placement(client, generation)
+
+
+def join(cfg: Config, client, rank: int, generation: int, timeout_s: float) -> comm.CommGroups:
+    """Join generation ``generation`` of the world (every rank, same order): default group on
+    ``PrefixStore("gen<g>/", store)``, then the EPLB group."""
+    backend = comm.preflight(cfg)
+    t0 = time.perf_counter()
+    dist.init_process_group(backend, store=dist.PrefixStore(f"gen{generation}/", client),
+                            rank=rank, world_size=cfg.eplb.ep_size,
+                            timeout=timedelta(seconds=timeout_s))
+    groups = comm.groups_from_world(cfg)
+    log.info(event("EPLB elastic joined", rank=rank, generation=generation,
+                   seconds=round(time.perf_counter() - t0, 3)))
+    return groups
+
+
+def leave() -> float:
+    """Drop the (broken) groups of this generation; returns the seconds it took."""
+    t0 = time.perf_counter()
+    with contextlib.suppress(Exception):
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return time.perf_counter() - t0
