@@ -115,6 +115,20 @@ def clone(tmp_path_factory) -> dict:
     return {"cwd": cwd, "env": env, "out": tmp / "out"}
 
 
+@pytest.fixture(scope="module")
+def readme_server(clone, tmp_path_factory):
+    """The README's ``serve`` command as written (port substituted); killed and swept at the end
+    of the module whatever happened. (Booting it while the plain blocks run made both slower on
+    the shared 2 cores: no overlap.)"""
+    port = free_port()
+    (serve,) = of("sh", "serve")
+    cmd = ["bash", "-c", "exec " + _subst(serve.text, clone, port).strip()]
+    s = Server(tmp_path_factory.mktemp("readme_server"), [], cmd=cmd, cwd=clone["cwd"],
+               env=clone["env"], port=port)
+    yield s
+    s.kill()
+
+
 def _subst(text: str, clone: dict, port: int | None = None) -> str:
     text = text.replace("/tmp/xllm-eplb", str(clone["out"]))
     if port is not None:
@@ -182,31 +196,24 @@ def test_data_blocks_run_with_the_sglang_dumps(clone):
 
 @pytest.mark.slow
 @pytest.mark.timeout(420)
-def test_client_blocks_run_against_the_readme_server(clone, tmp_path):
-    """The README's ``serve`` command as written (port substituted), then every ``client``
-    block: exit 0, no OpenAI error object, no U+FFFD in the streamed text; a clean stop."""
-    port = free_port()
-    (serve,) = of("sh", "serve")
-    cmd = ["bash", "-c", "exec " + _subst(serve.text, clone, port).strip()]
-    s = Server(tmp_path, [], cmd=cmd, cwd=clone["cwd"], env=clone["env"], port=port)
-    try:
-        s.wait_ready(timeout=240)
-        for b in [*of("sh", "client"), *of("python", "client")]:
-            t0 = time.monotonic()
-            r = _run(b, clone, port)
-            print(f"{b.where}: {time.monotonic() - t0:.1f} s")     # pytest -s shows them
-            _ok(b, r)
-            assert '"error"' not in r.stdout, f"{b.where}:\n{r.stdout[-3000:]}"
-            assert "\ufffd" not in r.stdout, f"{b.where}: U+FFFD in\n{r.stdout[-3000:]}"
-        assert (clone["out"] / "placement.json").is_file()    # planned from its own dump
-        assert (clone["cwd"] / "logs" / "latest" / "engine.log").is_file()
-        s.note_children()
-        s.proc.send_signal(signal.SIGTERM)
-        assert s.proc.wait(30) == 0, s.err.read_text()[-3000:]
-        assert shm_objects(s.run_id) == []
-    finally:
-        s.kill()
-
+def test_client_blocks_run_against_the_readme_server(clone, readme_server):
+    """Every ``client`` block against the README's server: exit 0, no OpenAI error object, no
+    U+FFFD in the streamed text; then a clean stop (SIGTERM: exit 0, no shm left)."""
+    s = readme_server
+    s.wait_ready(timeout=240)
+    for b in [*of("sh", "client"), *of("python", "client")]:
+        t0 = time.monotonic()
+        r = _run(b, clone, s.port)
+        print(f"{b.where}: {time.monotonic() - t0:.1f} s")     # pytest -s shows them
+        _ok(b, r)
+        assert '"error"' not in r.stdout, f"{b.where}:\n{r.stdout[-3000:]}"
+        assert "\ufffd" not in r.stdout, f"{b.where}: U+FFFD in\n{r.stdout[-3000:]}"
+    assert (clone["out"] / "placement.json").is_file()    # planned from its own dump
+    assert (clone["cwd"] / "logs" / "latest" / "engine.log").is_file()
+    s.note_children()
+    s.proc.send_signal(signal.SIGTERM)
+    assert s.proc.wait(30) == 0, s.err.read_text()[-3000:]
+    assert shm_objects(s.run_id) == []
 
 def test_long_blocks_are_listed(capsys):
     """The ``bash`` blocks are not run here; this prints them (``pytest -s``), one per line."""

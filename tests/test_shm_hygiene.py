@@ -98,6 +98,7 @@ def test_sweep_removes_only_dead_old_unmapped_runs(rids):
         seg.close()
 
 
+@pytest.mark.slow            # a child process and gloo ranks (make test-fast skips it)
 def test_event_channel_and_run_ranks_create_no_named_semaphores():
     from xllm_eplb.launcher import EventHub
     from xllm_eplb.testing.dist import run_ranks

@@ -104,7 +104,7 @@ class Engine:
         self.watch = StepWatch(self.D, cfg.serve.stall_seconds)
         # stall -> clients told; launcher's death notices (``notices`` set by engine/process)
         self.failures = FailureWatch(self.sched, self.watch, cfg.serve.stall_seconds,
-                                     on_failed=self.tele.on_requests)
+                                     on_failed=self._finished)
         self.placement = initial_placement(cfg)       # [L, D*S]: what the workers start from
         self.recorder = ExpertRecorder(cfg.num_moe_layers, self.D, cfg.slots_per_rank,
                                        cfg.model.num_experts, cfg.eplb.eplb_record_trace_max_steps)
