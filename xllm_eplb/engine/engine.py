@@ -136,12 +136,15 @@ class Engine:
     def _gather(self, timeout: float) -> list | None:
         """Every rank's output of the step; ``--elastic_ep``: None after a recovery from a
         rank's death (``engine/membership.py``; the step is void)."""
+        got: dict[int, object] = {}
         try:
-            return [self._get(r, timeout) for r in range(self.D)]
+            for r in range(self.D):
+                got[r] = self._get(r, timeout)
+            return [got[r] for r in range(self.D)]
         except WorkerFault as e:
             if self.membership is None:
                 raise
-            self.membership.recover(e)
+            self.membership.recover(e, got)
             return None
 
     @property
