@@ -68,6 +68,12 @@ def agreed_token(tokens: list[int]) -> int:
     return first
 
 
+def _with_output(fault: WorkerFault, out) -> WorkerFault:
+    """``fault`` carrying the output frame that caused it (already read from its ring)."""
+    fault.output = out
+    return fault
+
+
 class Engine:
     """Owns the scheduler, the rings' engine ends, the manager and the telemetry."""
 
@@ -144,6 +150,8 @@ class Engine:
         except WorkerFault as e:
             if self.membership is None:
                 raise
+            if getattr(e, "output", None) is not None:     # the frame that failed is read
+                got[e.output.rank] = e.output
             self.membership.recover(e, got)
             return None
 
@@ -190,10 +198,10 @@ class Engine:
             raise WorkerFault(f"rank {rank}: no output for step {self.step_no}: {e}") from None
         self.watch.answer(rank)
         if out.error:
-            raise WorkerFault(out.error)
+            raise _with_output(WorkerFault(out.error), out)
         if out.step != self.step_no or out.rank != rank:
-            raise WorkerFault(f"rank {rank}: answered step {out.step} rank {out.rank}, "
-                              f"expected step {self.step_no}")
+            raise _with_output(WorkerFault(f"rank {rank}: answered step {out.step} rank "
+                                           f"{out.rank}, expected step {self.step_no}"), out)
         return out
 
     # --- warm-up and loop ------------------------------------------------------------------
