@@ -1,29 +1,43 @@
 #!/usr/bin/env python3
-"""End-to-end serving benchmark: EPLB off vs on (vs on with no layer moving) on the skewed load.
+"""End-to-end EPLB gain: off / on / on-with-no-move alternated in one run, each rank on its own
+core, a compute-heavy generated checkpoint with routing skew.
 
-For each EP size, three real servers (`xllm-eplb serve`, tiny CPU model, float64) are driven by
-the same client requests (``xllm_eplb.commands.bench``: Zipf-skewed topic prompts, temperature
-0, fixed lengths):
+Set-up: ``xllm-eplb make-checkpoint`` writes a qwen3_moe checkpoint (``--hidden``,
+``--moe-width``, ``--experts``, ``--top-k``, ``--layers``, ``--routing-skew``). One real
+``xllm-eplb serve --ep-size 2 --worker_cpu_affinity=0,1`` per mode runs on it, all started
+before measuring (an idle server costs nothing):
 
-- ``off``: ``--enable_eplb=false``;
-- ``on``: ``--enable_eplb=true --eplb_update_interval=2``; a warm-up phase lets the first
-  rounds commit before the measured phase;
-- ``nomove``: EPLB on with ``--eplb_min_peak_load_improvement=1`` (the gate never passes): the
-  steady-state cost of counting, aggregating and running the policy when no layer moves.
+- ``off``: ``--enable_eplb=false`` (the initial placement, the static imbalance);
+- ``on``: EPLB on, the defaults (``incremental``, ``--eplb_plan_on=cost``) with a 2 s interval;
+- ``nomove``: EPLB on with ``--eplb_min_peak_load_improvement=1`` (nothing is ever published:
+  the cost of counting, modelling and planning alone);
+- ``tokens`` (``--tokens``): EPLB on with ``--eplb_plan_on=tokens`` (the split-cost case).
 
-Measured over the measured phase only (deltas of ``/eplb/status``):
+Every server is warmed up (EPLB modes until the cost model is fitted and, for ``on``, until its
+rounds stop moving layers), then ``--pairs`` rounds each drive every server with the same
+requests (``xllm-eplb bench`` logic: Zipf-skewed topic prompts, temperature 0, fixed lengths),
+the mode order reversed every other round. Per mode and round (deltas of ``/eplb/status``):
 
-- MoE critical path per step: sum over MoE layers of the slowest rank's expert compute CPU time
-  (``time.thread_time`` around each ``FusedMoE.compute``, per rank, so it does not depend on how
-  the 2 cores are shared), per decode step; ``imbalance`` = critical path / mean rank time;
-- throughput (tokens/s) and P50/P99 request latency (wall clock: noisy on a shared machine);
-- CPU per step: engine + worker process CPU time (psutil) / steps; ``overhead_no_move`` =
-  nomove / off - 1 (two separate runs: noisy on a shared machine);
-  ``overhead_no_move_direct`` = CPU spent inside EPLB code in the nomove run (manager calls of
-  the step loop, the policy thread, the workers' executor hooks) / all engine + worker CPU;
-- the generated tokens of off and on must be identical (asserted, reported).
+- wall clock: output tokens/s and TPOT (mean, seconds per token after the first);
+- critical path from worker timings: per decode step, the sum over MoE layers of the slowest
+  rank's expert CPU seconds (``time.thread_time``), and the mean rank's; their ratio is the
+  imbalance (``off``: the static imbalance);
+- perfect balance: the off step with its critical path replaced by the mean rank's,
+  ``gain_perfect = tpot_off / (tpot_off - (crit_off - mean_off)) - 1``; measured
+  ``gain = tokens/s on / tokens/s off - 1`` in the same round;
+- the cost model (``/eplb/status`` ``cost_model`` of the ``on`` server): its predicted
+  critical path under the initial and the deployed placement; predicted wall-clock gain =
+  ``tpot_off / (tpot_off - (pred_initial - pred_deployed)) - 1`` against the measured gain,
+  and predicted critical-path gain against ``crit_off / crit_on - 1``; and the ``on``
+  server's own post-commit checks (``commit_checks``: per committed layer, the measured gain of
+  the steps just after vs just before the commit, on the same server, and the predicted one).
 
-    python scripts/bench_e2e.py [--quick] [--json PATH] [--ep 4 16]
+With 2 cores and EP2 the engine shares a core with the ranks: wall-clock numbers include that,
+the critical path does not (it is each rank's own CPU time). ``--project`` replays the
+DeepSeek dumps (``../shared/data``) at EP16/EP32 through the simulator with the cost model this
+run fitted (``xllm_eplb.sim.replay`` with ``ReplayOptions.cost``).
+
+    python scripts/bench_e2e.py [--quick] [--json PATH] [--pairs N] [--tokens] [--project]
 """
 
 from __future__ import annotations
@@ -31,188 +45,238 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
-
-import psutil
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from hf_util import Server  # noqa: E402
 
 from xllm_eplb.commands.bench import make_prompts, run_bench  # noqa: E402
 
 MODES = {
     "off": ["--enable_eplb=false"],
-    "on": ["--enable_eplb=true", "--eplb_update_interval=2"],
-    "nomove": ["--enable_eplb=true", "--eplb_update_interval=2",
-               "--eplb_min_peak_load_improvement=1"],
+    "on": ["--enable_eplb=true"],
+    "nomove": ["--enable_eplb=true", "--eplb_min_peak_load_improvement=1"],
+    "tokens": ["--enable_eplb=true", "--eplb_plan_on=tokens"],
 }
-COMMON = ["--workload=none", "--dtype=float64", "--max_batch_size=16"]
-#: extra model flags (default: the tiny model of configs/eplb.yaml, whose expert compute CPU time
-#: grows about linearly with tokens; wider float64 experts are weight-bandwidth bound instead)
-MODEL: list[str] = []
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _mode_flags(args, mode: str) -> list[str]:
+    return ["--worker_cpu_affinity=" + args.affinity, f"--max_batch_size={args.batch}",
+            "--eplb_update_interval=2", "--redundant_experts_num=1", *MODES[mode]]
 
 
-def get_json(url: str) -> dict:
-    with urllib.request.urlopen(url, timeout=30) as r:
-        return json.loads(r.read())
+def make_ckpt(args, out: Path) -> Path:
+    cmd = [sys.executable, "-m", "xllm_eplb", "make-checkpoint", "--arch", "qwen3_moe",
+           "--out", str(out), "--hidden-size", str(args.hidden), "--moe-intermediate-size",
+           str(args.moe_width), "--intermediate-size", str(args.moe_width), "--num-experts",
+           str(args.experts), "--top-k", str(args.top_k), "--num-layers", str(args.layers),
+           "--dense-layers", "0", "--routing-skew", str(args.routing_skew), "--num-heads", "8"]
+    subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
+    return out
 
 
-class Server:
-    def __init__(self, ep: int, flags: list[str], log_dir: Path):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.out = log_dir / "stdout.txt"
-        cmd = [sys.executable, "-m", "xllm_eplb", "serve", "--ep-size", str(ep), "--config",
-               str(ROOT / "configs" / "eplb.yaml"), "--port", str(self.port), "--log_dir",
-               str(log_dir), *COMMON, *flags]
-        self.cmd = cmd
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self.out.open("w"),
-                                     stderr=(log_dir / "stderr.txt").open("w"),
-                                     start_new_session=True)
-        deadline = time.monotonic() + 300
-        while "xllm-eplb ready" not in self.out.read_text():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"server did not start; see {log_dir}")
-            time.sleep(0.3)
-        self.children = psutil.Process(self.proc.pid).children()
-
-    def cpu_seconds(self) -> float:
-        total = 0.0
-        for p in self.children:
-            try:
-                t = p.cpu_times()
-                total += t.user + t.system
-            except psutil.NoSuchProcess:
-                pass
-        return total
-
-    def status(self) -> dict:
-        return get_json(self.url + "/eplb/status")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(5)
+def status(srv) -> dict:
+    return srv.status()
 
 
-def wait_committed(srv: Server, layers: int, timeout: float) -> dict:
-    deadline = time.monotonic() + timeout
-    st = srv.status()
-    while st.get("layers_committed", 0) < layers and time.monotonic() < deadline:
-        time.sleep(0.5)
-        st = srv.status()
-    return st
+def warm(srv, mode: str, prompts, args) -> dict:
+    """Drive ``srv`` until it is steady: the cost model fitted (EPLB modes) and, for modes that
+    move layers, no layer committed during the last warm-up batch."""
+    deadline = time.monotonic() + args.warm_seconds
+    committed = -1
+    while True:
+        run_bench(srv.url, prompts, args.max_tokens, args.concurrency)
+        st = status(srv)
+        if mode == "off":
+            return st
+        ready = bool(st.get("cost_model", {}).get("ready"))
+        steady = st["layers_committed"] == committed and not st["round_in_progress"]
+        committed = st["layers_committed"]
+        if (ready and (mode == "nomove" or steady)) or time.monotonic() > deadline:
+            return st
 
 
 def delta(a: dict, b: dict, key: str) -> float:
     return b["critical_path"].get(key, 0.0) - a["critical_path"].get(key, 0.0)
 
 
-def run_mode(ep: int, mode: str, warm, measure, args, tmp: Path) -> dict:
-    log_dir = tmp / f"ep{ep}_{mode}"
-    log_dir.mkdir(parents=True)
-    print(f"bench_e2e ep={ep} mode={mode} starting", file=sys.stderr, flush=True)
-    srv = Server(ep, MODES[mode] + args.model_flags, log_dir)
-    try:
-        run_bench(srv.url, warm, args.max_tokens, args.concurrency)
-        if mode == "on":
-            st = wait_committed(srv, 1, 30)
-            run_bench(srv.url, warm[: len(warm) // 2], args.max_tokens, args.concurrency)
-        s0, c0 = srv.status(), srv.cpu_seconds()
-        res = run_bench(srv.url, measure, args.max_tokens, args.concurrency)
-        s1, c1 = srv.status(), srv.cpu_seconds()
-    finally:
-        srv.stop()
-    steps = max(1.0, delta(s0, s1, "steps"))
+def measure(srv, prompts, args) -> dict:
+    s0 = status(srv)
+    res = run_bench(srv.url, prompts, args.max_tokens, args.concurrency)
+    s1 = status(srv)
     dsteps = max(1.0, delta(s0, s1, "decode_steps"))
-    crit = delta(s0, s1, "decode_critical_s")
-    mean_rank = delta(s0, s1, "decode_expert_cpu_s") / ep
-    eplb_cpu = sum(delta(s0, s1, k) for k in ("eplb_engine_s", "eplb_worker_s",
-                                               "manager_thread_cpu_s"))
-    st = s1
-    return {
-        "eplb_cpu_share": eplb_cpu / max(1e-9, c1 - c0),
-        "critical_path_ms_per_step": 1e3 * crit / dsteps,
-        "imbalance": crit / mean_rank if mean_rank > 0 else float("nan"),
-        "cpu_ms_per_step": 1e3 * (c1 - c0) / steps,
-        "forward_cpu_ms_per_step": 1e3 * delta(s0, s1, "forward_cpu_s") / steps,
-        "tokens_per_s": res["tokens_per_s"], "p50_s": res["p50_s"], "p99_s": res["p99_s"],
-        "ok": res["ok"], "errors": res["errors"], "steps": steps,
-        "balancedness_mean": st.get("balancedness_mean"),
-        "layers_committed": st.get("layers_committed", 0), "rounds": st.get("rounds", 0),
-        "outputs": res["outputs"],
-    }
+    crit = delta(s0, s1, "decode_critical_s") / dsteps
+    mean = delta(s0, s1, "decode_expert_cpu_s") / dsteps / 2
+    return {"tokens_per_s": res["tokens_per_s"], "tpot_s": res["tpot_mean_s"],
+            "critical_ms_per_step": 1e3 * crit, "mean_rank_ms_per_step": 1e3 * mean,
+            "imbalance": crit / mean if mean > 0 else float("nan"),
+            "decode_steps": dsteps, "errors": res["errors"], "outputs": res["outputs"],
+            "layers_committed": s1.get("layers_committed", 0),
+            "layers_regressed": s1.get("layers_regressed", 0),
+            "cost_model": s1.get("cost_model")}
 
 
-def bench_ep(ep: int, args, tmp: Path) -> dict:
-    n_warm, n_meas = (16, 24) if args.quick else (4 * args.concurrency, 8 * args.concurrency)
-    warm = make_prompts(n_warm, args.prompt_len, 16, args.skew, seed=1)
-    measure = make_prompts(n_meas, args.prompt_len, 16, args.skew, seed=2)
-    modes = ("off", "on") if args.quick and ep > 4 else ("off", "on", "nomove")
-    res = {m: run_mode(ep, m, warm, measure, args, tmp) for m in modes}
-    out = {m: {k: v for k, v in r.items() if k != "outputs"} for m, r in res.items()}
-    out["tokens_identical_on_off"] = res["on"]["outputs"] == res["off"]["outputs"]
-    out["critical_path_ratio_on_off"] = (res["on"]["critical_path_ms_per_step"]
-                                         / res["off"]["critical_path_ms_per_step"])
-    if "nomove" in res:
-        out["overhead_no_move"] = (res["nomove"]["cpu_ms_per_step"]
-                                   / res["off"]["cpu_ms_per_step"] - 1.0)
-        out["overhead_no_move_forward"] = (res["nomove"]["forward_cpu_ms_per_step"]
-                                           / res["off"]["forward_cpu_ms_per_step"] - 1.0)
-        # direct: CPU spent inside EPLB code (manager calls, policy thread, executor hooks)
-        # as a share of all engine + worker CPU, with EPLB on and no layer moving
-        out["overhead_no_move_direct"] = res["nomove"]["eplb_cpu_share"]
+def cost_checks(srv) -> list[dict]:
+    """The server's post-commit checks (``EPLB layer cost check`` lines of engine.log): per
+    committed layer the measured critical-path gain (same server, the steps just before vs just
+    after the commit) and the one the cost model predicted."""
+    out = []
+    for line in (srv.log_dir / "engine.log").read_text().splitlines():
+        if "EPLB layer cost check" not in line:
+            continue
+        kv = dict(f.split("=", 1) for f in line.split() if "=" in f)
+        out.append({k: (None if kv[k] == "None" else json.loads(kv[k].lower()))
+                    for k in ("layer", "measured_gain", "predicted_gain", "regressed")})
     return out
+
+
+def pair_numbers(r: dict) -> dict:
+    """Gains of one round (see the module doc)."""
+    off, on = r["off"], r["on"]
+    tpot, crit, mean = off["tpot_s"], off["critical_ms_per_step"] / 1e3, off[
+        "mean_rank_ms_per_step"] / 1e3
+    # the step time per output token: a decode step serves one token of every running request
+    step = tpot
+    out = {"gain": on["tokens_per_s"] / off["tokens_per_s"] - 1.0,
+           "gain_perfect": step / (step - (crit - mean)) - 1.0 if step > crit - mean else None,
+           "critical_path_gain": off["critical_ms_per_step"] / on["critical_ms_per_step"] - 1,
+           "tokens_identical": on["outputs"] == off["outputs"]}
+    cmod = on.get("cost_model") or {}
+    if cmod.get("predicted_critical_s") and cmod.get("predicted_critical_initial_s"):
+        dp = cmod["predicted_critical_initial_s"] - cmod["predicted_critical_s"]
+        out["predicted_critical_path_gain"] = (cmod["predicted_critical_initial_s"]
+                                               / cmod["predicted_critical_s"] - 1.0)
+        out["predicted_gain"] = step / (step - dp) - 1.0
+    for m in r:
+        if m not in ("off", "on"):
+            out[f"gain_{m}"] = r[m]["tokens_per_s"] / off["tokens_per_s"] - 1.0
+            out[f"critical_path_ratio_{m}_off"] = (r[m]["critical_ms_per_step"]
+                                                   / off["critical_ms_per_step"])
+    return out
+
+
+def median(xs):
+    xs = sorted(x for x in xs if x is not None)
+    return xs[len(xs) // 2] if xs else None
+
+
+def summarize(rounds: list[dict], modes: list[str]) -> dict:
+    pairs = [pair_numbers(r) for r in rounds]
+    per_mode = {m: {k: median([r[m][k] for r in rounds])
+                    for k in ("tokens_per_s", "tpot_s", "critical_ms_per_step",
+                              "mean_rank_ms_per_step", "imbalance")} for m in modes}
+    out = {"per_mode_median": per_mode, "pairs": pairs,
+           "static_imbalance": per_mode["off"]["imbalance"],
+           "on_over_off_every_pair": all(p["gain"] >= 0 for p in pairs),
+           "gain_median": median([p["gain"] for p in pairs]),
+           "gain_perfect_median": median([p["gain_perfect"] for p in pairs]),
+           "tokens_identical": all(p["tokens_identical"] for p in pairs)}
+    if out["gain_perfect_median"]:
+        out["gain_over_perfect"] = out["gain_median"] / out["gain_perfect_median"]
+    pg = median([p.get("predicted_gain") for p in pairs])
+    if pg is not None:
+        out["predicted_gain_median"] = pg
+        out["predicted_minus_measured_gain"] = pg - out["gain_median"]
+        out["predicted_critical_path_gain"] = median(
+            [p.get("predicted_critical_path_gain") for p in pairs])
+        out["critical_path_gain_median"] = median([p["critical_path_gain"] for p in pairs])
+    if "tokens" in modes:
+        out["tokens_planning_critical_path_ratio"] = median(
+            [p["critical_path_ratio_tokens_off"] for p in pairs])
+    out["cost_planning_critical_path_ratio"] = median(
+        [1.0 / (1.0 + p["critical_path_gain"]) for p in pairs])
+    return out
+
+
+def project(fit: dict, args) -> dict:
+    """EP16 / EP32 on the DeepSeek decode dump with this run's fitted cost (simulator)."""
+    from xllm_eplb.sim.projection import project_gain
+
+    fixed = float(median(fit["fixed_s"])) if fit else 0.0
+    row = float(median(fit["row_s"])) if fit else 0.0
+    dump = ROOT.parent / "shared" / "data" / "sglang_ep_statistics" / "decode_in1000out1000.json"
+    if not dump.exists():
+        dump = ROOT / ".." / "shared" / "data" / "sglang_ep_statistics" / dump.name
+    return {f"ep{ep}": project_gain(str(dump), ep, fixed, row, steps=args.project_steps,
+                                    tokens_per_rank=args.project_tokens)
+            for ep in (16, 32)} | {"fixed_s": fixed, "row_s": row, "dump": dump.name}
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="EP4 only, fewer requests (~1 min)")
+    ap.add_argument("--quick", action="store_true", help="one round, fewer requests")
     ap.add_argument("--json", type=Path, help="write the results here")
-    ap.add_argument("--ep", type=int, nargs="+", default=None, help="EP sizes (default 4 16)")
-    ap.add_argument("--concurrency", type=int, default=None,
-                    help="client requests in flight (default 16 with --quick, else 64)")
-    ap.add_argument("--prompt-len", type=int, default=24)
-    ap.add_argument("--max-tokens", type=int, default=24)
-    ap.add_argument("--skew", type=float, default=1.2)
-    ap.add_argument("--model-flags", default=" ".join(MODEL),
-                    help=f"extra serve flags for the model shape (default: {' '.join(MODEL)})")
+    ap.add_argument("--pairs", type=int, default=None, help="rounds (default 4; quick 1)")
+    ap.add_argument("--tokens", action="store_true", help="also the token-planning mode")
+    ap.add_argument("--project", action="store_true", help="EP16/EP32 projection (simulator)")
+    ap.add_argument("--hidden", type=int, default=512)
+    ap.add_argument("--moe-width", type=int, default=512)
+    ap.add_argument("--experts", type=int, default=16)
+    ap.add_argument("--top-k", type=int, default=2)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--routing-skew", type=float, default=3.0)
+    ap.add_argument("--prompt-skew", type=float, default=1.5)
+    ap.add_argument("--topics", type=int, default=8,
+                    help="prompt topics (the checkpoint has min(16, experts // top-k))")
+    ap.add_argument("--batch", type=int, default=32, help="--max_batch_size per rank")
+    ap.add_argument("--concurrency", type=int, default=64)
+    ap.add_argument("--requests", type=int, default=None, help="per round (default 128)")
+    ap.add_argument("--prompt-len", type=int, default=16)
+    ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--affinity", default="0,1", help="--worker_cpu_affinity of the servers")
+    ap.add_argument("--warm-seconds", type=float, default=120.0)
+    ap.add_argument("--project-steps", type=int, default=300)
+    ap.add_argument("--project-tokens", type=int, default=16,
+                    help="projection: decode tokens per rank per step")
     args = ap.parse_args(argv)
-    args.model_flags = args.model_flags.split()
-    args.concurrency = args.concurrency or (16 if args.quick else 64)
-    eps = args.ep or ([4] if args.quick else [4, 16])
+    args.pairs = args.pairs or (1 if args.quick else 4)
+    n_req = args.requests or (64 if args.quick else 128)
+    modes = ["off", "on", "nomove"] + (["tokens"] if args.tokens else [])
+    load0 = os.getloadavg()
+    warm_p = make_prompts(n_req, args.prompt_len, args.topics, args.prompt_skew, seed=1)
+    meas_p = make_prompts(n_req, args.prompt_len, args.topics, args.prompt_skew, seed=2)
+    servers: dict = {}
+    rounds: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="bench_e2e_") as tmp:
-        results = {f"ep{ep}": bench_ep(ep, args, Path(tmp)) for ep in eps}
-    first = results[f"ep{eps[0]}"]
-    summary = {"critical_path_ratio_on_off": first["critical_path_ratio_on_off"],
-               "overhead_no_move": first.get("overhead_no_move"),
-               "overhead_no_move_direct": first.get("overhead_no_move_direct"),
-               "tokens_identical_on_off": all(r["tokens_identical_on_off"]
-                                              for r in results.values()),
-               "per_ep": results, "args": vars(args) | {"json": str(args.json)}}
+        ckpt = make_ckpt(args, Path(tmp) / "ckpt")
+        try:
+            for m in modes:
+                print(f"bench_e2e: starting {m}", file=sys.stderr, flush=True)
+                servers[m] = Server(ckpt, 2, _mode_flags(args, m), Path(tmp) / m)
+            warmed = {m: warm(servers[m], m, warm_p, args) for m in modes}
+            for i in range(args.pairs):
+                order = modes if i % 2 == 0 else modes[::-1]
+                print(f"bench_e2e: round {i + 1}/{args.pairs} {order}", file=sys.stderr,
+                      flush=True)
+                rounds.append({m: measure(servers[m], meas_p, args) for m in order})
+            checks = {m: cost_checks(servers[m]) for m in modes if m != "off"}
+        finally:
+            for s in servers.values():
+                s.stop()
+    summary = summarize(rounds, modes)
+    fit = rounds[-1]["on"].get("cost_model") if rounds else None
+    summary.update(
+        load_average_start=load0, load_average_end=os.getloadavg(),
+        warm={m: {k: warmed[m].get(k) for k in ("layers_committed", "rounds", "layers_regressed",
+                                                 "layers_rolled_back", "slots_moved")}
+              for m in modes},
+        cost_model_fit=fit, commit_checks=checks, args=vars(args) | {"json": str(args.json)},
+        rounds=[{m: {k: v for k, v in r[m].items() if k not in ("outputs", "cost_model")}
+                 for m in r} for r in rounds])
+    if args.project:
+        summary["projection"] = project(fit, args)
     text = json.dumps(summary, indent=2, default=str)
     print(text)
     if args.json:
         args.json.write_text(text)
-    return 0 if summary["tokens_identical_on_off"] else 1
+    return 0 if summary["tokens_identical"] else 1
 
 
 if __name__ == "__main__":

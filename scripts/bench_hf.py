@@ -20,6 +20,13 @@ experts top-2; skipped by ``--quick``). Targets (issue 12): single >= 1.0x hf; e
 0.9x hf at ``compute`` and >= 0.5x at ``tiny``.
 
     python scripts/bench_hf.py [--quick] [--json PATH] [--new 32] [--configs tiny compute]
+    python scripts/bench_hf.py --quant fp8 [--quick] [--json PATH] [--configs ...]
+
+``--quant fp8`` (issue 24): the engine at EP2 in bfloat16 on the same shapes three ways: a
+bf16 checkpoint (``bf16``), its FP8 block-scaled twin (``make_checkpoint(quant="fp8")``, 128 x
+128 blocks) with the step's active experts dequantized per step (``fp8_per_step``), and with
+the resident dequantized cache (``fp8_cache``, ``--fp8_dequant_cache=true``). Reported: tok/s,
+the ratio to ``bf16``, and whether the two FP8 modes produced identical tokens.
 
 Needs the HF-checkpoint engine (``--model``); without it only ``hf`` is measured.
 """
@@ -100,11 +107,12 @@ def bench_single(model_dir: Path, prompts, new: int) -> tuple[float, list[list[i
     return time.perf_counter() - t0, out
 
 
-def bench_engine(model_dir: Path, prompts, new: int, log_dir: Path):
+def bench_engine(model_dir: Path, prompts, new: int, log_dir: Path, *,
+                 dtype: str = "float32", extra: tuple[str, ...] = ()):
     P = len(prompts[0])
     srv = Server(model_dir, 2, ["--enable_eplb=true", "--eplb_update_interval=2",
-                                "--dtype=float32", f"--max_batch_size={len(prompts)}",
-                                f"--max_prefill_tokens={len(prompts) * P}"], log_dir)
+                                f"--dtype={dtype}", f"--max_batch_size={len(prompts)}",
+                                f"--max_prefill_tokens={len(prompts) * P}", *extra], log_dir)
     try:
         srv.complete_all(prompts[:4], 2)                      # warm-up
         t0 = time.perf_counter()
@@ -135,6 +143,46 @@ def run_config(name: str, sizes: dict, new: int, prompt_len: int, work: Path) ->
     return res
 
 
+def run_fp8_config(name: str, sizes: dict, new: int, prompt_len: int, work: Path) -> dict:
+    """bf16 vs FP8 (per-step, cached) through the engine at EP2, all in bfloat16."""
+    dirs = {"bf16": make_checkpoint("deepseek_v3", work / f"{name}-bf16", dtype="bfloat16",
+                                    **sizes),
+            "fp8": make_checkpoint("deepseek_v3", work / f"{name}-fp8", dtype="bfloat16",
+                                   quant="fp8", block_size=128, **sizes)}
+    prompts = make_prompts(dirs["bf16"], BATCH, prompt_len)
+    tokens = BATCH * new
+    res: dict = {"config": name, "sizes": sizes, "batch": BATCH, "new_tokens": new,
+                 "prompt_len": prompt_len, "dtype": "bfloat16"}
+    runs = {"bf16": (dirs["bf16"], ()),
+            "fp8_per_step": (dirs["fp8"], ("--fp8_dequant_cache=false",)),
+            "fp8_cache": (dirs["fp8"], ("--fp8_dequant_cache=true",))}
+    outs = {}
+    for path, (d, extra) in runs.items():
+        dt, outs[path] = bench_engine(d, prompts, new, work / f"{name}-{path}-logs",
+                                      dtype="bfloat16", extra=extra)
+        res[path] = {"seconds": dt, "tokens_per_s": tokens / dt}
+    for path in ("fp8_per_step", "fp8_cache"):
+        res[path]["vs_bf16"] = res[path]["tokens_per_s"] / res["bf16"]["tokens_per_s"]
+    res["fp8_modes_tokens_equal"] = outs["fp8_per_step"] == outs["fp8_cache"]
+    return res
+
+
+def fp8_main(args, configs: list[str], new: int) -> int:
+    out = {"quant": "fp8", "results": []}
+    with tempfile.TemporaryDirectory(prefix="bench_hf_fp8_") as tmp:
+        for name in configs:
+            r = run_fp8_config(name, CONFIGS[name], new, args.prompt_len, Path(tmp))
+            out["results"].append(r)
+            print(f"{name} (EP2, bfloat16): bf16 {r['bf16']['tokens_per_s']:.0f} tok/s; "
+                  f"fp8 per-step {r['fp8_per_step']['tokens_per_s']:.0f} tok/s "
+                  f"({r['fp8_per_step']['vs_bf16']:.2f}x); fp8 cached "
+                  f"{r['fp8_cache']['tokens_per_s']:.0f} tok/s ({r['fp8_cache']['vs_bf16']:.2f}x); "
+                  f"fp8 modes' tokens {'==' if r['fp8_modes_tokens_equal'] else '!='}",
+                  flush=True)
+    write_json(args.json, out)
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="tiny config only, 8 new tokens")
@@ -144,6 +192,8 @@ def main() -> int:
     ap.add_argument("--configs", nargs="+", choices=sorted(CONFIGS), default=list(CONFIGS))
     ap.add_argument("--threads", type=int, default=1,
                     help="torch threads of hf and single (each engine worker uses its own)")
+    ap.add_argument("--quant", choices=["none", "fp8"], default="none",
+                    help="fp8: the engine on bf16 vs FP8 (per-step, cached) checkpoints")
     args = ap.parse_args()
     import torch
 
@@ -151,6 +201,11 @@ def main() -> int:
     torch.set_num_threads(args.threads)
     configs = ["tiny"] if args.quick else args.configs
     new = 8 if args.quick else args.new
+    if args.quant == "fp8":
+        if not engine_serves_checkpoints():
+            print("skipped: this checkout has no --model (HF-checkpoint engine)")
+            return 0
+        return fp8_main(args, configs, new)
     out = {"torch_threads": torch.get_num_threads(), "results": []}
     with tempfile.TemporaryDirectory(prefix="bench_hf_") as tmp:
         for name in configs:

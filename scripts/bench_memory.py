@@ -25,6 +25,21 @@ live migration are extra and shown in the same table. Also reported: the whole f
 "no rank holds the whole model" is visible.
 
     python scripts/bench_memory.py [--quick] [--json PATH] [--ep 4]
+    python scripts/bench_memory.py --quant fp8 [--quick] [--json PATH] [--ep 2]
+
+``--quant fp8`` (issue 24): the same model twice, as a bf16 checkpoint and as an FP8
+block-scaled one (``make_checkpoint(quant="fp8")``, 128 x 128 blocks, f32 scales, experts
+>= 80 % of the file), both served in bf16 (EPLB off, per-step dequantization). A rank's expert
+memory must be its slots' fp8 bytes + scale bytes (within 5 %). Measured two ways:
+
+- reported: the worker's ``expert slots`` log line (the nbytes of its slot tensors) against the
+  fp8 + scale bytes of its slots in the file;
+- resident RSS: ``VmRSS`` of each worker once ready (loaded, before any request). The two runs
+  differ only in expert storage, so ``bf16 slot bytes - (RSS_bf16 - RSS_fp8)`` is the memory
+  the fp8 slots take, compared with their fp8 + scale bytes. ``VmHWM`` after one request is
+  reported too: it adds the per-step dequantization of the step's active experts. Both
+  servers run with ``MALLOC_MMAP_THRESHOLD_=131072`` (glibc): freed large blocks are returned,
+  so the RSS is live memory rather than what the allocator kept after the warm-up step.
 
 Needs the HF-checkpoint engine (``--model``).
 """
@@ -33,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import subprocess
 import sys
 import tempfile
@@ -84,7 +100,7 @@ def file_bytes(model_dir: Path) -> tuple[int, int, dict]:
     """(non-expert bytes, total bytes, one expert's bytes per MoE layer)."""
     from safetensors import safe_open
 
-    sizes = {"F32": 4, "BF16": 2, "F16": 2, "F64": 8}
+    sizes = {"F32": 4, "BF16": 2, "F16": 2, "F64": 8, "F8_E4M3": 1}
     total = expert = 0
     per_expert: dict[int, int] = {}
     with safe_open(str(model_dir / "model.safetensors"), "pt") as f:
@@ -117,15 +133,97 @@ def rank_baseline(tmp: Path, ep: int, redundant: int, num_experts: int) -> int:
     return max(peaks) - (non_expert + slot_bytes)
 
 
-def measure(model_dir: Path, ep: int, eplb: bool, log_dir: Path) -> list[int]:
-    flags = ["--dtype=float32", "--max_batch_size=1", "--max_prefill_tokens=64",
+def vm_rss(pid: int) -> int:
+    """Current resident set of a process, bytes."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no VmRSS for pid {pid}")
+
+
+def measure(model_dir: Path, ep: int, eplb: bool, log_dir: Path, *, dtype: str = "float32",
+            resident: list | None = None) -> list[int]:
+    """Peak RSS of every worker after one request; ``resident`` gets their RSS once ready."""
+    flags = [f"--dtype={dtype}", "--max_batch_size=1", "--max_prefill_tokens=64",
              f"--enable_eplb={'true' if eplb else 'false'}", "--eplb_update_interval=1000"]
     srv = Server(model_dir, ep, flags, log_dir)
     try:
+        if resident is not None:
+            resident.extend(vm_rss(pid) for pid in sorted(srv.worker_pids()))
         srv.complete([1, 2, 3, 4], 4)                       # one real request through every rank
-        return [vm_hwm(pid) for pid in srv.worker_pids()]
+        return [vm_hwm(pid) for pid in sorted(srv.worker_pids())]
     finally:
         srv.stop()
+
+
+FP8_SIZES = dict(hidden_size=1024, num_experts=16, top_k=2, moe_intermediate_size=2048,
+                 intermediate_size=512, num_layers=4, max_position_embeddings=256)
+FP8_QUICK_SIZES = dict(FP8_SIZES, hidden_size=512, moe_intermediate_size=1024)
+
+
+def reported_slots(log_dir: Path) -> list[dict]:
+    """The ``expert slots`` log line of every worker (rank order)."""
+    import re
+
+    rows = []
+    for f in sorted(log_dir.rglob("*.log")):
+        for line in f.read_text().splitlines():
+            if "expert slots" in line:
+                rows.append({k: (int(v) if v.isdigit() else v)
+                             for k, v in re.findall(r"(\w+)=(\S+)", line.split("expert slots")[1])})
+    return sorted(rows, key=lambda r: r["rank"])
+
+
+def fp8_main(args) -> int:
+    """``--quant fp8``: see the module docstring."""
+    sizes = FP8_QUICK_SIZES if args.quick else FP8_SIZES
+    mib = 1 << 20
+    # both servers: a fixed glibc mmap threshold, so freed large blocks (the per-step
+    # dequantization's) go back to the system and resident RSS is live memory, not what the
+    # allocator kept after the warm-up step
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = str(128 * 1024)
+    with tempfile.TemporaryDirectory(prefix="bench_memory_fp8_") as tmp:
+        dirs = {"bf16": make_checkpoint("deepseek_v3", Path(tmp) / "bf16", dtype="bfloat16",
+                                        **sizes),
+                "fp8": make_checkpoint("deepseek_v3", Path(tmp) / "fp8", dtype="bfloat16",
+                                       quant="fp8", block_size=128, **sizes)}
+        files = {k: file_bytes(d) for k, d in dirs.items()}
+        slots = sizes["num_experts"] // args.ep + args.redundant
+        slot_file = {k: slots * sum(f[2].values()) for k, f in files.items()}
+        resident, peak, reported = {}, {}, {}
+        for k, d in dirs.items():
+            resident[k] = []
+            peak[k] = measure(d, args.ep, False, Path(tmp) / f"logs-{k}", dtype="bfloat16",
+                              resident=resident[k])
+            reported[k] = reported_slots(Path(tmp) / f"logs-{k}")
+    non_expert, total, _ = files["fp8"]
+    rss_fp8 = [slot_file["bf16"] - (b - f) for b, f in zip(resident["bf16"], resident["fp8"],
+                                                             strict=True)]
+    want = slot_file["fp8"]                 # fp8 bytes + f32 scale bytes of the rank's slots
+    out = {"sizes": sizes, "ep": args.ep, "slots_per_rank": slots, "file_bytes": total,
+           "expert_share_of_file": 1 - non_expert / total,
+           "rank_slot_bytes_in_file": slot_file, "reported": reported,
+           "reported_over_file": [r["bytes"] / want for r in reported["fp8"]],
+           "resident_rss_bytes": resident, "peak_rss_bytes": peak,
+           "rss_expert_bytes_fp8": rss_fp8, "rss_over_file": [b / want for b in rss_fp8]}
+    out["within_5pct"] = all(abs(x - 1) <= 0.05 for x in out["reported_over_file"]
+                             + out["rss_over_file"])
+    print(f"FP8 file {total / mib:.1f} MiB (experts incl. scales "
+          f"{100 * out['expert_share_of_file']:.1f}%); a rank's {slots} slots x "
+          f"{len(files['fp8'][2])} layers: fp8+scales {want / mib:.2f} MiB, bf16 "
+          f"{slot_file['bf16'] / mib:.2f} MiB")
+    for r, fr, q in zip(reported["fp8"], out["rss_over_file"], rss_fp8, strict=True):
+        print(f"rank {r['rank']}: reported slots {r['bytes'] / mib:.2f} MiB (fp8 "
+              f"{r['fp8_bytes'] / mib:.2f} + scales {r['scale_bytes'] / 1024:.1f} KiB) = "
+              f"{r['bytes'] / want:.4f} x file; resident RSS difference -> {q / mib:.2f} MiB = "
+              f"{fr:.3f} x file")
+    print("resident RSS MiB bf16", [round(x / mib, 1) for x in resident["bf16"]], "fp8",
+          [round(x / mib, 1) for x in resident["fp8"]], "; peak after one request bf16",
+          [round(x / mib, 1) for x in peak["bf16"]], "fp8",
+          [round(x / mib, 1) for x in peak["fp8"]])
+    print("within 5%:", out["within_5pct"])
+    write_json(args.json, out)
+    return 0
 
 
 def main() -> int:
@@ -135,6 +233,8 @@ def main() -> int:
     ap.add_argument("--ep", type=int, default=4)
     ap.add_argument("--redundant", type=int, default=1, help="redundant slots per rank (the "
                     "engine's default redundant_experts_num)")
+    ap.add_argument("--quant", choices=["none", "fp8"], default="none",
+                    help="fp8: an FP8 checkpoint's expert memory against fp8 + scale bytes")
     ap.add_argument("--baseline", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.baseline:
@@ -143,6 +243,8 @@ def main() -> int:
     if not engine_serves_checkpoints():
         print("skipped: this checkout has no --model (HF-checkpoint engine)")
         return 0
+    if args.quant == "fp8":
+        return fp8_main(args)
     sizes = QUICK_SIZES if args.quick else SIZES
     with tempfile.TemporaryDirectory(prefix="bench_memory_") as tmp:
         model_dir = make_checkpoint("deepseek_v3", Path(tmp) / "ckpt", **sizes)

@@ -9,7 +9,12 @@ For EP16+16, EP32+32, EP64+64, EP128+128 (one redundant slot per rank) and every
   58-layer round (``gate.propose``: ``plan`` + the gate, best of N, process CPU time so that a
   loaded shared machine does not distort it);
 - drift to decode_in500out1500 starting from the policy's own fresh plan: slots moved (% of all
-  slots) and balancedness reached, plus "no rebalance" (keep the fresh plan).
+  slots) and balancedness reached, plus "no rebalance" (keep the fresh plan);
+- the integrations (``scripts/bench_adapters.py``): every engine interface with our policy next
+  to the engine's own default policy, same input, same run (EP32+32 with --quick, else EP32 and
+  EP64), and vllm-ascend's policy fixture;
+- ``incremental`` at 384 experts, EP96+96 (the dumps' 256 experts plus 128 of them again, shuffled:
+  the size of a 384-expert model), fresh and drift CPU ms.
 
 Usage::
 
@@ -264,9 +269,36 @@ def main(argv=None) -> int:
               f"{rs[0]['peak_over_ideal'] / rs[0]['peak_over_replica_bound']:.4f}; "
               f"LP(layer 0) / ideal {'n/a' if lp is None else f'{lp:.4f}'}", file=sys.stderr)
     print(to_markdown(rows))
+    import bench_adapters
+
+    ad = [x for d in ([32] if args.quick else [32, 64]) for x in bench_adapters.bench(d, a, b,
+                                                                                     repeats)]
+    asc = bench_adapters.bench_ascend(repeats)
+    print()
+    print(bench_adapters.to_markdown(ad, asc))
+    big = bench_384(a, b, repeats)
+    print()
+    print(f"incremental, 384 experts, EP96+96: fresh {big['fresh_ms']:.1f} ms (peak/ideal "
+          f"{big['peak_over_ideal']:.4f}), drift {big['drift_ms']:.1f} ms (moved "
+          f"{big['drift_moved_pct']:.1f}%)")
     if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")
+        Path(args.json).write_text(json.dumps({"policies": rows, "adapters": ad,
+                                               "vllm_ascend_fixture": asc, "e384_ep96": big},
+                                              indent=1) + "\n")
     return 0
+
+
+def bench_384(a, b, repeats) -> dict:
+    """incremental on 384 experts at EP96+96 (module doc), from xLLM's initial layout."""
+    rng = np.random.default_rng(0)
+    pick = rng.permutation(a.shape[1])[:128]
+    a2, b2 = (np.concatenate([x, x[:, pick]], axis=1) for x in (a, b))
+    init = np.tile(initial_phy2log(384, 96, 1), (a.shape[0], 1))
+    fresh, t_f = plan("incremental", 96, 1, a2, init, repeats)
+    drift, t_d = plan("incremental", 96, 1, b2, fresh, repeats)
+    return {"fresh_ms": t_f * 1000, "drift_ms": t_d * 1000,
+            "peak_over_ideal": global_peak(fresh, a2, 96),
+            "drift_moved_pct": 100.0 * diff(fresh, drift, 96).moved_slots / fresh.size}
 
 
 if __name__ == "__main__":

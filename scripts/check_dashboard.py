@@ -23,10 +23,12 @@ QUERY_KEYS = ("expr", "query", "definition")
 
 
 def exported_names() -> set[str]:
-    """Every sample/family name of the engine's registry (per-layer series on)."""
+    """Every sample/family name of the engine's registry (per-layer and per-expert series
+    on)."""
     from xllm_eplb.obs.metrics import EngineMetrics, metric_names
 
-    return metric_names(EngineMetrics(4, 3, per_layer=True).registry)
+    return metric_names(EngineMetrics(4, 3, per_layer=True, hot_experts=4,
+                                      all_experts=True).registry)
 
 
 def queries(node, where: str = "") -> list[tuple[str, str]]:

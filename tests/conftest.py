@@ -26,7 +26,8 @@ def shared_data() -> Path:
     """``../shared/data/sglang_ep_statistics`` (real DeepSeek load dumps); skips when absent."""
     path = (REPO_ROOT / ".." / "shared" / "data" / "sglang_ep_statistics").resolve()
     if not path.is_dir() or not any(path.glob("*.json")):
-        pytest.skip(f"shared load data not found at {path}")
+        pytest.skip(f"shared load data not found at {path} (the SGLang dumps: README.md, "
+                    f"'Real DeepSeek-V3/R1 expert loads', says where they come from)")
     return path
 
 
@@ -45,10 +46,10 @@ def start_server(tmp_path):
     """``start(*flags) -> Server``: real `xllm-eplb serve` runs, killed and swept after the test."""
     servers: list[Server] = []
 
-    def start(*args: str) -> Server:
+    def start(*args: str, base: list[str] | None = None) -> Server:
         d = tmp_path / f"s{len(servers)}"
         d.mkdir()
-        s = Server(d, list(args))
+        s = Server(d, list(args), base)
         servers.append(s)
         return s
 

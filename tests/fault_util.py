@@ -25,7 +25,9 @@ def flags(ckpt: Path, *extra: str) -> list[str]:
     return ["--ep-size", "2", "--model", str(ckpt), "--eplb_update_interval=1",
             "--eplb_min_peak_load_improvement=0", "--eplb_canary=true",
             "--workload=synthetic", "--workload_rate=12", "--workload_prompt_len=8",
-            "--workload_output_len=12", "--enable_fault_injection=true", *extra]
+            "--workload_output_len=12", "--enable_fault_injection=true",
+            # the tests need layers to move every round: xLLM's full re-plan on token counts
+            "--eplb_policy_kind=balanced", "--eplb_plan_on=tokens", *extra]
 
 
 def reference_tokens(ckpt: Path) -> list[list[int]]:

@@ -17,9 +17,10 @@ N_NEW = 32
 REL_TOL = 1e-5
 
 
-def cfg_for(path, ep_size: int = 4, **eplb) -> Config:
+def cfg_for(path, ep_size: int = 4, *, dequant_cache: bool = False, **eplb) -> Config:
     return Config(eplb=EplbConfig(ep_size=ep_size, enable_eplb=True, eplb_canary=True, **eplb),
-                  model=ModelConfig(model=str(path), dtype="float32"))
+                  model=ModelConfig(model=str(path), dtype="float32",
+                                    fp8_dequant_cache=dequant_cache))
 
 
 @contextlib.contextmanager

@@ -46,15 +46,26 @@ def kill_run(proc, alive) -> None:
 class Server:
     """One `xllm-eplb serve` process group with its logs and every process it started."""
 
-    def __init__(self, tmp: Path, args: list[str]):
-        self.port = free_port()
+    def __init__(self, tmp: Path, args: list[str], base: list[str] | None = None, *,
+                 cmd: list[str] | None = None, cwd: Path = ROOT, env: dict | None = None,
+                 port: int | None = None):
+        """``base``: the run's fixed flags (default: 4 ranks from the example config);
+        ``cmd``: the whole command line instead of ``python -m xllm_eplb serve ... *args``
+        (it must listen on ``port`` and log under ``cwd``)."""
+        self.port = port or free_port()
         self.run_id = f"p{self.port}"
-        self.log_dir = tmp / "logs"
+        self.log_root = tmp / "logs"
+        #: this run's own log folder (``--log_dir``'s ``latest`` link: one run per root here)
+        self.log_dir = self.log_root / "latest"
         self.out, self.err = tmp / "stdout.txt", tmp / "stderr.txt"
-        cmd = [sys.executable, "-m", "xllm_eplb", "serve", "--ep-size", "4", "--config",
-               str(ROOT / "configs" / "eplb.yaml"), "--port", str(self.port),
-               "--log_dir", str(self.log_dir), *args]
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self.out.open("w"),
+        if cmd is None:
+            if base is None:
+                base = ["--ep-size", "4", "--config", str(ROOT / "configs" / "eplb.yaml")]
+            cmd = [sys.executable, "-m", "xllm_eplb", "serve", *base, "--port", str(self.port),
+                   "--log_dir", str(self.log_root), *args]
+        else:
+            self.log_root, self.log_dir = cwd / "logs", cwd / "logs" / "latest"
+        self.proc = subprocess.Popen(cmd, cwd=cwd, stdout=self.out.open("w"), env=env,
                                      stderr=self.err.open("w"), start_new_session=True)
         self.pids: set[int] = {self.proc.pid}
         self.url = f"http://127.0.0.1:{self.port}"

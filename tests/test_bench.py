@@ -28,8 +28,17 @@ def test_bench_streams_and_reports_every_latency(server, tmp_path):
     r = CliRunner().invoke(bench, ["--url", server, "--requests", "6", "--concurrency", "3",
                                    "--max-tokens", "5", "--prompt-len", "8", "--json", str(out)])
     assert r.exit_code == 0, r.output
-    assert r.output.startswith("bench requests=6 ok=6 errors=0")
+    lines = r.output.splitlines()           # the table: header, totals, latencies in ms
+    assert "xllm-eplb bench" in lines[0] and f"Server:{' ' * 27}{server}" in lines
+    assert "Model:                            tiny (max_model_len 96)" in lines
+    assert "Server workload:                  unknown (the server does not report it)" in lines
+    assert "Successful requests:              6" in lines and "Failed requests:                  0" in lines
+    assert "Request rate (req/s):             inf" in lines
+    row = next(ln for ln in lines if ln.startswith("TTFT"))
     res = json.loads(out.read_text())
+    assert [float(x) for x in row.split()[1:]] == pytest.approx(
+        [res[f"ttft_{s}_s"] * 1e3 for s in ("mean", "p50", "p90", "p99")], abs=0.01)
+    assert res["request_rate"] == "inf" and res["server"]["model"]["id"] == "tiny"
     assert res["output_tokens"] == 30 and res["tokens_per_s"] > 0 and res["req_per_s"] > 0
     for k in ("ttft", "tpot", "itl", "e2e"):
         vals = [res[f"{k}_{s}_s"] for s in ("p50", "p90", "p99")]
@@ -60,3 +69,15 @@ def test_200_concurrent_streaming_clients_all_complete(server):
     # greedy: the same prompt gives the same tokens whatever batch it shared
     again = run_bench(server, prompts[:5], 4, 1)
     assert again["outputs"] == res["outputs"][:5]
+
+
+def test_request_rate_spaces_the_arrivals(server):
+    """--request-rate 8 with Poisson gaps: the run lasts at least the last arrival's offset,
+    and the numbers say how it was driven."""
+    from xllm_eplb.commands.bench import arrival_times
+
+    prompts = make_prompts(8, 6, 16, 1.2, 0)
+    res = run_bench(server, prompts, 3, 4, seed=3, request_rate=8.0, burstiness=1.0)
+    last = arrival_times(8, 8.0, 1.0, 3)[-1]
+    assert res["ok"] == 8 and last > 0.2 and res["seconds"] >= last
+    assert (res["request_rate"], res["burstiness"], res["concurrency"]) == (8.0, 1.0, 4)

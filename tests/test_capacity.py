@@ -150,6 +150,7 @@ def _rank(rank, world, variants):
     return out
 
 
+@pytest.mark.slow            # gloo ranks in other processes (make test-fast skips it)
 @pytest.mark.timeout(120)
 def test_capacities_identical_on_every_rank_and_never_exceeded():
     from xllm_eplb.testing.dist import run_ranks

@@ -71,7 +71,7 @@ def test_yaml_error_is_one_line_and_debug_adds_traceback(tmp_path):
 def test_committed_docs_match_generator():
     assert DOCS_PATH == REPO / "docs" / "configuration.md"
     assert DOCS_PATH.read_text(encoding="utf-8") == render_docs(), \
-        "docs/configuration.md is stale: run `xllm-eplb config docs`"
+        "docs/configuration.md is stale: run `make docs`"
 
 
 def test_docs_cover_every_flag_and_precedence():
@@ -99,6 +99,8 @@ def test_config_commands_in_process(tmp_path):
     out = tmp_path / "c.md"
     r = runner.invoke(cli, ["config", "docs", "--output", str(out)])
     assert r.exit_code == 0 and out.read_text() == render_docs()
+    r = runner.invoke(cli, ["config", "docs"])          # no --output: stdout, nothing written
+    assert r.exit_code == 0 and r.output == render_docs()
 
 
 @config_command("simlike", require_ep_size=False, pass_sources=True)

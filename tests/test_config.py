@@ -14,6 +14,7 @@ from xllm_eplb.config import (
     SECTIONS,
     Config,
     EplbConfig,
+    ServeConfig,
     as_flat_dict,
     format_value,
     normalize_policy_kind,
@@ -46,8 +47,10 @@ def test_defaults_other_than_ep_size_are_valid():
 
 def test_spec_section_11_defaults():
     e = EplbConfig()
-    assert (e.enable_eplb, e.redundant_experts_num, e.eplb_update_interval) == (False, 1, 1000)
-    assert (e.eplb_min_peak_load_improvement, e.eplb_policy_kind) == (0.05, "balanced")
+    # this project's defaults (spec section 11): EPLB on, incremental (xLLM: off, balanced)
+    assert (e.enable_eplb, e.redundant_experts_num, e.eplb_update_interval) == (True, 1, 1000)
+    assert (e.eplb_min_peak_load_improvement, e.eplb_policy_kind) == (0.05, "incremental")
+    assert e.eplb_plan_on == "cost" and ServeConfig().workload == "none"
     assert (e.eplb_use_decode_only_load, e.eplb_prepare_timeout_seconds) == (False, 30)
     assert (e.expert_parallel_degree, e.enable_fused_mc2) == (0, -1)
 
@@ -55,8 +58,8 @@ def test_spec_section_11_defaults():
 @pytest.mark.parametrize("name,value,msg", [
     ("eplb_min_peak_load_improvement", 1.5, "--eplb_min_peak_load_improvement=1.5: must be in [0, 1]"),
     ("eplb_min_peak_load_improvement", -0.1, "must be in [0, 1]"),
-    ("ep_size", 1, "--ep_size=1: must be > 1"),
-    ("ep_size", 0, "--ep_size=0: must be > 1"),
+    ("ep_size", 0, "--ep_size=0: must be >= 1"),
+    ("ep_size", -2, "--ep_size=-2: must be >= 1"),
     ("redundant_experts_num", -1, "--redundant_experts_num=-1: must be >= 0"),
     ("eplb_update_interval", -1, "--eplb_update_interval=-1: must be >= 0"),
     ("eplb_prepare_timeout_seconds", 0, "--eplb_prepare_timeout_seconds=0: must be > 0"),
@@ -144,7 +147,7 @@ def test_unknown_policy_kind_warns_once(caplog):
 def test_rule_texts():
     assert FIELDS["eplb_min_peak_load_improvement"].rule() == "in [0, 1]"
     assert FIELDS["eplb_estimator_decay"].rule() == "in (0, 1]"
-    assert FIELDS["ep_size"].rule() == "> 1"
+    assert FIELDS["ep_size"].rule() == ">= 1"
     assert FIELDS["redundant_experts_num"].rule() == ">= 0"
     assert FIELDS["enable_fused_mc2"].rule() == "one of -1, 0, 1, 2"
     assert FIELDS["enable_eplb"].rule() == ""

@@ -43,3 +43,15 @@ def test_not_a_dashboard_is_an_error(tmp_path):
     p.write_text("[]")
     with pytest.raises(SystemExit, match="no 'panels'"):
         mod.main([str(p)])
+
+
+def test_dashboard_shows_the_live_view():
+    """#27: per-token latencies, queueing, step shape, KV-cache use and the hot experts with
+    their replicas each have a panel."""
+    dash = json.loads((ROOT / "configs" / "grafana" / "xllm-eplb.json").read_text())
+    exprs = " ".join(t["expr"] for p in dash["panels"] for t in p.get("targets", []))
+    for name in ("time_per_output_token_seconds_bucket", "inter_token_latency_seconds_bucket",
+                 "request_queue_time_seconds_bucket", "batch_size_sum", "tokens_per_step_sum",
+                 "kv_cache_usage_ratio", "hot_expert_load_ratio", "hot_expert_replicas",
+                 "hot_expert_id"):
+        assert f"xllm_eplb_{name}" in exprs, name

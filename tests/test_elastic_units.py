@@ -62,7 +62,8 @@ def test_void_step_requeues_running_requests_for_a_reprefill_of_prompt_and_outpu
     assert rows[a.req_id].start_pos == 0 and rows[b.req_id].token_ids == [4, 5, 7, 8]
     released = {rid for k, x in enumerate(nxt) for rid in x.release if old.get(rid) == k}
     assert released == {a.req_id, b.req_id}
-    # a re-prefill longer than --max_prefill_tokens still gets a rank (alone)
+    # a re-prefill longer than --max_prefill_tokens is prefilled in chunks (8 + 3); the token
+    # sampled after the partial chunk is dropped
     long = Request(prompt=list(range(1, 8)), max_tokens=20)
     s2 = Scheduler(dp_size=1, max_batch_size=4, max_prefill_tokens=8)
     s2.submit(long)
@@ -72,7 +73,10 @@ def test_void_step_requeues_running_requests_for_a_reprefill_of_prompt_and_outpu
         s2.update({long.req_id: 10 + t})
         s2.schedule()
     s2.void_step()
-    assert [len(r.token_ids) for x in s2.schedule() for r in x.rows] == [11]
+    assert [len(r.token_ids) for x in s2.schedule() for r in x.rows] == [8]
+    s2.update({long.req_id: 99})
+    assert [(r.start_pos, len(r.token_ids)) for x in s2.schedule() for r in x.rows] == [(8, 3)]
+    assert long.output == [10, 11, 12, 13]
 
 
 @pytest.mark.slow

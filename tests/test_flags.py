@@ -268,11 +268,24 @@ def test_later_config_file_overrides_earlier(tmp_path):
     assert load("--config", str(a), "--config", str(b)).serve.port == 2
 
 
-def test_unknown_policy_warns_once_and_falls_back(caplog):
+def test_unknown_policy_is_an_error_at_validation_the_loop_keeps_the_fallback(caplog, tmp_path):
+    """An unknown --eplb_policy_kind is exit 2 wherever a config is read (flag, config file);
+    a value that reaches the rebalance loop another way still falls back to greedy with one
+    warning (xLLM's rule), and legacy names still mean balanced."""
+    from xllm_eplb.eplb.policy import make_policy
+
+    with pytest.raises(ConfigError, match=r"--eplb_policy_kind=Fancy_Policy_XYZ: must be one "
+                                          r"of balanced, greedy, incremental, node_aware"):
+        load(*BASE, "--eplb_policy_kind=Fancy_Policy_XYZ")
+    p = tmp_path / "c.yaml"
+    p.write_text("eplb:\n  eplb_policy_kind: nope\n")
+    with pytest.raises(ConfigError, match="--eplb_policy_kind=nope"):
+        load(*BASE, "--config", str(p))
+    assert load(*BASE, "--eplb_policy_kind=DeepSeek_Hier").eplb.eplb_policy_kind == "balanced"
     with caplog.at_level(logging.WARNING, logger="xllm_eplb.config"):
-        c1 = load(*BASE, "--eplb_policy_kind=Fancy_Policy_XYZ")
-        c2 = load(*BASE, "--eplb_policy_kind=Fancy_Policy_XYZ")
-    assert c1.eplb.eplb_policy_kind == c2.eplb.eplb_policy_kind == "greedy"
+        pol = make_policy("Fancy_Policy_XYZ", 4, 16, 1)
+        make_policy("Fancy_Policy_XYZ", 4, 16, 1)
+    assert type(pol).__name__ == "GreedyPolicy"
     hits = [r for r in caplog.records if "Fancy_Policy_XYZ" in r.getMessage()]
     assert len(hits) == 1 and "fallback=greedy" in hits[0].getMessage()
 

@@ -39,13 +39,15 @@ def test_single_process_matches_transformers(family, hf_ckpts):
 SWITCH_STEPS = (8, 16, 24)         # live placement changes between decode steps
 
 
-def _family_on_rank(rank, world, path):
+def _family_on_rank(rank, world, path, dequant_cache=False):
+    """One checkpoint on one of ``world`` gloo ranks: greedy generation with live moves of
+    every MoE layer at SWITCH_STEPS (canary on), and what the rank read from the file."""
     from migration_util import placement_sequence
 
     from xllm_eplb.worker.comm import groups_from_world
     from xllm_eplb.worker.migration import ModelEplbHooks
 
-    cfg = cfg_for(path, ep_size=world, redundant_experts_num=1)
+    cfg = cfg_for(path, ep_size=world, redundant_experts_num=1, dequant_cache=dequant_cache)
     groups = groups_from_world(cfg)
     model = Decoder(cfg, rank, groups.ep_group)
     reads_at_load = list(model.reader.reads)

@@ -25,7 +25,7 @@ LAYERS = [
     ("preflight",),
     ("engine", "worker"),
     ("ipc",),
-    ("model", "sim"),
+    ("model", "sim", "integrations"),
     ("eplb",),
     ("obs",),
     ("flags",),

@@ -43,6 +43,7 @@ def test_a_run_id_held_by_a_live_process_names_the_flag_and_the_holders(cfg):
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.slow            # a killed child process (make test-fast skips it)
 def test_objects_of_a_killed_run_are_reclaimed_by_the_next_start(cfg, caplog):
     rid = cfg.runtime.run_id
     code = ("import os, sys\n"

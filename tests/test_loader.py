@@ -109,8 +109,8 @@ def test_bad_folders_and_configs(hf_ckpts, tmp_path):
     with pytest.raises(InputFileError, match=r"'num_experts_per_tok'=0 must be an integer >= 1"):
         Decoder.reference(cfg_for(p))
     p = _copy(hf_ckpts, tmp_path / "c", "deepseek_v3")
-    with pytest.raises(ConfigError, match=r"config.json: routed experts --num_experts=16: must be "
-                       r"divisible by --ep_size=3"):
+    with pytest.raises(ConfigError, match=r"config.json: n_routed_experts=16 \(routed experts per "
+                       r"MoE layer\): must be divisible by --ep_size=3"):
         Decoder.reference(cfg_for(p, ep_size=3))
 
 

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import io
 import logging
+import os
 import re
 import shlex
 
 import pytest
 
-from xllm_eplb.obs.logs import event, kv, setup_logging
+from xllm_eplb.obs.logs import event, kv, run_log_dir, setup_logging
 
 LINE = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3} (DEBUG|INFO|WARNING|ERROR) (\S+) (.*)$")
 
@@ -88,3 +89,25 @@ def test_setup_logging_no_stream_and_unknown_level(tmp_path, restore_root_loggin
     logging.getLogger("b").info("only in file")
     root.handlers[0].flush()
     assert "launcher only in file" in path.read_text()
+
+
+def test_each_run_logs_into_its_own_folder_and_latest_follows(tmp_path):
+    """#27: an EP4 run after an EP16 run no longer sits beside the EP16 run's rank4..15.log."""
+    root = tmp_path / "logs"
+    a = run_log_dir(root, "p8000", now=1_764_650_000.0)
+    (a / "rank15.log").write_text("old run\n")
+    b = run_log_dir(root, "p8000", now=1_764_650_000.0)          # same second, same run id
+    c = run_log_dir(root, "p8000", now=1_764_650_060.0)
+    assert len({a, b, c}) == 3 and b.name == a.name + "-1"
+    assert re.fullmatch(r"\d{8}-\d{6}-p8000", a.name) and not (c / "rank15.log").exists()
+    latest = root / "latest"
+    assert latest.is_symlink() and os.readlink(latest) == c.name      # relative: root can move
+    assert latest.resolve() == c.resolve()
+    assert sorted(p.name for p in root.iterdir()) == sorted([a.name, b.name, c.name, "latest"])
+
+
+def test_a_latest_folder_made_by_hand_is_left_alone(tmp_path):
+    (tmp_path / "latest").mkdir()
+    run = run_log_dir(tmp_path)
+    assert (tmp_path / "latest").is_dir() and not (tmp_path / "latest").is_symlink()
+    assert run.is_dir() and re.fullmatch(r"\d{8}-\d{6}", run.name)

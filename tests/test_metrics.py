@@ -144,7 +144,8 @@ def test_heartbeat_ages_and_eplb_counters():
     assert age[("p2p", "1")] == pytest.approx(5.0, abs=0.5)
     layers = {s.labels["result"]: s.value for s in fams["xllm_eplb_rebalance_layers"].samples
               if s.name.endswith("_total")}
-    assert layers == {"published": 3, "committed": 2, "timed_out": 1}
+    assert layers == {"published": 3, "committed": 2, "timed_out": 1, "regressed": 0,
+                      "rolled_back": 0}
     assert fams["xllm_eplb_rebalancing"].samples[0].value == 1
 
 

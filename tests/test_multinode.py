@@ -22,7 +22,8 @@ N_NEW = 16
 #: EPLB rounds every 3 s on the synthetic workload, every layer published
 EPLB_FLAGS = ["--eplb_update_interval=3", "--workload=synthetic", "--workload_rate=6",
               "--workload_output_len=16", "--workload_prompt_len=8",
-              "--eplb_min_peak_load_improvement=0"]
+              "--eplb_min_peak_load_improvement=0", "--eplb_policy_kind=balanced",
+              "--eplb_plan_on=tokens"]
 
 
 @pytest.fixture(scope="module")
@@ -128,8 +129,8 @@ def test_two_nodes_match_one_node_across_cross_node_moves(ckpt, start_server, cl
            "two committed layers", c)
     _until(lambda: _cross_node_bytes(c.url) > 0, 120, "expert bytes crossing nodes", c)
     assert _tokens(c.url) == want
-    moves = [ln for ln in (c.nodes[1].log_dir / "node1" / "rank2.log").read_text().splitlines()
-             + (c.nodes[1].log_dir / "node1" / "rank3.log").read_text().splitlines()
+    moves = [ln for ln in (c.nodes[1].log_dir / "node1" / "latest" / "rank2.log").read_text().splitlines()
+             + (c.nodes[1].log_dir / "node1" / "latest" / "rank3.log").read_text().splitlines()
              if "update_expert_weight" in ln and "cross_node_bytes=" in ln]
     assert moves, "no update_expert_weight line on node 1"
     # SIGTERM to node 0 stops the whole run cleanly

@@ -44,8 +44,11 @@ def test_slots_per_rank_rules():
     with pytest.raises(PlacementError,
                        match="--num_experts=10: must be divisible by --ep_size=4"):
         slots_per_rank(10, 4, 1)
-    with pytest.raises(PlacementError, match="must be > 1"):
+    with pytest.raises(PlacementError, match="must be >= 1"):
+        slots_per_rank(8, 0, 0)
+    with pytest.raises(PlacementError, match="--redundant_experts_num=1: must be <= 0"):
         slots_per_rank(8, 1, 1)
+    assert slots_per_rank(8, 1, 0) == 8          # one rank: every expert, once
 
 
 def test_log2phy_logcnt_and_routing():

@@ -23,7 +23,8 @@ def test_serve_routing_mode_keeps_tokens_through_live_moves(routing, hf_ckpts, s
     s = start_server("--model", str(path), f"--eplb_replica_routing={routing}",
                      "--redundant_experts_num=2", "--eplb_update_interval=3",
                      "--workload=synthetic", "--workload_rate=6", "--workload_output_len=16",
-                     "--workload_prompt_len=8", "--eplb_min_peak_load_improvement=0")
+                     "--workload_prompt_len=8", "--eplb_min_peak_load_improvement=0",
+                     "--eplb_policy_kind=balanced", "--eplb_plan_on=tokens")
     s.wait_ready(180)
     assert _tokens(s) == want
     st = _wait(lambda: (lambda st: st if st["layers_committed"] >= 2 else None)(

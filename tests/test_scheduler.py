@@ -203,6 +203,68 @@ def test_logprobs_ride_the_rows_and_are_formatted_per_choice():
     assert Choice(0, [], ByteTokenizer(), []).logprobs("chat", 0, 0) is None
 
 
+def _rows(batches) -> list[list[tuple[int, int, int, bool]]]:
+    """Per rank: (req_id, start_pos, tokens, is_prefill) of each row."""
+    return [[(r.req_id, r.start_pos, len(r.token_ids), r.is_prefill) for r in b.rows]
+            for b in batches]
+
+
+def test_chunked_prefill_splits_a_long_prompt_over_steps_beside_decode_rows():
+    """A prompt over the per-rank budget is prefilled in budget-sized chunks (start_pos = the
+    prompt tokens already cached) while the running request keeps its decode row; the tokens
+    sampled after non-final chunks are dropped; every chunk step is not a pure-decode step."""
+    s = Scheduler(dp_size=1, max_batch_size=4, max_prefill_tokens=10)
+    short = s.submit(_req(n_prompt=3, max_tokens=9))
+    s.pull()
+    _sample_all(s, s.schedule(), tok=5)
+    long = s.submit(Request(prompt=list(range(100, 125)), max_tokens=2))
+    s.pull()
+    seen = []
+    for _ in range(3):
+        b = s.schedule()
+        seen.append(_rows(b)[0])
+        assert not is_pure_decode_step(b) and not is_eplb_boundary(b, warmup=False)
+        assert b[0].rows[1].token_ids == long.prompt[b[0].rows[1].start_pos:][:10]
+        _sample_all(s, b, tok=6)
+    a, L = short.req_id, long.req_id
+    assert seen == [[(a, 3, 1, False), (L, 0, 10, True)],
+                    [(a, 4, 1, False), (L, 10, 10, True)],
+                    [(a, 5, 1, False), (L, 20, 5, True)]]
+    assert long.output == [6] and short.output == [5, 6, 6, 6]     # one token per real step
+    b = s.schedule()
+    assert _rows(b)[0] == [(a, 6, 1, False), (L, 25, 1, False)] and is_pure_decode_step(b)
+
+
+def test_chunked_prefill_shares_the_budget_fifo_and_waits_for_room():
+    """Chunks of one rank share its budget in admission order; a waiting request is admitted
+    once a rank has room for its first chunk (a whole budget for a long prompt)."""
+    s = Scheduler(dp_size=2, max_batch_size=4, max_prefill_tokens=8)
+    a = s.submit(Request(prompt=list(range(1, 13)), max_tokens=1))   # 12 tokens: 8 + 4
+    b = s.submit(Request(prompt=list(range(1, 21)), max_tokens=1))   # 20 tokens: 8 + 8 + 4
+    c = s.submit(_req(n_prompt=3, max_tokens=1))
+    s.pull()
+    assert _rows(s.schedule()) == [[(a.req_id, 0, 8, True)], [(b.req_id, 0, 8, True)]]
+    assert list(s.waiting) == [c]
+    s.update({})
+    assert _rows(s.schedule()) == [[(a.req_id, 8, 4, True), (c.req_id, 0, 3, True)],
+                                   [(b.req_id, 8, 8, True)]]
+    assert s.update({a.req_id: 1, b.req_id: 1, c.req_id: 1}) == [a, c]
+    assert b.output == [] and not b.done.is_set()
+    assert _rows(s.schedule())[1] == [(b.req_id, 16, 4, True)]
+    assert s.update({b.req_id: 4}) == [b] and b.output == [4]
+
+
+def test_cancel_during_chunked_prefill_releases_the_partial_cache():
+    s = Scheduler(dp_size=1, max_batch_size=4, max_prefill_tokens=4)
+    r = s.submit(Request(prompt=list(range(1, 11)), max_tokens=3))
+    s.pull()
+    s.update({row.req_id: 9 for row in s.schedule()[0].rows})
+    s.cancel(r.req_id)
+    s.pull()
+    assert r.finish_reason == "cancelled" and r.output == []
+    assert s.schedule()[0].release == [r.req_id] and not s.has_work
+
+
 def test_fail_in_flight_ends_every_request_and_releases_running_kv():
     # a stalled step (engine/failures.py): running and waiting requests end with the error, the
     # step's late tokens are ignored and the next step releases the running ones' KV caches

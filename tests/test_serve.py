@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -97,8 +98,9 @@ def _reference_tokens(argv: list[str]) -> list[list[int]]:
 
 @pytest.mark.timeout(200)
 def test_serve_rebalances_keeps_tokens_identical_and_stops_cleanly(start_server):
-    flags = ["--eplb_update_interval=3", "--dtype=float64", "--workload_rate=6",
-             "--workload_output_len=24"]
+    flags = ["--eplb_update_interval=3", "--dtype=float64", "--workload=synthetic",
+             "--workload_rate=6", "--workload_output_len=24", "--eplb_policy_kind=balanced",
+             "--eplb_plan_on=tokens", "--log_stats_interval=1"]
     s = start_server(*flags)
     s.wait_ready()
     before = [_post(s.url, b) for b in REQUESTS]
@@ -137,6 +139,7 @@ def test_serve_rebalances_keeps_tokens_identical_and_stops_cleanly(start_server)
     engine_log = (s.log_dir / "engine.log").read_text()
     assert "EPLB rebalance" in engine_log and "EPLB placement benefit" in engine_log
     assert "update_expert_weight" in (s.log_dir / "rank0.log").read_text()
+    _check_live_view(s, fams)
     # graceful stop
     s.note_children()
     t0 = time.monotonic()
@@ -147,12 +150,42 @@ def test_serve_rebalances_keeps_tokens_identical_and_stops_cleanly(start_server)
     assert s.alive() == [] and shm_objects(s.run_id) == []
 
 
+STATS_LINE = re.compile(
+    r"INFO engine engine stats prompt_tokens_per_s=[\d.]+ generation_tokens_per_s=([\d.]+) "
+    r"running=\d+ waiting=\d+ kv_cache_usage=[\d.]+% balancedness=(0\.\d+|1\.000) "
+    r"generation=(\d+) last_rebalance_s=([\d.]+|never)$")
+
+
+def _check_live_view(s: Server, fams: dict) -> None:
+    """#27 live view: the console stats line every --log_stats_interval=1 s while the workload
+    runs (balancedness and the last rebalance included), and the vLLM-style metrics plus the
+    hot-expert view in /metrics. ``fams``: a /metrics scrape after the first commit."""
+    lines = [m for m in map(STATS_LINE.search, s.err.read_text().splitlines()) if m]
+    assert len(lines) >= 3, s.err.read_text()[-2000:]             # the console (stderr)
+    assert any(float(m[1]) > 0 for m in lines)
+    assert any(int(m[3]) >= 1 and m[4] != "never" for m in lines)  # after the first commit
+    assert "engine stats " in (s.log_dir / "engine.log").read_text()
+    def count(name):
+        return sum(x.value for x in fams[name].samples if x.name == name + "_count")
+    for h in ("xllm_eplb_time_per_output_token_seconds", "xllm_eplb_inter_token_latency_seconds",
+              "xllm_eplb_request_queue_time_seconds", "xllm_eplb_batch_size",
+              "xllm_eplb_tokens_per_step"):
+        assert count(h) > 0, h
+    assert 0 < fams["xllm_eplb_kv_cache_usage_ratio"].samples[0].value < 1
+    hot = {(x.labels["layer"], x.labels["hot"]): x.value
+           for x in fams["xllm_eplb_hot_expert_load_ratio"].samples}
+    assert set(hot) == {(str(layer), str(k)) for layer in range(3) for k in range(4)}
+    assert all(hot[(str(layer), "0")] >= hot[(str(layer), "3")] > 0 for layer in range(3))
+    reps = [x.value for x in fams["xllm_eplb_hot_expert_replicas"].samples]
+    assert len(reps) == 12 and all(r >= 1 for r in reps) and max(reps) >= 2   # EPLB replicated
+
+
 @pytest.mark.timeout(90)
 def test_killed_worker_stops_the_run_naming_the_rank(start_server):
     # steps in flight when the rank dies: every survivor fails its all-to-all
     import openai
 
-    s = start_server("--workload_rate=20", "--enable_eplb=false")
+    s = start_server("--workload=synthetic", "--workload_rate=20", "--enable_eplb=false")
     s.wait_ready()
     # a streaming client in flight is told which rank died, not "server shutting down" (#26)
     c = openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0, timeout=60)
@@ -241,5 +274,5 @@ def test_port_in_use_fails_before_any_worker_starts(tmp_path):
                            text=True, timeout=25)
     assert p.returncode == 2, p.stderr
     assert f"--port={port}" in p.stderr and "xllm-eplb ready" not in p.stdout
-    assert not (tmp_path / "logs" / "rank0.log").exists()
+    assert not list((tmp_path / "logs").glob("**/rank0.log"))
     assert shm_objects(f"p{port}") == []

@@ -75,7 +75,8 @@ def test_serve_checkpoint_rebalances_with_transformers_tokens(family, hf_ckpts, 
     (path / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
     s = start_server("--model", str(path), "--eplb_update_interval=3", "--workload=synthetic",
                      "--workload_rate=6", "--workload_output_len=16", "--workload_prompt_len=8",
-                     "--eplb_min_peak_load_improvement=0")
+                     "--eplb_min_peak_load_improvement=0", "--eplb_policy_kind=balanced",
+                     "--eplb_plan_on=tokens")
     s.wait_ready(180)
     assert _generate(s, ignore_eos=True) == [(w, "length") for w in want]
     _check_logprobs(s, want[0], hf_logits[0])

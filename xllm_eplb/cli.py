@@ -103,8 +103,11 @@ def with_config(*, require_ep_size: bool = True, pass_sources: bool = False):
             debug = _debug_requested(argv) or _debug_requested()
             try:
                 from xllm_eplb.flags import load_config
+                from xllm_eplb.model.hub_cache import resolve_hub_names
 
                 cfg, sources = load_config(argv, require_ep_size=require_ep_size)
+                # --model ORG/NAME: the local Hugging Face cache (the environment names it)
+                cfg = resolve_hub_names(cfg, os.environ)
                 debug = debug or cfg.serve.v == "debug"
                 kwargs["cfg"] = cfg
                 if pass_sources:

@@ -29,13 +29,17 @@ import yaml
 
 from xllm_eplb.config import (
     FIELDS,
+    LEGACY_POLICY_KINDS,
+    POLICY_KINDS,
     SECTIONS,
     Config,
     FieldSpec,
     format_value,
+    known_policy_kind,
     normalize_policy_kind,
     validate,
 )
+from xllm_eplb.config.aliases import BARE, canonical
 from xllm_eplb.errors import ConfigError
 
 SOURCES = ("default", "file", "flagfile", "cli")
@@ -185,7 +189,10 @@ def _flatten(p: Path, data: dict, lines: dict[tuple[str, ...], int]) -> dict[str
         return f"{p}:{lines[key]}" if key in lines else str(p)
 
     def put(name: str, value: Any, key: tuple[str, ...]) -> None:
-        norm = name.replace("-", "_")
+        try:
+            norm = canonical(name.replace("-", "_"), f"key '{name}'")
+        except ConfigError as e:
+            raise ConfigError(f"config file {where(*key)}: {e}") from None
         spec = FIELDS.get(norm)
         if spec is None:
             raise ConfigError(f"config file {where(*key)}: unknown key '{name}'"
@@ -243,6 +250,15 @@ def _read_flagfile(path: Path, stack: tuple[Path, ...]) -> list[tuple[str, str]]
     return toks
 
 
+def _negated(name: str) -> str:
+    """``no_x`` / ``nox`` -> ``x`` (aliases resolved); '' when ``name`` is not negated."""
+    neg = name[3:] if name.startswith("no_") else name[2:] if name.startswith("no") else ""
+    try:
+        return canonical(neg, f"--{name}") if neg else ""
+    except ConfigError:
+        return ""
+
+
 def _split(tok: str) -> tuple[str, str | None]:
     body = tok[2:]
     name, eq, value = body.partition("=")
@@ -260,16 +276,23 @@ def _consume(tokens: list[tuple[str, str]], layers: _Layers, source: str,
         if not tok.startswith("--") or tok == "--":
             raise ConfigError(f"{at}unexpected argument '{tok}': flags look like --name=value")
         name, value = _split(tok)
+        try:
+            name = canonical(name, tok.partition("=")[0])
+        except ConfigError as e:
+            raise ConfigError(f"{at}{e}") from None
         spec = FIELDS.get(name)
         if spec is None and name not in _META:
-            neg = name[3:] if name.startswith("no_") else name[2:] if name.startswith("no") else ""
+            neg = _negated(name)
             nspec = FIELDS.get(neg)
-            if nspec is not None and nspec.type == "bool":
+            if nspec is not None and (nspec.type == "bool" or neg in BARE):
                 if value is not None:
                     raise ConfigError(f"{at}{tok}: --no{neg} takes no value")
-                layers.values[source][neg] = False
+                layers.values[source][neg] = BARE[neg][1] if neg in BARE else False
                 continue
             raise ConfigError(f"{at}unknown flag '{tok.partition('=')[0]}'{_suggest(name)}")
+        if value is None and name in BARE and (i >= len(tokens)
+                                               or tokens[i][0].startswith("-")):
+            value = BARE[name][0]          # --workload alone: the non-off choice
         if value is None:
             if spec is not None and spec.type == "bool":
                 nxt = tokens[i][0] if i < len(tokens) else None
@@ -311,10 +334,42 @@ def config_from_dict(d: dict[str, Any], *, require_ep_size: bool = False) -> Con
     return cfg
 
 
+def _policy_kind(values: dict[str, Any]) -> dict[str, Any]:
+    """``eplb_policy_kind`` canonical; ConfigError (exit 2) for a name that is no policy.
+    NOTE: the fallback to greedy stays in ``normalize_policy_kind`` for values that reach a
+    running rebalance loop by other ways (xLLM's rule: never crash it)."""
+    if "eplb_policy_kind" not in values:
+        return values
+    kind = values["eplb_policy_kind"]
+    if not known_policy_kind(kind):
+        raise ConfigError(f"--eplb_policy_kind={format_value(kind)}: must be one of "
+                          f"{', '.join(POLICY_KINDS)} (or a legacy name of balanced: "
+                          f"{', '.join(LEGACY_POLICY_KINDS)})")
+    return dict(values, eplb_policy_kind=normalize_policy_kind(kind))
+
+
+#: what one EP rank implies, and the rule shown when a flag asks otherwise
+_SINGLE_RANK = {"enable_eplb": (False, "needs --ep_size > 1 (one rank has nothing to balance)"),
+                "redundant_experts_num": (0, "must be 0 with --ep_size=1 (one rank holds every "
+                                             "expert once)")}
+
+
+def _single_rank(values: dict[str, Any], sources: dict[str, str]) -> None:
+    """``--ep_size=1``: the engine's baseline, EPLB off and no redundant slot. A config file or
+    the defaults are overridden (source ``ep_size=1``); a flag that asks otherwise is an error."""
+    if values.get("ep_size") != 1:
+        return
+    for name, (want, rule) in _SINGLE_RANK.items():
+        if name in values and values[name] != want and sources.get(name) in ("flagfile", "cli"):
+            raise ConfigError(f"--{name}={format_value(values[name])}: {rule}")
+        if values.get(name, FIELDS[name].default) != want:
+            values[name], sources[name] = want, "ep_size=1"
+
+
 def _build(values: dict[str, Any], sources: dict[str, str],
            require_ep_size: bool) -> tuple[Config, dict[str, str]]:
-    if "eplb_policy_kind" in values:
-        values = dict(values, eplb_policy_kind=normalize_policy_kind(values["eplb_policy_kind"]))
+    values, sources = _policy_kind(dict(values)), dict(sources)
+    _single_rank(values, sources)
     per_sec: dict[str, dict[str, Any]] = {s: {} for s in SECTIONS}
     for name, v in values.items():
         per_sec[FIELDS[name].section][name] = v

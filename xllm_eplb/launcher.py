@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import multiprocessing as mp
 import multiprocessing.connection as mpc
@@ -31,16 +32,17 @@ import time
 from pathlib import Path
 
 from xllm_eplb.child import EventSender
-from xllm_eplb.config import Config
+from xllm_eplb.config import Config, node_ranks, ranks_per_node
 from xllm_eplb.engine.process import engine_main
 from xllm_eplb.ipc.errors import SegmentBusyError
 from xllm_eplb.ipc.objects import sweep_dead_runs, sweep_run
 from xllm_eplb.ipc.ring import InputRing, OutputRing
 from xllm_eplb.ipc.shm import resolve_run_id
 from xllm_eplb.ipc.store import host_store
-from xllm_eplb.obs.logs import FILE_ONLY, event, setup_logging
+from xllm_eplb.obs.logs import FILE_ONLY, event, run_log_dir, setup_logging
 from xllm_eplb.obs.progress import Progress, ready_line
 from xllm_eplb.preflight import StartupError, check_port, check_serve
+from xllm_eplb.worker import affinity
 from xllm_eplb.worker.worker import worker_main
 
 __all__ = ["Launcher", "Progress", "RunShm", "StartupError", "check_port", "ready_line", "serve"]
@@ -195,13 +197,32 @@ class Launcher:
         signal.signal(signal.SIGTERM, self._on_signal)
 
     # --- start -----------------------------------------------------------------------------
+    @functools.cached_property
+    def affinity(self) -> affinity.AffinityPlan:
+        """This node's ``--worker_cpu_affinity`` plan (decided once, logged in one line)."""
+        plan = affinity.plan(self.cfg.runtime.worker_cpu_affinity, ranks_per_node(self.cfg))
+        log.info(event("launcher cpu affinity", note=plan.note))
+        return plan
+
+    def _cores(self, who: str) -> tuple[int, ...] | None:
+        if who == "engine":
+            return self.affinity.engine
+        if who.startswith("ep"):
+            return self.affinity.workers[int(who[2:]) - node_ranks(self.cfg).start]
+        return None
+
     def _spawn(self, who: str, target, *args) -> None:
         """Start child ``who``; an argument that is ``self.events`` becomes the child's own
-        :class:`EventSender` (one pipe per child)."""
+        :class:`EventSender` (one pipe per child). An EP worker or the engine starts on its
+        pinned cores (the worker also gets them as ``cores=``: it sizes its torch threads to
+        them)."""
         sender = self.events.sender(who)
         args = tuple(sender if a is self.events else a for a in args)
-        with _child_env():
-            p = self.ctx.Process(target=target, name=who, args=args, daemon=False)
+        cores = self._cores(who)
+        kwargs = {"cores": cores} if target is worker_main else {}
+        with _child_env(), affinity.pinned(cores):
+            p = self.ctx.Process(target=target, name=who, args=args, kwargs=kwargs,
+                                 daemon=False)
             p.start()
         self.events.spawned(sender)
         self.procs[who] = p
@@ -480,11 +501,14 @@ def _killed(killed: list[str], code: int, cfg: Config, at: str = "") -> int:
     return code or 1
 
 
-def launcher_process(cfg: Config, title: str) -> None:
-    """This process as a launcher: its log file in ``--log_dir`` (StartupError naming the flag
-    when it cannot be written) and its process title."""
+def launcher_process(cfg: Config, title: str, tag: str = "") -> Config:
+    """This process as a launcher: the run's own log folder ``<--log_dir>/<time>[-<tag>]/``
+    (``<--log_dir>/latest`` points at it; every process of the run logs there: the returned
+    config carries it), its log file there (StartupError naming the flag when it cannot be
+    written) and its process title."""
     try:
-        setup_logging("launcher", cfg.serve.v, str(Path(cfg.serve.log_dir) / "launcher.log"))
+        run_dir = run_log_dir(cfg.serve.log_dir, tag)
+        setup_logging("launcher", cfg.serve.v, str(run_dir / "launcher.log"))
     except OSError as e:
         raise StartupError(f"--log_dir={cfg.serve.log_dir}: cannot create or write the log "
                            f"folder ({e})") from None
@@ -492,6 +516,7 @@ def launcher_process(cfg: Config, title: str) -> None:
         import setproctitle
 
         setproctitle.setproctitle(title)
+    return dataclasses.replace(cfg, serve=dataclasses.replace(cfg.serve, log_dir=str(run_dir)))
 
 
 def serve(cfg: Config, digest: str = "") -> int:
@@ -504,12 +529,30 @@ def serve(cfg: Config, digest: str = "") -> int:
     port = check_serve(cfg)    # every check before anything starts (no --model: the sizes)
     # no --model: generate the default checkpoint once, here, before anything is spawned
     cfg = resolve_runtime(resolve_config(with_default_checkpoint(cfg)), port)
-    launcher_process(cfg, "xllm-eplb:launcher")
+    cfg = launcher_process(cfg, "xllm-eplb:launcher", tag=cfg.runtime.run_id)
     log.info(event("launcher config", run_id=cfg.runtime.run_id, port=cfg.serve.port,
                    master_port=cfg.runtime.master_port) + (" " + digest if digest else ""))
     sweep_dead_at_start()
     progress = Progress(cfg.eplb.ep_size, sys.stderr.isatty())
     return run_launcher(Launcher(cfg, progress=progress), progress, lambda: ready_line(cfg))
+
+
+def console_notes(cfg: Config, plan: affinity.AffinityPlan) -> list[str]:
+    """Lines printed under the ready line that say why a user's request may be slow: the
+    synthetic workload sharing the engine, or more processes than cores."""
+    out = []
+    s = cfg.serve
+    if s.workload != "none":
+        out.append(f"note: the built-in {s.workload} workload is on ({s.workload_rate:g} req/s "
+                   f"of demo traffic share the engine with your requests; --workload=none "
+                   f"turns it off)")
+    procs, cores = ranks_per_node(cfg) + 1, len(affinity.available_cpus())
+    if not plan.pinned and procs > cores:
+        out.append(f"note: {procs - 1} workers + the engine share {cores} cores: every step "
+                   f"waits for all of them, so a token takes several times longer than on a "
+                   f"machine with a core per worker (--ep-size {max(2, cores - 1)} or more cores "
+                   f"make requests faster)")
+    return out
 
 
 def sweep_dead_at_start() -> None:
@@ -533,6 +576,8 @@ def run_launcher(launcher: Launcher, progress: Progress, ready, start=None) -> i
         finally:
             progress.close()
         print(ready(), flush=True)
+        for line in console_notes(cfg, launcher.affinity):
+            print(line, flush=True)
         code = launcher.supervise()
         killed = launcher.stop(graceful=(code == 0))
         code = _killed(killed, code, cfg, launcher.killed_at)

@@ -75,6 +75,21 @@ def check_init_placement(cfg: Config) -> None:
     initial_placement(resolve_config(cfg))
 
 
+def check_tokenizer(cfg: Config) -> None:
+    """``--tokenizer`` / ``--chat-template``: the files load and the template compiles
+    (TokenizerError naming the file or flag). The model's own tokenizer is checked by the
+    engine as before."""
+    if not (cfg.serve.tokenizer or cfg.serve.chat_template):
+        return
+    from xllm_eplb.engine.tokenizer import check_chat_template, served_tokenizer
+
+    s = cfg.serve
+    if cfg.model.model or s.tokenizer:
+        served_tokenizer(cfg.model.model or None, s.tokenizer, s.chat_template)
+    else:       # the generated default checkpoint (written later) has a text tokenizer
+        check_chat_template(s.chat_template)
+
+
 def _try_write(folder: Path, existing: Path) -> str:
     """Create ``folder`` (below its ``existing`` ancestor) and a file in it, then remove what
     was created; returns why that failed, or ''."""
@@ -93,12 +108,40 @@ def _try_write(folder: Path, existing: Path) -> str:
     return ""
 
 
+def check_checkpoint(cfg: Config) -> None:
+    """``--model``: every safetensors header, and for an FP8 checkpoint every scale (paired,
+    its grid's shape, finite and > 0); InputFileError naming the file, the tensor and the rule,
+    before any worker starts (so nothing starts half-loaded)."""
+    if not cfg.model.model:
+        return
+    from xllm_eplb.model.loader import CheckpointReader, check_experts, experts_fp8
+    from xllm_eplb.model.spec import parse_spec
+
+    spec = parse_spec(cfg.model.model)
+    reader = CheckpointReader(cfg.model.model, spec.quant)
+    check_experts(spec, reader)
+    experts_fp8(spec, reader)
+    reader.check_scales()
+
+
+def check_affinity(cfg: Config):
+    """``--worker_cpu_affinity`` against this machine's cores: the launcher's
+    :class:`~xllm_eplb.worker.affinity.AffinityPlan` (ConfigError naming the flag if not)."""
+    from xllm_eplb.config import ranks_per_node
+    from xllm_eplb.worker import affinity
+
+    return affinity.plan(cfg.runtime.worker_cpu_affinity, ranks_per_node(cfg))
+
+
 def check_serve(cfg: Config) -> int:
     """Run every pre-start check of ``serve``; returns the HTTP port (resolved for 0)."""
     from xllm_eplb.worker.comm import preflight
 
     preflight(cfg)        # device / backend / model (sizes, trace) checks
+    check_checkpoint(cfg)
     check_init_placement(cfg)
+    check_tokenizer(cfg)
+    check_affinity(cfg)
     port = check_port(cfg.serve.host, cfg.serve.port)
     check_log_dir(cfg.serve.log_dir)
     return port

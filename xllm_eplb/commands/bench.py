@@ -10,19 +10,27 @@ built-in workload; or the first
 human turn of each conversation of a ShareGPT-format JSON file (``--dataset``). Temperature 0
 and ``ignore_eos`` make every request produce exactly ``--max-tokens`` tokens.
 
+Arrivals (as ``vllm bench serve``): ``--request-rate`` requests per second (default ``inf``: all
+at once, ``--concurrency`` in flight), with gamma-distributed gaps of shape ``--burstiness``
+(1 = Poisson; < 1 burstier, > 1 more regular; mean gap ``1 / rate`` either way), seeded by
+``--seed``; ``--concurrency`` still caps the requests in flight.
+
 Reported (seconds): request throughput, output tokens/s, TTFT (arrival of the first token),
 TPOT ((E2E - TTFT) / (tokens - 1) per request), ITL (gap between consecutive token-carrying
-chunks) and E2E latency, each as mean, P50, P90 and P99. One line on stdout; ``--json PATH``
-writes every number.
+chunks) and E2E latency, each as mean, P50, P90 and P99. A table on stdout, headed by what the
+server said about itself before the run (``/v1/models``, ``/eplb/status``: model, EP size, EPLB
+policy, the built-in workload); ``--json PATH`` writes every number.
 """
 
 from __future__ import annotations
 
 import http.client
 import json
+import math
 import threading
 import time
 import urllib.parse
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -80,6 +88,21 @@ def check_url(url: str) -> tuple[str, int]:
     return u.hostname, u.port or 80
 
 
+def workload_warning(status: dict) -> str | None:
+    """One warning line when the server runs its built-in synthetic workload (``status``: its
+    ``/eplb/status``, whose ``workload`` is ``{"kind": ..., "rate_per_s": ...}``): those
+    requests share the engine with the measured ones, so every number is lower than the server
+    can give. None otherwise (or unknown)."""
+    w = status.get("workload")
+    kind = w.get("kind", "none") if isinstance(w, dict) else "none"
+    if kind == "none":
+        return None
+    return (f"warning: the server runs the built-in {kind} workload "
+            f"({w.get('rate_per_s', '?')} req/s): it shares the engine with these requests, "
+            f"so the numbers below understate the server (serve with --workload=none to measure "
+            f"it alone)")
+
+
 def stream_one(host: str, port: int, body: dict, timeout: float) -> dict:
     """One streamed completion: token arrival times (perf_counter), ids, or an error."""
     t0 = time.perf_counter()
@@ -114,13 +137,29 @@ def stream_one(host: str, port: int, body: dict, timeout: float) -> dict:
         conn.close()
 
 
+def arrival_times(n: int, rate: float, burstiness: float = 1.0, seed: int = 0) -> np.ndarray:
+    """Send offsets (seconds from the start, float64 [n], non-decreasing) of ``n`` requests at
+    ``rate`` per second: gaps drawn from a gamma law of shape ``burstiness`` and mean
+    ``1 / rate`` (``burstiness=1``: a Poisson process), the first request at 0. ``rate=inf``:
+    every offset 0 (vLLM's ``--request-rate inf``)."""
+    if math.isinf(rate):
+        return np.zeros(n)
+    gaps = np.random.default_rng(seed).gamma(burstiness, 1.0 / (rate * burstiness), size=n)
+    gaps[0] = 0.0
+    return np.cumsum(gaps)
+
+
 def run_bench(url: str, prompts: list, max_tokens: int, concurrency: int,
-              seed: int = 0, timeout: float = 600.0) -> dict:
-    """Send every prompt (token ids or text; ``concurrency`` in flight) as a streamed request;
-    returns the numbers and the generated token ids per prompt (``outputs``, None if failed)."""
+              seed: int = 0, timeout: float = 600.0, *, request_rate: float = math.inf,
+              burstiness: float = 1.0) -> dict:
+    """Send every prompt (token ids or text) as a streamed request, request ``i`` not before
+    ``arrival_times(...)[i]`` and at most ``concurrency`` in flight; returns the numbers
+    and the generated token ids per prompt (``outputs``, None if failed). A request that waits
+    for a free slot is timed from when it is sent."""
     host, port = check_url(url)
     results: list = [None] * len(prompts)
     lock = threading.Lock()
+    at = arrival_times(len(prompts), request_rate, burstiness, seed)
 
     def one(i: int) -> None:
         p = prompts[i]
@@ -135,8 +174,20 @@ def run_bench(url: str, prompts: list, max_tokens: int, concurrency: int,
 
     t0 = time.perf_counter()
     with ThreadPoolExecutor(max_workers=concurrency) as pool:
-        list(pool.map(one, range(len(prompts))))
-    return summarize(results, time.perf_counter() - t0)
+        slots = threading.Semaphore(concurrency)    # submit only when a client thread is free
+
+        def done(_f) -> None:
+            slots.release()
+
+        for i in range(len(prompts)):
+            wait = t0 + at[i] - time.perf_counter()
+            if wait > 0:
+                time.sleep(wait)
+            slots.acquire()
+            pool.submit(one, i).add_done_callback(done)
+    out = summarize(results, time.perf_counter() - t0)
+    out.update(request_rate=request_rate, burstiness=burstiness, concurrency=concurrency)
+    return out
 
 
 def summarize(results: list[dict], secs: float) -> dict:
@@ -165,11 +216,78 @@ def summarize(results: list[dict], secs: float) -> dict:
     return out
 
 
-def summary_line(r: dict) -> str:
-    keys = ["requests", "ok", "errors", "seconds", "req_per_s", "tokens_per_s"]
-    keys += [f"{k}_{s}_s" for k in STATS for s in ("mean", "p50", "p90", "p99")]
-    return "bench " + " ".join(f"{k}={r[k]:.4g}" if isinstance(r[k], float) else f"{k}={r[k]}"
-                               for k in keys)
+def server_info(url: str, timeout: float = 10.0) -> dict:
+    """What the server says about itself: ``{"model": /v1/models' first entry, "status":
+    /eplb/status}``; a part the server does not answer (another engine) is left out."""
+    import urllib.request
+
+    out: dict = {}
+    for key, path in (("model", "/v1/models"), ("status", "/eplb/status")):
+        try:
+            with urllib.request.urlopen(url.rstrip("/") + path, timeout=timeout) as r:
+                body = json.loads(r.read())
+        except (OSError, ValueError):
+            continue
+        if key == "model":
+            data = body.get("data") if isinstance(body, dict) else None
+            if data and isinstance(data[0], dict):
+                out[key] = data[0]
+        elif isinstance(body, dict):
+            body.pop("placement", None)          # [layers][slots]: not a header's business
+            out[key] = body
+    return out
+
+
+def _workload_text(w) -> str:
+    """``/eplb/status``'s ``workload`` -> ``synthetic rate=8/s prompt=32 output=64 ...``."""
+    if not isinstance(w, dict):
+        return "unknown (the server does not report it)"
+    kind = w.get("kind", "?")
+    rest = " ".join(f"{k}={v}" for k, v in w.items() if k != "kind")
+    return f"{kind} {rest}".strip()
+
+
+def header_rows(url: str, info: dict, res: dict) -> list[tuple[str, str]]:
+    """The table's header: the server and the run's shape."""
+    rows = [("Server", url)]
+    m, st = info.get("model"), info.get("status")
+    if m:
+        rows.append(("Model", f"{m.get('id')} (max_model_len {m.get('max_model_len', '?')})"))
+    if st:
+        eplb = (f"on, policy={st.get('policy')}, generation={st.get('generation')}"
+                if st.get("enabled") else "off")
+        rows += [("EP size", str(st.get("ep_size"))), ("EPLB", eplb),
+                 ("Server workload", _workload_text(st.get("workload")))]
+        if st.get("balancedness_mean") is not None:
+            rows.append(("Balancedness (mean, before)", f"{st['balancedness_mean']:.4f}"))
+    else:
+        rows.append(("Server state", "no /eplb/status (not an xllm-eplb server?)"))
+    rate = res["request_rate"]
+    rows += [("Request rate (req/s)", "inf" if math.isinf(rate) else f"{rate:g}"),
+             ("Burstiness", f"{res['burstiness']:g}"), ("Max concurrency", str(res["concurrency"]))]
+    return rows
+
+
+def table(url: str, info: dict, r: dict, width: int = 60) -> str:
+    """The readable report (``vllm bench serve``'s layout): header, totals, latencies in ms."""
+    def row(k: str, v) -> str:
+        return f"{k + ':':<34}{v}"
+
+    lines = [" xllm-eplb bench ".center(width, "="),
+             *(row(k, v) for k, v in header_rows(url, info, r)),
+             " Result ".center(width, "-"),
+             row("Successful requests", r["ok"]), row("Failed requests", r["errors"]),
+             row("Benchmark duration (s)", f"{r['seconds']:.2f}"),
+             row("Output tokens", r["output_tokens"]),
+             row("Request throughput (req/s)", f"{r['req_per_s']:.2f}"),
+             row("Output token throughput (tok/s)", f"{r['tokens_per_s']:.1f}"),
+             " Latency (ms) ".center(width, "-"),
+             f"{'':<8}" + "".join(f"{h:>13}" for h in ("mean", "p50", "p90", "p99"))]
+    for k in STATS:
+        vals = [r[f"{k}_{s}_s"] * 1e3 for s in ("mean", "p50", "p90", "p99")]
+        lines.append(f"{k.upper():<8}" + "".join(f"{v:>13.2f}" for v in vals))
+    lines.append("=" * width)
+    return "\n".join(lines)
 
 
 @click.command("bench", context_settings={"help_option_names": ["-h", "--help"]})
@@ -187,25 +305,41 @@ def summary_line(r: dict) -> str:
               help="ShareGPT-format JSON file: prompts are each conversation's first human turn")
 @click.option("--max-prompt-chars", type=click.IntRange(1), default=400, show_default=True,
               help="--dataset: skip longer prompts")
+@click.option("--request-rate", "--request_rate", type=click.FloatRange(0, min_open=True),
+              default=math.inf, show_default=True,
+              help="requests per second (gamma/Poisson arrivals); inf: all at once")
+@click.option("--burstiness", type=click.FloatRange(0, min_open=True), default=1.0,
+              show_default=True, help="shape of the gamma law of the gaps between arrivals: "
+              "1 = Poisson, < 1 burstier, > 1 more regular (needs a finite --request-rate)")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
               help="also write the numbers to this JSON file")
 @handle_user_errors
 def bench(url, n, concurrency, prompt_len, max_tokens, topics, skew, dataset, max_prompt_chars,
-          seed, json_path) -> None:
+          request_rate, burstiness, seed, json_path) -> None:
     """Drive a running server (streaming) and report throughput, TTFT, TPOT, ITL and E2E."""
     check_url(url)
     if json_path and not (Path(json_path).parent.is_dir()):
         raise UserError(f"--json={json_path}: folder {Path(json_path).parent} does not exist")
+    if burstiness != 1.0 and math.isinf(request_rate):
+        raise UserError(f"--burstiness={burstiness:g}: needs a finite --request-rate (with "
+                        f"--request-rate=inf every request is sent at once)")
     prompts = (sharegpt_prompts(dataset, n, seed, max_prompt_chars) if dataset
                else make_prompts(n, prompt_len, topics, skew, seed))
-    res = run_bench(url, prompts, max_tokens, concurrency, seed)
+    info = server_info(url)
+    warn = workload_warning(info.get("status", {}))
+    if warn:
+        click.echo(warn, err=True)
+    res = run_bench(url, prompts, max_tokens, concurrency, seed, request_rate=request_rate,
+                    burstiness=burstiness)
     res.pop("outputs")
     if res["ok"] == 0 and res["errors"]:
         raise UserError(f"--url={url}: every request failed; first error: {res['first_error']}")
-    click.echo(summary_line(res))
+    click.echo(table(url, info, res))
     if res["errors"]:
         click.echo(f"first error: {res['first_error']}", err=True)
     if json_path:
+        res["request_rate"] = "inf" if math.isinf(request_rate) else request_rate
+        res["server"] = info
         with open(json_path, "w") as f:
             json.dump(res, f, indent=2)

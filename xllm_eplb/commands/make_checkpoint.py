@@ -3,6 +3,7 @@
 Example::
 
     xllm-eplb make-checkpoint --arch qwen3_moe --out /tmp/qwen3-tiny
+    xllm-eplb make-checkpoint --arch deepseek_v3 --quant fp8 --block-size 16 --out /tmp/ds-fp8
     xllm-eplb serve --model /tmp/qwen3-tiny --ep-size 4
 
 (``serve`` without ``--model`` generates such a checkpoint from its own config, see
@@ -39,7 +40,7 @@ SIZE_OPTIONS = {
     "--num-kv-heads": ("num_kv_heads", int, "key/value heads (default heads/2; deepseek: heads)"),
     "--vocab-size": ("vocab_size", int, "vocabulary incl. 4 special tokens (default 512)"),
     "--max-position-embeddings": ("max_position_embeddings", int, "longest sequence "
-                                  "(default 1024)"),
+                                  "(default 2048)"),
     "--routing-skew": ("routing_skew", float, "topic/router alignment strength, 0 = none "
                        "(default 1.0)"),
 }
@@ -61,16 +62,29 @@ def _size_options(fn):
 @click.option("--tie-word-embeddings", is_flag=True, help="no lm_head.weight: tied to the "
               "embedding")
 @click.option("--force", is_flag=True, help="write into a non-empty folder")
+@click.option("--quant", type=click.Choice(["none", "fp8"]), default="none", show_default=True,
+              help="fp8: every block-aligned decoder Linear as float8_e4m3fn + one "
+              "weight_scale_inv per block (DeepSeek-V3 / Qwen3 FP8 format); the others stay in "
+              "--dtype and are listed in quantization_config.modules_to_not_convert")
+@click.option("--block-size", type=click.IntRange(min=1), default=128, show_default=True,
+              help="--quant fp8: rows and columns per scale block")
+@click.option("--scale-dtype", type=click.Choice(["float32", "bfloat16", "float16"]),
+              default="float32", show_default=True, help="--quant fp8: dtype of the scales")
 @_size_options
 @handle_user_errors
-def make_checkpoint(arch, out, seed, dtype, tie_word_embeddings, force, **sizes) -> None:
+def make_checkpoint(arch, out, seed, dtype, tie_word_embeddings, force, quant, block_size,
+                    scale_dtype, **sizes) -> None:
     """Write a tiny HF-format MoE checkpoint with a skewed, drifting-workload-ready router."""
     from xllm_eplb.model.checkpoint import make_checkpoint as make
 
     given = {k: v for k, v in sizes.items() if v is not None}
+    q = None if quant == "none" else quant
     p = make(arch, out, force=force, seed=seed, dtype=dtype,
-             tie_word_embeddings=tie_word_embeddings, **given)
+             tie_word_embeddings=tie_word_embeddings, quant=q, block_size=block_size,
+             scale_dtype=scale_dtype, **given)
     total = sum(f.stat().st_size for f in p.iterdir() if f.is_file())
     shown = " ".join(f"{k}={v}" for k, v in sorted(given.items()))
-    click.echo(f"wrote {p} arch={arch} seed={seed} dtype={dtype} {shown}".rstrip()
+    if q:
+        shown += f" quant={q} block_size={block_size} scale_dtype={scale_dtype}"
+    click.echo(f"wrote {p} arch={arch} seed={seed} dtype={dtype} {shown.strip()}".rstrip()
                + f" bytes={total}")

@@ -6,7 +6,10 @@ Example::
         --ep-size 32 --redundant-experts-num 1 --policy incremental \\
         --output placement.json --report report.md --plot rank_load.png
 
-Output JSON: ``ep_size``, ``slots_per_rank``, ``num_logical_experts``, ``policy``, ``moe_layers``
+``--format sglang|vllm-ascend|trtllm`` writes the file that engine reads instead (see
+docs/integrations.md), read back by that engine's rules before the command succeeds.
+
+Output JSON (native): ``ep_size``, ``slots_per_rank``, ``num_logical_experts``, ``policy``, ``moe_layers``
 (``[first, stop)`` MoE-local, after skipping dense layers), ``dense_layers_skipped``, ``phy2log``
 (``[layers][ep_size*slots]``), ``policy_seconds`` (time spent in the policy alone) and, with
 ``--previous``, ``moved_slots`` and ``weight_copies``. Files are written via temp + rename.
@@ -25,8 +28,8 @@ import numpy as np
 
 from xllm_eplb.cli import handle_user_errors
 from xllm_eplb.eplb.balance import balancedness, rank_loads_from_phy2log
-from xllm_eplb.eplb.loads import parse_layer_range, read_loads
-from xllm_eplb.eplb.placement import PlacementError, diff, initial_phy2log, validate_phy2log
+from xllm_eplb.eplb.loads import parse_layer_range
+from xllm_eplb.eplb.placement import PlacementError, diff, validate_phy2log
 from xllm_eplb.errors import InputFileError, UserError
 
 
@@ -105,6 +108,16 @@ def read_previous(path: str, layers: range, total_layers: int, ep_size: int, slo
     return a
 
 
+def make_layout_policy(kind, ep_size, num_e, redundant, slots, opts):
+    """The policy for ``slots`` per rank (the engine's rules when E divides, else explicit
+    slots), with the option check of ``make_policy``."""
+    from xllm_eplb.eplb.policy import make_policy, policy_class
+
+    if num_e % ep_size == 0:
+        return make_policy(kind, ep_size, num_e, redundant, **opts)
+    return policy_class(kind)(ep_size, num_e, redundant, slots, **opts)
+
+
 def _policy_opts(kind: str, num_nodes: int, num_groups: int, budget_slots: int) -> dict:
     if kind == "node_aware":
         return dict(num_nodes=num_nodes, num_groups=num_groups)
@@ -115,11 +128,16 @@ def _policy_opts(kind: str, num_nodes: int, num_groups: int, budget_slots: int) 
 
 def run_plan(load: str, ep_size: int, redundant: int, policy: str, previous: str | None,
              moe_layers: str | None, num_nodes: int = 1, num_groups: int = 0,
-             budget_slots: int = 0):
-    """Everything but the file writes. Returns (result dict, before [L, D], after [L, D], info)."""
-    from xllm_eplb.eplb.policy import make_policy, normalize_kind
+             budget_slots: int = 0, fmt: str = "native"):
+    """Everything but the file writes. Returns (result dict, before [L, D], after [L, D], info).
 
-    lf = read_loads(load)
+    For another engine's file (``fmt`` not native) the expert count need not divide the EP size:
+    a rank then has ``ceil(E / ep_size) + redundant`` slots (the layouts other engines plan)."""
+    from xllm_eplb.eplb.placement import initial_phy2log_any
+    from xllm_eplb.eplb.policy import normalize_kind
+    from xllm_eplb.integrations.recordings import read_any
+
+    lf = read_any(load)
     total, num_e = lf.loads.shape
     layers = parse_layer_range(moe_layers, total)
     loads = lf.loads[layers.start:layers.stop]
@@ -132,18 +150,19 @@ def run_plan(load: str, ep_size: int, redundant: int, policy: str, previous: str
                         f"num_nodes >= 1 and num_groups >= 0")
     if redundant < 0:
         raise UserError(f"--redundant-experts-num={redundant}: must be >= 0")
-    if num_e % ep_size:
+    if num_e % ep_size and fmt == "native":
         raise InputFileError(f"{load}: {num_e} experts per layer is not divisible by "
-                             f"--ep-size={ep_size}")
-    slots = num_e // ep_size + redundant
+                             f"--ep-size={ep_size} (this engine's layout rule; --format "
+                             f"sglang|vllm-ascend|trtllm plan any expert count)")
+    slots = -(-num_e // ep_size) + redundant
     if slots > num_e:
         raise UserError(f"--redundant-experts-num={redundant}: {slots} slots per rank exceed "
                         f"the {num_e} experts (one replica of an expert per rank)")
     kind = normalize_kind(policy)
     prev = (read_previous(previous, layers, total, ep_size, slots, num_e) if previous else
-            np.tile(initial_phy2log(num_e, ep_size, redundant), (len(layers), 1)))
-    pol = make_policy(kind, ep_size, num_e, redundant,
-                      **_policy_opts(kind, num_nodes, num_groups, budget_slots))
+            np.tile(initial_phy2log_any(num_e, ep_size, slots), (len(layers), 1)))
+    pol = make_layout_policy(kind, ep_size, num_e, redundant, slots,
+                             _policy_opts(kind, num_nodes, num_groups, budget_slots))
     t0 = time.perf_counter()
     cands = pol.plan(loads, prev)
     seconds = time.perf_counter() - t0
@@ -161,7 +180,7 @@ def run_plan(load: str, ep_size: int, redundant: int, policy: str, previous: str
     before = rank_loads_from_phy2log(prev, loads, ep_size)
     after = rank_loads_from_phy2log(table, loads, ep_size)
     skipped = [i for i, c in enumerate(cands) if c is None]
-    return result, before, after, dict(skipped=skipped, layers=layers)
+    return result, before, after, dict(skipped=skipped, layers=layers, moe_total=total)
 
 
 def render_report(result: dict, before: np.ndarray, after: np.ndarray, load: str,
@@ -192,7 +211,7 @@ def render_report(result: dict, before: np.ndarray, after: np.ndarray, load: str
 
 @click.command("plan")
 @click.option("--load", "load", required=True, help="expert-load file: SGLang dump .json, "
-              "JSON [layers][experts], or .npy")
+              "JSON [layers][experts], .npy, or a TensorRT-LLM expert-statistic folder")
 @click.option("--ep-size", type=int, required=True, help="EP ranks")
 @click.option("--redundant-experts-num", "redundant", type=int, default=1, show_default=True,
               help="extra slots per rank")
@@ -201,7 +220,12 @@ def render_report(result: dict, before: np.ndarray, after: np.ndarray, load: str
 @click.option("--previous", default=None, help="current placement JSON (a plan output); "
               "default: xLLM's initial layout")
 @click.option("--moe-layers", default=None, help="a:b, MoE layers to plan (after dense ones)")
-@click.option("--output", "-o", required=True, help="placement JSON to write")
+@click.option("--output", "-o", required=True, help="placement file to write (--format)")
+@click.option("--format", "fmt", type=click.Choice(["native", "sglang", "vllm-ascend", "trtllm"]),
+              default="native", show_default=True,
+              help="native: this engine's plan JSON (serve --eplb_init_placement); sglang: "
+                   "--init-expert-location JSON; vllm-ascend: expert_map_path JSON; trtllm: "
+                   "MoE load balancer YAML (docs/integrations.md)")
 @click.option("--report", default=None, help="markdown report to write")
 @click.option("--plot", default=None, help="rank-load PNG to write")
 @click.option("--num-nodes", type=int, default=1, show_default=True, help="node_aware: nodes")
@@ -210,12 +234,13 @@ def render_report(result: dict, before: np.ndarray, after: np.ndarray, load: str
 @click.option("--budget-slots", type=int, default=0, show_default=True,
               help="incremental: max moved slots over all layers (0 = auto)")
 @handle_user_errors
-def plan(load, ep_size, redundant, policy, previous, moe_layers, output, report, plot,
+def plan(load, ep_size, redundant, policy, previous, moe_layers, output, fmt, report, plot,
          num_nodes, num_groups, budget_slots):
     """Compute a placement from an expert-load file."""
     check_outputs(output, report, plot)
     result, before, after, info = run_plan(load, ep_size, redundant, policy, previous,
-                                           moe_layers, num_nodes, num_groups, budget_slots)
+                                           moe_layers, num_nodes, num_groups, budget_slots,
+                                           fmt)
     if result["dense_layers_skipped"]:
         click.echo(f"skipped {result['dense_layers_skipped']} leading all-zero (dense) layers "
                    f"of {load}")
@@ -232,7 +257,10 @@ def plan(load, ep_size, redundant, policy, previous, moe_layers, output, report,
         if report:
             write_atomic(report, render_report(result, before, after, load, info["layers"]))
             written.append(report)
-        write_atomic(output, json.dumps(result) + "\n")
+        write_atomic(output, json.dumps(result) + "\n" if fmt == "native" else
+                     render_format(fmt, result, info))
+        written.append(output)
+        check_format(fmt, output, result, info)
     except (OSError, ValueError) as e:
         for path in written:
             Path(path).unlink(missing_ok=True)
@@ -243,4 +271,39 @@ def plan(load, ep_size, redundant, policy, previous, moe_layers, output, report,
            f"policy_ms={result['policy_seconds'] * 1000:.1f}")
     if "moved_slots" in result:
         msg += f" moved_slots={result['moved_slots']} weight_copies={result['weight_copies']}"
-    click.echo(msg + f" output={output}")
+    click.echo(msg + f" format={fmt} output={output}")
+
+
+def check_format(fmt: str, path: str, result: dict, info: dict) -> None:
+    """Read a written file back by its engine's rules (``integrations.formats``);
+    ``FormatError`` (a ValueError) when it breaks one."""
+    if fmt == "native":
+        return
+    from xllm_eplb.integrations import formats
+
+    e, ep, dense = result["num_logical_experts"], result["ep_size"], result[
+        "dense_layers_skipped"]
+    moe = info["moe_total"]
+    if fmt == "sglang":
+        formats.check_sglang(path, num_layers=dense + moe, num_logical=e, ep_size=ep,
+                             num_physical=ep * result["slots_per_rank"], dense=dense)
+    elif fmt == "vllm-ascend":
+        formats.check_vllm_ascend(path, num_moe_layers=moe, ep_size=ep, num_logical=e)
+    else:
+        formats.check_trtllm(path, dense=dense, num_moe_layers=moe, num_logical=e, ep_size=ep)
+
+
+def render_format(fmt: str, result: dict, info: dict) -> str:
+    """The placement file of another engine (``xllm_eplb.integrations.formats``): the planned
+    MoE layers, every other MoE layer on the trivial map (slot s -> expert s % E), dense layers
+    as the target numbers them."""
+    from xllm_eplb.integrations import formats
+
+    table = np.asarray(result["phy2log"], dtype=np.int64)
+    num_e, ep = result["num_logical_experts"], result["ep_size"]
+    fill = np.tile(np.arange(table.shape[1]) % num_e, (info["moe_total"], 1))
+    first = info["layers"].start
+    if fmt == "vllm-ascend":
+        return formats.render_ascend(table, ep, first=first, moe_fill=fill)
+    return formats.render(fmt, table, num_logical=num_e, dense=result["dense_layers_skipped"],
+                          first=first, moe_fill=fill)

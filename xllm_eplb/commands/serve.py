@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 
 def digest(cfg) -> str:
     """One line of the non-default values (as xLLM's config dump), e.g. ``ep_size=16 ...``."""
-    vals = as_flat_dict(cfg)
+    vals = as_flat_dict(cfg, redact=True)
     return " ".join(f"{k}={format_value(v)}" for k, v in vals.items()
                     if v != FIELDS[k].default)
 

@@ -45,6 +45,7 @@ from xllm_eplb.config.schema import (
     as_flat_dict,
     format_value,
     get_value,
+    known_policy_kind,
     normalize_policy_kind,
 )
 
@@ -52,8 +53,8 @@ __all__ = [
     "BACKEND_FOR_DEVICE", "DEVICES_FOR_BACKEND", "FIELDS", "LEGACY_POLICY_KINDS", "MiB",
     "POLICY_KINDS", "SECTIONS", "Config", "EplbConfig", "FaultConfig", "FieldSpec",
     "ModelConfig", "RuntimeConfig", "ServeConfig", "as_flat_dict", "check_field",
-    "elastic_rules",
-    "format_value", "get_value", "layout_error", "layout_rules", "node_of_rank", "node_ranks",
+    "elastic_rules", "format_value", "get_value", "known_policy_kind", "layout_error",
+    "layout_rules", "node_of_rank", "node_ranks",
     "normalize_policy_kind", "opt", "ranks_per_node", "resolve_backend", "topology_rules",
     "validate",
 ]

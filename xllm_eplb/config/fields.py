@@ -22,9 +22,11 @@ def opt(default: Any, help: str, *, unit: str = "", lo: float | None = None,
 class EplbConfig:
     """xLLM's EPLB options (the same flag names) plus this project's extensions."""
 
-    enable_eplb: bool = opt(False, "turn dynamic EPLB on")
-    ep_size: int = opt(None, "number of EP ranks = worker processes; > 1; divides num_experts",
-                       lo=1, lo_open=True, required=True)
+    enable_eplb: bool = opt(True, "dynamic EPLB (on by default; --enable_eplb=false turns it "
+                            "off: the initial placement is served as is)")
+    ep_size: int = opt(None, "number of EP ranks = worker processes; divides num_experts; 1 = "
+                       "one rank holding every expert, EPLB off and no redundant slot (the "
+                       "engine's own baseline)", lo=1, required=True)
     redundant_experts_num: int = opt(1, "extra physical slots per EP rank", lo=0)
     eplb_update_interval: float = opt(1000.0, "seconds from the first valid load sample between "
                                       "rebalances (fractions allowed)", unit="s", lo=0)
@@ -32,9 +34,16 @@ class EplbConfig:
         0.05, "minimum predicted relative drop of the slowest rank's load to publish a layer",
         lo=0, hi=1)
     eplb_policy_kind: str = opt(
-        "balanced", "placement policy: balanced, greedy, incremental, node_aware "
+        "incremental", "placement policy: incremental (default: moves few slots per round), "
+        "balanced (xLLM's full re-plan), greedy, node_aware "
         "(case-insensitive; legacy names flat/deepseek_flat/deepseek_hier/hier/hierarchical map "
         "to balanced; unknown -> greedy with one warning)")
+    eplb_plan_on: str = opt(
+        "cost", "what rounds balance and gate on: cost (a per-layer model fitted from the "
+        "workers' expert timings: fixed seconds per active slot + seconds per row; a layer is "
+        "published only if the modelled step critical path falls by "
+        "eplb_min_peak_load_improvement; token counts until the model is fitted) or tokens "
+        "(token counts only, as xLLM)", choices=("cost", "tokens"))
     eplb_use_decode_only_load: bool = opt(
         False, "eager path counts only real decode tokens (prefill rows of mixed batches are masked)")
     eplb_prepare_timeout_seconds: float = opt(
@@ -122,7 +131,8 @@ class ModelConfig:
     num_attention_heads: int = opt(4, "attention heads (divides hidden_size)", lo=1)
     vocab_size: int = opt(512, "vocabulary (>= 261: 256 byte tokens + 4 special tokens + 1 "
                           "merge in the generated tokenizer)", lo=261)
-    max_position_embeddings: int = opt(1024, "longest sequence (prompt + output)", lo=2)
+    max_position_embeddings: int = opt(2048, "longest sequence (prompt + output; alias "
+                                       "--max-model-len)", lo=2)
     scoring_func: str = opt("sigmoid", "router scores, reported from the checkpoint (sigmoid: "
                             "deepseek_v3, softmax: the other families); a value set here is "
                             "replaced", choices=("softmax", "sigmoid"))
@@ -137,6 +147,10 @@ class ModelConfig:
     dtype: str = opt("auto", "parameter dtype (auto: the checkpoint's, float32 without one)",
                      choices=("auto", "float32", "float64", "bfloat16", "float16"))
     seed: int = opt(0, "generated checkpoint: weight seed (identical on every rank)", lo=0)
+    fp8_dequant_cache: bool = opt(False, "FP8 checkpoints: keep a dequantized copy of every "
+                                  "expert slot resident (refreshed after each move): no "
+                                  "per-step dequantization, 2-4x the fp8 expert memory on top; "
+                                  "false = dequantize the step's active experts per step")
     # --- generated default checkpoint (issue 12) ---
     model_arch: str = opt("deepseek_v3", "generated checkpoint (no --model): its family",
                           choices=("deepseek_v3", "qwen3_moe", "qwen2_moe", "mixtral"))
@@ -167,6 +181,12 @@ class RuntimeConfig:
     shm_output_frame_bytes: int = opt(256 * 1024, "bytes per output-ring frame", unit="bytes",
                                       lo=1024)
     run_id: str = opt("", "shared-memory name prefix (default: derived from the port)")
+    worker_cpu_affinity: str = opt(
+        "auto", "pin each worker to cores of its own and match its torch threads: auto (when "
+        "this machine gives serve >= workers + 1 cores: the engine on the first, the rest split "
+        "evenly; else not pinned, one log line), none, or LIST: one comma-separated entry per "
+        "local rank, each a core, a range a-b or cores joined by + (e.g. 0,1 or 0-3,4-7); a core "
+        "the machine lacks or two ranks on one core is an error")
     # --- multi-node (#14) ---
     nnodes: int = opt(1, "machines in the EP domain (torchrun style): every node runs `serve` "
                       "with the same config and ep_size/nnodes workers; divides ep_size", lo=1)
@@ -201,9 +221,26 @@ class ServeConfig:
     v: str = opt("info", "log level (debug also prints tracebacks)",
                  choices=("debug", "info", "warning", "error"))
     enable_per_layer_metrics: bool = opt(False, "export per-layer Prometheus series")
+    log_stats_interval: float = opt(
+        10.0, "seconds between the console stats lines while serving (prompt and generation "
+        "tokens/s, running and waiting requests, KV-cache use, balancedness, last rebalance; "
+        "as vLLM's); 0 = off", unit="s", lo=0)
+    metrics_hot_experts: int = opt(
+        4, "per MoE layer, export the recent load and replica count of this many hottest "
+        "logical experts (hot_expert_* series: MoE layers x this many; 0 = none)", lo=0)
+    enable_expert_metrics: bool = opt(
+        False, "also export the recent load and replica count of every logical expert "
+        "(expert_* series: MoE layers x num_experts)")
     shutdown_timeout_seconds: float = opt(10.0, "graceful stop before SIGKILL", unit="s", lo=0)
     served_model_name: str = opt("xllm-eplb", "model name of the OpenAI API (/v1/models; a "
                                  "request's 'model' must match it)")
+    tokenizer: str = opt("", "tokenizer folder (tokenizer.json, tokenizer_config.json, "
+                         "generation_config.json) or a Hugging Face ORG/NAME in the local "
+                         "cache; empty: the model's own")
+    chat_template: str = opt("", "chat template for /v1/chat/completions: a Jinja file, or the "
+                             "template text itself; empty: the tokenizer's")
+    api_key: str = opt("", "when set, /v1/*, /tokenize and /detokenize need the header "
+                       "'Authorization: Bearer <key>' (401 otherwise); empty: open")
     stall_seconds: float = opt(10.0, "a step running longer than this is a stall: /health "
                                "answers 503, worker_up of the silent ranks drops to 0 and the "
                                "requests in flight end with an error naming them",

@@ -55,16 +55,16 @@ def resolve_backend(device: str, backend: str) -> str:
 
 
 def layout_rules(num_experts: int, ep_size: int, redundant: int) -> list[tuple[str, Any, str]]:
-    """The slot-layout rules as (flag, value, rule) for every violation: ``ep_size`` > 1,
+    """The slot-layout rules as (flag, value, rule) for every violation: ``ep_size`` >= 1,
     ``num_experts`` divisible by it, 0 <= ``redundant`` <= num_experts - num_experts/ep_size
     (so a rank's ``num_experts/ep_size + redundant`` slots never exceed the experts: at most one
-    replica of an expert per rank). The one validator of these rules (config, placement and the
-    model's preflight call it).
+    replica of an expert per rank; one rank holds every expert once and no redundant slot). The
+    one validator of these rules (config, placement and the model's preflight call it).
 
     NOTE: every rank derives its slot layout from these; they must hold on all ranks alike.
     """
-    if ep_size is None or ep_size <= 1:
-        return [("ep_size", ep_size, "must be > 1")]
+    if ep_size is None or ep_size < 1:
+        return [("ep_size", ep_size, "must be >= 1")]
     bad: list[tuple[str, Any, str]] = []
     if num_experts % ep_size:
         bad.append(("num_experts", num_experts, f"must be divisible by --ep_size={ep_size}"))
@@ -83,9 +83,10 @@ def layout_error(num_experts: int, ep_size: int, redundant: int) -> str | None:
     return _bad(*bad[0]).args[0] if bad else None
 
 
-def _cross_rules(cfg: Config) -> list[tuple[str, Any, str]]:
-    """Cross-field rules as (flag, value, rule) for every violation, in a fixed order."""
-    e, m, r = cfg.eplb, cfg.model, cfg.runtime
+def _model_rules(cfg: Config) -> list[tuple[str, Any, str]]:
+    """Rules on the architecture flags (only without ``--model``: a checkpoint's config.json
+    replaces them, and the model's preflight checks those values, naming the file)."""
+    m = cfg.model
     bad: list[tuple[str, Any, str]] = []
     if m.num_experts_per_tok > m.num_experts:
         bad.append(("num_experts_per_tok", m.num_experts_per_tok,
@@ -96,6 +97,14 @@ def _cross_rules(cfg: Config) -> list[tuple[str, Any, str]]:
     if m.first_k_dense_replace >= m.num_layers:
         bad.append(("first_k_dense_replace", m.first_k_dense_replace,
                     f"must be < --num_layers={m.num_layers} (at least one MoE layer)"))
+    return bad
+
+
+def _cross_rules(cfg: Config) -> list[tuple[str, Any, str]]:
+    """Cross-field rules as (flag, value, rule) for every violation, in a fixed order."""
+    e, m, r = cfg.eplb, cfg.model, cfg.runtime
+    bad: list[tuple[str, Any, str]] = []
+    bad += [] if m.model else _model_rules(cfg)
     if m.routing_mode == "trace" and not m.routing_trace:
         bad.append(("routing_trace", m.routing_trace, "required when --routing_mode=trace"))
     if e.eplb_p2p_max_inflight_bytes < e.eplb_p2p_chunk_bytes:
@@ -109,8 +118,8 @@ def _cross_rules(cfg: Config) -> list[tuple[str, Any, str]]:
         bad.append(("backend", r.backend, f"needs --device={devices[0]} "
                                           f"(got --device={r.device})"))
     s = cfg.serve
-    if s.workload == "synthetic" and (s.workload_prompt_len + s.workload_output_len
-                                      > m.max_position_embeddings):
+    if s.workload == "synthetic" and not m.model and (
+            s.workload_prompt_len + s.workload_output_len > m.max_position_embeddings):
         bad.append(("workload_output_len", s.workload_output_len,
                     f"--workload_prompt_len + --workload_output_len must be <= "
                     f"--max_position_embeddings={m.max_position_embeddings}"))
@@ -119,8 +128,11 @@ def _cross_rules(cfg: Config) -> list[tuple[str, Any, str]]:
         f.fault_inject, f.enable_fault_injection, e.ep_size, cfg.num_moe_layers)]
     if e.ep_size is None:
         return bad
-    bad += layout_rules(m.num_experts, e.ep_size, e.redundant_experts_num)
-    if e.ep_size > 1 and e.ep_size % e.eplb_num_nodes:
+    # NOTE: with --model the experts are config.json's: the model's preflight checks the
+    # layout against them (model/validate.py), naming the file
+    bad += layout_rules(m.num_experts, e.ep_size, e.redundant_experts_num) if not m.model \
+        else layout_rules(e.ep_size, e.ep_size, 0)
+    if e.ep_size % e.eplb_num_nodes:
         bad.append(("eplb_num_nodes", e.eplb_num_nodes,
                     f"must divide --ep_size={e.ep_size}"))
     bad += topology_rules(e.ep_size, r.nnodes, r.node_rank, r.master_port)
@@ -156,7 +168,7 @@ def topology_rules(ep_size: int, nnodes: int, node_rank: int,
     ``ep_size/nnodes`` EP ranks per node), ``node_rank`` < ``nnodes``, and with more than one
     node an explicit ``master_port`` (every node must find the rendezvous)."""
     bad: list[tuple[str, Any, str]] = []
-    if ep_size > 1 and ep_size % nnodes:
+    if ep_size % nnodes:
         bad.append(("nnodes", nnodes, f"must divide --ep_size={ep_size} (ep_size/nnodes "
                                       f"workers per node)"))
     if node_rank >= nnodes:

@@ -97,9 +97,15 @@ def get_value(cfg: Config, name: str) -> Any:
     return getattr(getattr(cfg, FIELDS[name].section), name)
 
 
-def as_flat_dict(cfg: Config) -> dict[str, Any]:
-    """``{flag name: value}`` for every field, in section order."""
-    return {name: get_value(cfg, name) for name in FIELDS}
+def as_flat_dict(cfg: Config, *, redact: bool = False) -> dict[str, Any]:
+    """``{flag name: value}`` for every field, in section order; ``redact``: a set secret
+    (:data:`SECRETS`, e.g. ``api_key``) shows as ``<set>`` (what logs and ``config show`` print)."""
+    return {name: "<set>" if redact and name in SECRETS and get_value(cfg, name)
+            else get_value(cfg, name) for name in FIELDS}
+
+
+#: fields never printed as they are (logs, ``config show``)
+SECRETS = ("api_key",)
 
 
 # --- policy kind ----------------------------------------------------------------------------
@@ -110,6 +116,13 @@ POLICY_KINDS = ("balanced", "greedy", "incremental", "node_aware")
 LEGACY_POLICY_KINDS = ("flat", "deepseek_flat", "deepseek-flat", "deepseek_hier",
                        "deepseek-hier", "hier", "hierarchical")
 _warned_kinds: set[str] = set()
+
+
+def known_policy_kind(s: str) -> bool:
+    """A policy kind :func:`normalize_policy_kind` maps without its fallback (a policy or a
+    legacy name, any case): what config validation accepts (anything else is exit 2)."""
+    k = str(s).strip().lower()
+    return k in POLICY_KINDS or k in LEGACY_POLICY_KINDS
 
 
 def normalize_policy_kind(s: str) -> str:

@@ -2,12 +2,15 @@
 (loopback by default); the engine's step loop keeps its own thread.
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
-``GET /health``, ``GET /metrics`` (Prometheus text), ``GET /eplb/status``,
-``GET /openapi.json`` and the ``ApiBackend.routers`` (``/eplb/record/*``:
-:mod:`~xllm_eplb.engine.record_api`). Every error is JSON in the OpenAI shape
-``{"error": {"message", "type", "param", "code"}}``: 400 bad input, 404 unknown route or model,
-405 wrong method (with ``Allow``), 413 body too large, 503 not serving / stalled / overloaded,
-504 timed out. Request schema and validation: :mod:`~xllm_eplb.engine.protocol`; choices and
+``GET /v1/models/{id}``, ``POST /tokenize`` and ``POST /detokenize`` (vLLM's shapes,
+:mod:`~xllm_eplb.engine.tokenize_api`), ``GET /version``, ``GET /health``, ``GET /metrics``
+(Prometheus text), ``GET /eplb/status``, ``GET /openapi.json`` and the ``ApiBackend.routers``
+(``/eplb/record/*``: :mod:`~xllm_eplb.engine.record_api`). With ``ApiBackend.api_key`` set,
+``/v1/*``, ``/tokenize``, ``/detokenize`` and ``/eplb/record/*`` need ``Authorization: Bearer
+<key>`` (401 otherwise; health, metrics, status and version stay open, as in vLLM). Every error
+is JSON in the OpenAI shape ``{"error": {"message", "type", "param", "code"}}``: 400 bad input,
+401 missing or wrong API key, 404 unknown route or model, 405 wrong method (with ``Allow``),
+413 body too large, 503 not serving / stalled / overloaded, 504 timed out. Request schema and validation: :mod:`~xllm_eplb.engine.protocol`; choices and
 response shapes: :mod:`~xllm_eplb.engine.choices`; token hand-over and SSE:
 :mod:`~xllm_eplb.engine.streaming`.
 """
@@ -15,6 +18,7 @@ response shapes: :mod:`~xllm_eplb.engine.choices`; token hand-over and SSE:
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 import socket
@@ -29,7 +33,9 @@ from fastapi import Request as HttpRequest
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
+from xllm_eplb import __version__
 from xllm_eplb.engine import choices as ch
+from xllm_eplb.engine.body import read_json
 from xllm_eplb.engine.protocol import (
     ApiError,
     ApiLimits,
@@ -43,15 +49,15 @@ from xllm_eplb.engine.protocol import (
 )
 from xllm_eplb.engine.scheduler import Request
 from xllm_eplb.engine.streaming import EventStream, TokenBridge, sse, until_disconnect
+from xllm_eplb.engine.tokenize_api import TokenizeChatRequest, tokenize_router
 from xllm_eplb.obs.logs import event
 
 __all__ = ["ApiBackend", "ApiError", "ApiLimits", "ApiServer", "ServedModel", "create_app"]
 
 log = logging.getLogger(__name__)
 
-MAX_BODY_BYTES = 1 << 20
 PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
-_TYPES = {400: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error",
+_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error",
           413: "invalid_request_error", 503: "service_unavailable", 504: "timeout"}
 
 
@@ -72,6 +78,8 @@ class ApiBackend:
     admit: Callable[[], str | None] = lambda: None
     #: extra route groups (e.g. ``record_api.record_router``), included as they are
     routers: tuple = ()
+    #: non-empty: the bearer token the protected routes need (``--api-key``)
+    api_key: str = ""
 
 
 def error_body(status: int, message: str, param: str = "", code: str | None = None) -> dict:
@@ -81,32 +89,6 @@ def error_body(status: int, message: str, param: str = "", code: str | None = No
 
 def _error(e: ApiError) -> JSONResponse:
     return JSONResponse(error_body(e.status, e.message, e.param, e.code), e.status, e.headers)
-
-
-async def read_json(request: HttpRequest) -> object:
-    """The body as JSON: 413 over :data:`MAX_BODY_BYTES` (header or streamed), 400 malformed
-    (NaN/Infinity included) or nested too deep for the decoder."""
-    try:
-        declared = int(request.headers.get("content-length", "0"))
-    except ValueError:
-        raise ApiError(400, "bad Content-Length header") from None
-    if declared > MAX_BODY_BYTES:
-        raise ApiError(413, f"body of {declared} bytes: must be <= {MAX_BODY_BYTES}")
-    raw = bytearray()
-    async for part in request.stream():
-        raw += part
-        if len(raw) > MAX_BODY_BYTES:
-            raise ApiError(413, f"body over {MAX_BODY_BYTES} bytes")
-    try:
-        return json.loads(raw, parse_constant=_no_constant)
-    except RecursionError:
-        raise ApiError(400, "malformed JSON body: nested too deep") from None
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ApiError(400, f"malformed JSON body: {e}") from None
-
-
-def _no_constant(name: str):
-    raise ValueError(f"{name} is not valid JSON")
 
 
 class _Run:
@@ -241,10 +223,20 @@ def _routes(app: FastAPI, backend: ApiBackend) -> None:
 
     @app.get("/v1/models")
     async def models():
+        return {"object": "list", "data": [_model_card(backend.served)]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        """The served model (the openai client's ``models.retrieve``); 404 for any other id."""
         s = backend.served
-        return {"object": "list", "data": [{
-            "id": s.name, "object": "model", "created": s.created, "owned_by": "xllm-eplb",
-            "max_model_len": s.limits.max_position_embeddings}]}
+        if model_id != s.name:
+            raise ApiError(404, f"model {model_id!r} not found: this server serves {s.name!r}",
+                           "model", "model_not_found")
+        return _model_card(s)
+
+    @app.get("/version")
+    async def version():
+        return {"version": __version__}
 
     @app.get("/health")
     async def health():
@@ -258,6 +250,32 @@ def _routes(app: FastAPI, backend: ApiBackend) -> None:
     @app.get("/eplb/status")
     async def eplb_status():
         return backend.status()
+
+
+def _model_card(s: ServedModel) -> dict:
+    return {"id": s.name, "object": "model", "created": s.created, "owned_by": "xllm-eplb",
+            "max_model_len": s.limits.max_position_embeddings, "quantization": s.quantization}
+
+
+#: path prefixes that need the API key when one is set
+PROTECTED = ("/v1/", "/tokenize", "/detokenize", "/eplb/record/")
+
+
+def _require_key(app: FastAPI, key: str) -> None:
+    """401 in the OpenAI schema for a protected path without ``Authorization: Bearer <key>``."""
+    want = f"Bearer {key}".encode()
+
+    @app.middleware("http")
+    async def api_key(request: HttpRequest, call_next):
+        if request.url.path.startswith(PROTECTED):
+            got = request.headers.get("authorization", "").encode()
+            if not hmac.compare_digest(got, want):
+                why = "wrong API key" if got else "no API key given"
+                return JSONResponse(error_body(401, f"{why}: send the header 'Authorization: "
+                                               f"Bearer <key>' (--api-key)",
+                                               code="invalid_api_key"), 401,
+                                    {"WWW-Authenticate": "Bearer"})
+        return await call_next(request)
 
 
 def _handlers(app: FastAPI) -> None:
@@ -286,8 +304,10 @@ def create_app(backend: ApiBackend) -> FastAPI:
     app = FastAPI(title="xllm-eplb", docs_url=None, redoc_url=None,
                   description="OpenAI-compatible API of the xllm-eplb engine")
     _routes(app, backend)
-    for router in backend.routers:
+    for router in (tokenize_router(backend.served), *backend.routers):
         app.include_router(router)
+    if backend.api_key:
+        _require_key(app, backend.api_key)
     _handlers(app)
     _openapi_defs(app)
     return app
@@ -301,7 +321,7 @@ def _openapi_defs(app: FastAPI) -> None:
         if app.openapi_schema is None:
             doc = base()
             comps = doc.setdefault("components", {}).setdefault("schemas", {})
-            for model in (CompletionRequest, ChatCompletionRequest):
+            for model in (CompletionRequest, ChatCompletionRequest, TokenizeChatRequest):
                 defs = model.model_json_schema(
                     ref_template="#/components/schemas/{model}").get("$defs", {})
                 comps.update(defs)

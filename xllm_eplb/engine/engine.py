@@ -24,9 +24,11 @@ from xllm_eplb import __version__
 from xllm_eplb.config import Config, node_of_rank, ranks_per_node, resolve_backend
 from xllm_eplb.engine.failures import WAIT_SLICE, FailureWatch, WorkerFault
 from xllm_eplb.engine.health import StepWatch
+from xllm_eplb.engine.live_stats import LiveStats
 from xllm_eplb.engine.scheduler import Request, Scheduler, is_pure_decode_step
-from xllm_eplb.engine.telemetry import Telemetry
+from xllm_eplb.engine.telemetry import Telemetry, slot_loads
 from xllm_eplb.engine.tokenizer import BOS_ID
+from xllm_eplb.engine.workload import workload_status
 from xllm_eplb.eplb.info import NO_TOKEN, EplbInfo
 from xllm_eplb.eplb.manager_stats import ManagerStats
 from xllm_eplb.eplb.placement_file import initial_placement
@@ -34,6 +36,7 @@ from xllm_eplb.eplb.recorder import ExpertRecorder
 from xllm_eplb.ipc.errors import IpcError, RingTimeoutError
 from xllm_eplb.ipc.messages import ForwardInput
 from xllm_eplb.model.batch import RankBatch, SeqRow
+from xllm_eplb.model.fp8 import quant_info
 from xllm_eplb.obs.logs import event
 from xllm_eplb.obs.metrics import EngineMetrics
 
@@ -74,6 +77,12 @@ def _with_output(fault: WorkerFault, out) -> WorkerFault:
     return fault
 
 
+def decode_costs(outs, pure: bool) -> list | None:
+    """The ranks' per-layer expert CPU seconds of a pure-decode step (the cost model's input),
+    else None (prefill rows are not all counted)."""
+    return [o.timings.expert_cpu_s for o in outs] if pure else None
+
+
 class Engine:
     """Owns the scheduler, the rings' engine ends, the manager and the telemetry."""
 
@@ -86,10 +95,15 @@ class Engine:
         self.metrics = metrics or EngineMetrics(
             self.D, cfg.num_moe_layers, per_layer=cfg.serve.enable_per_layer_metrics,
             version=__version__, backend=resolve_backend(rt.device, rt.backend),
-            policy=cfg.eplb.eplb_policy_kind)
+            policy=cfg.eplb.eplb_policy_kind, hot_experts=cfg.serve.metrics_hot_experts,
+            all_experts=cfg.serve.enable_expert_metrics)
         self.metrics.enabled.set(1 if manager is not None else 0)
         self.tele = Telemetry(self.metrics, cfg.num_moe_layers, self.D,
                               ranks_per_node=ranks_per_node(cfg))
+        self.live = LiveStats(   # vLLM-style live view: token metrics, experts, stats line
+            self.metrics, num_layers=cfg.num_moe_layers, num_experts=cfg.model.num_experts,
+            kv_capacity=self.D * rt.max_batch_size * cfg.model.max_position_embeddings,
+            stats_interval_s=cfg.serve.log_stats_interval, now=time.monotonic())
         self.rank_node = [node_of_rank(cfg, r) for r in range(self.D)]   # multi-node (#14)
         for r, n in enumerate(self.rank_node):
             self.metrics.rank_node.labels(str(r)).set(n)
@@ -130,10 +144,13 @@ class Engine:
         self._ring_occupancy()
         if self.recorder.active and not warmup:     # off: this test is all it costs
             self.recorder.add([o.counters for o in outs], self.active_placement)
+        if not warmup and outs[0].counters.size:
+            self.live.on_slot_loads(slot_loads(outs), self.active_placement)
         if self.manager is not None and not warmup:
             c0 = time.thread_time()
             self.manager.on_outputs([o.counters for o in outs], [o.prepared_token for o in outs],
-                                    agreed_token([o.activation_token for o in outs]))
+                                    agreed_token([o.activation_token for o in outs]),
+                                    expert_cpu=decode_costs(outs, pure))
             self.tele.on_eplb(self.manager.stats())
             eplb_s += time.thread_time() - c0
         self.tele.on_step(step_kind(batches, warmup, pure), outs, seconds, eplb_engine_s=eplb_s)
@@ -229,22 +246,29 @@ class Engine:
                 self._refresh()
             if self.stopping or not self.sched.has_work:
                 continue
-            outs = self.step(self.sched.schedule())
-            if outs is None:
+            batches = self.sched.schedule()
+            self.live.on_scheduled(batches, self.sched.running, time.monotonic())
+            outs = self.step(batches)
+            if outs is None:         # --elastic_ep: the step died with a rank (voided)
                 continue
             sampled: dict[int, int] = {}
             logprobs: dict = {}
             for o in outs:
                 sampled.update(o.sampled)
                 logprobs.update(o.logprobs)
-            self.tele.on_requests(self.sched.update(sampled, logprobs))
+            self.live.on_tokens(sampled, time.monotonic())
+            self._finished(self.sched.update(sampled, logprobs))
+
+    def _finished(self, reqs: list[Request]) -> None:
+        self.tele.on_requests(reqs)
+        self.live.on_finished(reqs)
 
     def _cancelled(self, reqs: list[Request]) -> None:
         for r in reqs:
             log.info(event("engine request cancelled", req=r.req_id, source=r.source,
                            tokens=len(r.output), reason=r.error or "client gone"))
         if reqs:
-            self.tele.on_requests(reqs)
+            self._finished(reqs)
 
     def _refresh(self) -> None:
         if self.manager is not None:
@@ -254,6 +278,13 @@ class Engine:
         q = self.sched.load()
         self.metrics.queue.labels("waiting").set(q["waiting"])
         self.metrics.queue.labels("running").set(q["running"])
+        due = self.live.refresh(
+            time.monotonic(), running=self.sched.running, waiting=q["waiting"],
+            placement=self.active_placement, balancedness=self.tele.balancedness_mean(),
+            generation=int(self.tele.eplb.get("generation", 0)),
+            last_rebalance_at=self.tele.last_commit_at)
+        if due:
+            (log.info if due[1] else log.debug)(due[0])
 
     def request_stop(self, *_args) -> None:
         self.stopping = True
@@ -313,6 +344,8 @@ class Engine:
         # the policy runner's thread CPU (drain, decode, policy), measured by the manager itself
         out["critical_path"]["manager_thread_cpu_s"] = float(out["policy_cpu_seconds"])
         out["requests"] = self.sched.load()
+        if self.manager is not None:
+            out["cost_model"] = self.manager.cost_status()
         out["nnodes"], out["rank_node"] = self.cfg.runtime.nnodes, list(self.rank_node)
         out["membership"] = (self.membership.status() if self.membership is not None
                              else {"elastic": False})
@@ -323,4 +356,6 @@ class Engine:
                            **self.tele.serving_summary()}
         # capacity without fallback drops rows, with fallback re-routes them: both change outputs
         out["outputs_exact"] = e.moe_capacity_mode == "none"
+        out["quantization"] = quant_info(self.cfg.model.model, self.cfg.model.fp8_dequant_cache)
+        out["workload"] = workload_status(self.cfg.serve)   # bench prints it in its header
         return out

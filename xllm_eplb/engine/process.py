@@ -42,13 +42,16 @@ def _attach_rings(cfg: Config):
 def _api(cfg: Config, engine_ref: dict):
     from xllm_eplb.engine.api import ApiBackend, ApiLimits, ApiServer, ServedModel
     from xllm_eplb.engine.record_api import record_router
-    from xllm_eplb.engine.tokenizer import load_tokenizer
+    from xllm_eplb.engine.tokenizer import served_tokenizer
+    from xllm_eplb.model.fp8 import quant_info
 
-    m, rt = cfg.model, cfg.runtime
-    limits = ApiLimits(m.vocab_size, rt.max_prefill_tokens, m.max_position_embeddings)
+    m = cfg.model
+    # a prompt up to the model length is served (chunked prefill over --max_prefill_tokens)
+    limits = ApiLimits(m.vocab_size, m.max_position_embeddings, m.max_position_embeddings)
     # the checkpoint's tokenizer (--model, or the default the launcher generated without it)
-    tok = load_tokenizer(getattr(m, "model", "") or None)
-    served = ServedModel(cfg.serve.served_model_name, tok, limits, created=int(time.time()))
+    tok = served_tokenizer(m.model or None, cfg.serve.tokenizer, cfg.serve.chat_template)
+    served = ServedModel(cfg.serve.served_model_name, tok, limits, created=int(time.time()),
+                         quantization=quant_info(m.model, m.fp8_dequant_cache))
 
     def eng():
         return engine_ref.get("engine")
@@ -66,7 +69,8 @@ def _api(cfg: Config, engine_ref: dict):
         health=lambda: eng().health() if eng() else (False, {"status": "starting"}),
         served=served,
         admit=lambda: need().admit(),
-        routers=(record_router(lambda: eng().recorder if eng() else None),))
+        routers=(record_router(lambda: eng().recorder if eng() else None),),
+        api_key=cfg.serve.api_key)
     return ApiServer(cfg.serve.host, cfg.serve.port, backend)
 
 

@@ -41,7 +41,9 @@ class ApiError(Exception):
 
 @dataclass
 class ApiLimits:
-    """What a request may ask for (from the config)."""
+    """What a request may ask for (from the config). ``max_prompt_tokens``: the longest
+    prompt (the server passes the model length: prompts over ``--max_prefill_tokens`` are
+    prefilled in chunks)."""
 
     vocab_size: int
     max_prompt_tokens: int
@@ -57,19 +59,20 @@ class ServedModel:
     tokenizer: Tokenizer
     limits: ApiLimits
     created: int = 0
+    quantization: dict | None = None    # the checkpoint's FP8 format (model.fp8.quant_info)
 
 
 # --- schema ---------------------------------------------------------------------------------
 
-class _Strict(BaseModel):
+class StrictModel(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
-class StreamOptions(_Strict):
+class StreamOptions(StrictModel):
     include_usage: bool = False
 
 
-class _Common(_Strict):
+class _Common(StrictModel):
     model: str | None = Field(None, description="must be the served model name when given")
     max_tokens: int | None = Field(None, ge=0)
     temperature: float = Field(0.0, ge=0, allow_inf_nan=False, description="0 = greedy "
@@ -100,7 +103,7 @@ class CompletionRequest(_Common):
     suffix: str | None = None
 
 
-class ChatMessage(_Strict):
+class ChatMessage(StrictModel):
     role: str
     content: Any = None
     name: str | None = None
@@ -197,7 +200,7 @@ def _unsupported(req: _Common, noop: dict[str, Any]) -> None:
                            f"{' / '.join(repr(o) for o in ok)})", name, "unsupported")
 
 
-def _token_ids(v: Any, what: str, lim: ApiLimits) -> list[int]:
+def token_ids_of(v: Any, what: str, lim: ApiLimits) -> list[int]:
     if not v or not all(isinstance(i, int) and not isinstance(i, bool)
                         and 0 <= i < lim.vocab_size for i in v):
         raise ApiError(400, f"'{what}' must be a non-empty list of integers in "
@@ -205,7 +208,7 @@ def _token_ids(v: Any, what: str, lim: ApiLimits) -> list[int]:
     return list(v)
 
 
-def _encode(text: str, tok: Tokenizer, what: str, *, special: bool = True) -> list[int]:
+def encode_text(text: str, tok: Tokenizer, what: str, *, special: bool = True) -> list[int]:
     if not tok.has_text:
         raise ApiError(400, f"'{what}': this model has no tokenizer files, so text prompts "
                        f"cannot be served; send token ids instead", what, "no_tokenizer")
@@ -222,16 +225,16 @@ def completion_prompts(req: CompletionRequest, tok: Tokenizer, lim: ApiLimits) -
         raise ApiError(400, "give exactly one of 'prompt' (text or token ids) or "
                        "'prompt_token_ids'", "prompt")
     if ids is not None:
-        return [_token_ids(ids, "prompt_token_ids", lim)]
+        return [token_ids_of(ids, "prompt_token_ids", lim)]
     if isinstance(p, str):
-        return [_encode(p, tok, "prompt")]
+        return [encode_text(p, tok, "prompt")]
     if isinstance(p, list) and p and all(isinstance(x, int) and not isinstance(x, bool)
                                          for x in p):
-        return [_token_ids(p, "prompt", lim)]
+        return [token_ids_of(p, "prompt", lim)]
     if isinstance(p, list) and p and all(isinstance(x, str) for x in p):
-        return [_encode(x, tok, "prompt") for x in p]
+        return [encode_text(x, tok, "prompt") for x in p]
     if isinstance(p, list) and p and all(isinstance(x, list) for x in p):
-        return [_token_ids(x, "prompt", lim) for x in p]
+        return [token_ids_of(x, "prompt", lim) for x in p]
     raise ApiError(400, f"'prompt'={_short(p)}: must be a string, a list of strings, a list of "
                    f"token ids or a list of token-id lists (non-empty)", "prompt")
 
@@ -241,8 +244,10 @@ def _short(v: Any) -> str:
     return r if len(r) <= 60 else r[:57] + "..."
 
 
-def chat_prompt(req: ChatCompletionRequest, tok: Tokenizer) -> list[int]:
-    """Messages -> the chat template's text -> token ids (the template adds special tokens)."""
+def chat_prompt(req: ChatCompletionRequest, tok: Tokenizer, *, add_generation_prompt: bool = True,
+                special: bool = False) -> list[int]:
+    """Messages -> the chat template's text -> token ids (the template adds special tokens;
+    ``special``: also the tokenizer's, as /tokenize's ``add_special_tokens``)."""
     if not req.messages:
         raise ApiError(400, "'messages' must be a non-empty list", "messages")
     msgs = []
@@ -260,14 +265,14 @@ def chat_prompt(req: ChatCompletionRequest, tok: Tokenizer) -> list[int]:
                            f"parts", f"messages.{i}.content")
         msgs.append({"role": m.role, "content": content} | ({"name": m.name} if m.name else {}))
     try:
-        text = tok.apply_chat_template(msgs, add_generation_prompt=True)
+        text = tok.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt)
     except ChatTemplateError as e:
         raise ApiError(400, f"'messages' refused by the chat template: {e}", "messages",
                        "invalid_messages") from None
     except TokenizerError as e:
         raise ApiError(400, f"chat completions need a chat template: {e}; use /v1/completions",
                        "messages", "no_chat_template") from None
-    return _encode(text, tok, "messages", special=False)
+    return encode_text(text, tok, "messages", special=special)
 
 
 def _stops(v: Any) -> list[str]:
@@ -288,7 +293,8 @@ def _max_tokens(requested: int | None, prompts: list[list[int]], lim: ApiLimits,
     prompt, field = names
     if longest > lim.max_prompt_tokens:
         raise ApiError(400, f"'{prompt}': the prompt has {longest} tokens: must be <= "
-                       f"--max_prefill_tokens={lim.max_prompt_tokens}", prompt,
+                       f"{lim.max_prompt_tokens} (the model length, --max-model-len; longer "
+                       f"than --max_prefill_tokens is prefilled in chunks)", prompt,
                        "context_length_exceeded")
     room = lim.max_position_embeddings - longest
     mt = (room if default is None else min(default, room)) if requested is None else requested
@@ -336,7 +342,7 @@ _NOOPS = {"frequency_penalty": (0.0,), "presence_penalty": (0.0,), "logit_bias":
 
 def parse_completion(body: Any, served: ServedModel) -> Plan:
     """``POST /v1/completions`` body -> :class:`Plan` (or :class:`ApiError`)."""
-    req = _validate(CompletionRequest, body)
+    req = validate_body(CompletionRequest, body)
     _unsupported(req, _NOOPS | {"echo": (False,),
                                 "best_of": (None, 1), "suffix": (None,)})
     prompts = completion_prompts(req, served.tokenizer, served.limits)
@@ -347,7 +353,7 @@ def parse_completion(body: Any, served: ServedModel) -> Plan:
 
 def parse_chat(body: Any, served: ServedModel) -> Plan:
     """``POST /v1/chat/completions`` body -> :class:`Plan` (or :class:`ApiError`)."""
-    req = _validate(ChatCompletionRequest, body)
+    req = validate_body(ChatCompletionRequest, body)
     _unsupported(req, _NOOPS)
     if req.top_logprobs and not req.logprobs:
         raise ApiError(400, f"'top_logprobs'={req.top_logprobs} requires 'logprobs': true",
@@ -364,7 +370,7 @@ def parse_chat(body: Any, served: ServedModel) -> Plan:
                    (req.top_logprobs or 0) if req.logprobs else -1)
 
 
-def _validate(model: type[BaseModel], body: Any):
+def validate_body(model: type[BaseModel], body: Any):
     if not isinstance(body, dict):
         raise ApiError(400, "request body must be a JSON object")
     check_body(body)

@@ -6,6 +6,12 @@ requests (FIFO) as prefill rows onto the least-loaded rank that still has room
 (``max_batch_size`` rows, ``max_prefill_tokens`` prompt tokens per rank per step). Ranks with
 nothing to do get an empty batch: they still join every MoE all-to-all.
 
+Chunked prefill: a prompt longer than a rank's prefill budget is prefilled in chunks over
+several steps (one prefill row per step, ``start_pos`` = the prompt tokens already in the KV
+cache), beside the decode rows of the other requests; the token the worker samples after a
+non-final chunk is dropped, so the output is that of one whole-prompt prefill. NOTE: a chunk
+row is a prefill row, so a step carrying one is never a pure-decode (EPLB) boundary.
+
 Thread model: :meth:`submit` and :meth:`cancel` may be called from any thread (HTTP handlers,
 the workload); everything else runs on the engine's step-loop thread only. A request's
 ``listener`` (if any) is called on the step-loop thread after each new token and once when it
@@ -52,6 +58,12 @@ class Request:
     token_logprobs: list = field(default_factory=list)
     req_id: int = -1
     dp_rank: int = -1
+    #: context tokens scheduled into the KV cache so far (chunked prefill; the context is
+    #: prefilled when this reaches ``prefill_to``)
+    prefilled: int = 0
+    #: context tokens to prefill: the prompt, or prompt + output for a re-prefill (set when
+    #: admitted; -1: the prompt)
+    prefill_to: int = -1
     output: list[int] = field(default_factory=list)
     arrival: float = field(default_factory=time.monotonic)
     first_token_at: float = 0.0
@@ -59,6 +71,11 @@ class Request:
     finish_reason: str = ""
     error: str = ""
     done: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def prefilling(self) -> bool:
+        """Part of the context still waits for a prefill chunk."""
+        return self.prefilled < (len(self.prompt) if self.prefill_to < 0 else self.prefill_to)
 
     @property
     def num_tokens(self) -> int:
@@ -184,38 +201,60 @@ class Scheduler:
         return best
 
     def schedule(self) -> list[RankBatch]:
-        """Build this step's batches: decode rows of running requests, then admissions."""
+        """Build this step's batches: decode rows of running requests, the next chunk of each
+        request still prefilling, then admissions (see the module docstring)."""
         batches = [RankBatch(release=rel) for rel in self._release]
         self._flush = False
         self._release = [[] for _ in range(self.dp_size)]
+        prefill = [0] * self.dp_size
         for r in self.running.values():
-            batches[r.dp_rank].rows.append(_decode_row(r))
-        rows, prefill = self._rows_per_rank(), [0] * self.dp_size
+            if not r.prefilling:
+                batches[r.dp_rank].rows.append(_decode_row(r))
+        for r in self.running.values():
+            if r.prefilling:
+                self._add_chunk(batches, prefill, r)
+        rows = self._rows_per_rank()
         while self.waiting:
             req = self.waiting[0]
-            k = self._pick_rank(rows, prefill, req.num_tokens)
+            # NOTE: prompt + output: a re-prefill (void_step) continues where it stopped
+            k = self._pick_rank(rows, prefill, min(req.num_tokens, self.max_prefill_tokens))
             if k < 0:
                 break  # NOTE: FIFO admission; the head waits until a rank has room
             self.waiting.popleft()
             req.dp_rank = k
             rows[k] += 1
-            prefill[k] += req.num_tokens
+            req.prefilled, req.prefill_to = 0, req.num_tokens
             self.running[req.req_id] = req
-            # NOTE: prompt + output: a re-prefill (void_step) continues where it stopped
-            batches[k].rows.append(SeqRow(req.req_id, list(req.prompt) + list(req.output), 0,
-                                          True, req.temperature, req.seed, req.top_p,
-                                          req.top_k, req.logprobs))
+            self._add_chunk(batches, prefill, req)
         return batches
+
+    def _add_chunk(self, batches: list[RankBatch], prefill: list[int], req: Request) -> None:
+        """The next prefill chunk of ``req`` on its rank: as many of its remaining context tokens
+        (prompt, plus the output so far for a re-prefill) as the rank's prefill budget still
+        holds this step (none when it is spent)."""
+        k = req.dp_rank
+        n = min(req.prefill_to - req.prefilled, self.max_prefill_tokens - prefill[k])
+        if n <= 0:
+            return
+        start = req.prefilled
+        prefill[k] += n
+        req.prefilled += n
+        ctx = req.prompt[start:start + n] if start + n <= len(req.prompt) else \
+            (list(req.prompt) + list(req.output))[start:start + n]
+        batches[k].rows.append(SeqRow(req.req_id, ctx, start, True,
+                                      req.temperature, req.seed, req.top_p, req.top_k,
+                                      req.logprobs))
 
     def update(self, sampled: dict[int, int], logprobs: dict | None = None) -> list[Request]:
         """Append each running request's sampled token (and its ``logprobs`` entry, for a
         request that asked); returns the requests that finished (their KV cache is released in
-        the next step's batch of their rank)."""
+        the next step's batch of their rank). The token sampled after a non-final prefill
+        chunk is dropped (the prompt is not all in the KV cache yet)."""
         now = time.monotonic()
         finished = []
         for rid, tok in sampled.items():
             req = self.running.get(int(rid))
-            if req is None:
+            if req is None or req.prefilling:
                 continue
             if not req.output:
                 req.first_token_at = now

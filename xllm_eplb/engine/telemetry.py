@@ -42,6 +42,11 @@ class RecentLoad:
         return balancedness(self.total)
 
 
+def slot_loads(outputs) -> np.ndarray:
+    """The step's served rows per physical slot, int [L, D*S] (ranks' slots side by side)."""
+    return np.concatenate([counter_format.decode(o.counters) for o in outputs], axis=1)
+
+
 def rank_loads(counters: list[np.ndarray]) -> np.ndarray:
     """Per-rank prefix-sum counters ``[L, S]`` -> tokens per rank ``[L, D]`` (last column)."""
     return np.stack([counter_format.totals(c) for c in counters], axis=1)
@@ -120,6 +125,8 @@ class Telemetry:
         self.last_output_at = [0.0] * ep_size
         self.hb: dict[int, WorkerHeartbeat] = {}
         self.eplb: dict = {}
+        #: monotonic time of the last committed activation (the stats line's last rebalance)
+        self.last_commit_at: float | None = None
         self.serving = ServingStats()
 
     # --- per step --------------------------------------------------------------------------
@@ -143,7 +150,7 @@ class Telemetry:
                 m.rank_tokens.labels(str(r)).inc(int(n))
         crit, total, _ = critical_path(outputs)
         m.moe_critical_path.inc(crit)
-        slots = np.concatenate([counter_format.decode(o.counters) for o in outputs], axis=1)
+        slots = slot_loads(outputs)
         m.tokens_dropped.inc(sum(o.timings.dropped for o in outputs))
         m.tokens_rerouted.inc(sum(o.timings.rerouted for o in outputs))
         for o in outputs:
@@ -209,9 +216,12 @@ class Telemetry:
         m = self.m
         m.inc_to("rounds", m.rounds, st.get("rounds", 0))
         for key, label in (("layers_published", "published"), ("layers_committed", "committed"),
-                           ("layers_timed_out", "timed_out")):
+                           ("layers_timed_out", "timed_out"), ("layers_regressed", "regressed"),
+                           ("layers_rolled_back", "rolled_back")):
             m.inc_to(key, m.layers.labels(label), st.get(key, 0))
         m.inc_to("slots_moved", m.slots_moved, st.get("slots_moved", 0))
+        if st.get("generation", 0) > self.eplb.get("generation", 0):
+            self.last_commit_at = time.monotonic()
         rounds_before = self.eplb.get("rounds", 0)
         if st.get("rounds", 0) > rounds_before:
             m.policy_seconds.observe(float(st.get("last_policy_seconds", 0.0)))
@@ -242,6 +252,11 @@ class Telemetry:
                     m.heartbeat_age.labels(comp, str(r)).set(max(0.0, now_w - ts))
 
     # --- status ----------------------------------------------------------------------------
+    def balancedness_mean(self) -> float | None:
+        """Mean over MoE layers of the recent window's balancedness (None before a step)."""
+        with self.lock:
+            return float(self.recent.per_layer().mean()) if self.recent.window else None
+
     def balance_summary(self) -> dict:
         with self.lock:
             per = self.recent.per_layer()

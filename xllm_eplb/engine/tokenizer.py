@@ -16,7 +16,8 @@ library; special tokens and the chat template from ``tokenizer_config.json`` (or
 ``generation_config.json`` (int or list), else the config's ``eos_token``, else ``config.json``.
 ``NoTextTokenizer``: a checkpoint without ``tokenizer.json``: token-id prompts only
 (``has_text=False``; text raises TokenizerError naming the folder), EOS ids as above.
-``load_tokenizer(model_dir)`` picks one of them for a folder.
+``load_tokenizer(model_dir)`` picks one of them for a folder; ``served_tokenizer(cfg)`` is the
+one the API serves (``--tokenizer``'s folder, else the model's, with ``--chat-template``).
 """
 
 from __future__ import annotations
@@ -187,6 +188,11 @@ class HfTokenizer(Tokenizer):
         self._compiled = _compile(self._template[1], self._template[0]) \
             if self._template else None
 
+    def set_chat_template(self, path: Path, source: str) -> None:
+        """Use ``source`` (read from ``path``, named in errors) as the chat template."""
+        self._template = (path, source)
+        self._compiled = _compile(source, path)
+
     def _special_id(self, key: str, f: _Folder) -> int:
         i = self.raw.token_to_id(self.special[key])
         if i is None:
@@ -278,3 +284,41 @@ def load_tokenizer(model_dir: str | None) -> Tokenizer:
     if (Path(model_dir) / "tokenizer.json").is_file():
         return HfTokenizer(model_dir)
     return NoTextTokenizer(model_dir)
+
+
+def read_chat_template(value: str) -> tuple[Path, str]:
+    """``--chat-template``: a file (read) or the template text itself (as vLLM takes it);
+    TokenizerError for a path that names no file."""
+    p = Path(value).expanduser()
+    if p.is_file():
+        try:
+            return p, p.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise TokenizerError(f"--chat_template={value}: cannot read ({e})") from None
+    if "{" not in value:
+        raise TokenizerError(f"--chat_template={value}: no such file (give a Jinja file or the "
+                             "template text itself)")
+    return Path("--chat_template"), value
+
+
+def check_chat_template(value: str) -> None:
+    """``--chat-template`` reads and compiles (TokenizerError naming the flag or file)."""
+    _compile(*reversed(read_chat_template(value)))
+
+
+def served_tokenizer(model_dir: str | None, tokenizer: str = "",
+                     chat_template: str = "") -> Tokenizer:
+    """The API's tokenizer: ``tokenizer`` (a folder, ``--tokenizer``) else ``model_dir``'s,
+    with ``chat_template`` (``--chat-template``: file or text) replacing its own template.
+    TokenizerError (exit 2 at start-up) for files that do not load or a template without a
+    text tokenizer to encode it."""
+    if tokenizer and not Path(tokenizer).is_dir():
+        raise TokenizerError(f"--tokenizer={tokenizer}: not a folder (one with tokenizer.json, "
+                             "or a Hugging Face ORG/NAME in the local cache)")
+    tok = load_tokenizer(tokenizer or model_dir or None)
+    if chat_template:
+        if not isinstance(tok, HfTokenizer):
+            raise TokenizerError(f"--chat_template: {tok.name} cannot encode text (no "
+                                 "tokenizer.json); give --tokenizer a folder that has one")
+        tok.set_chat_template(*read_chat_template(chat_template))
+    return tok

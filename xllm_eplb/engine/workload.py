@@ -169,3 +169,14 @@ class SyntheticWorkload:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=2)
+
+
+def workload_status(s) -> dict:
+    """``/eplb/status``'s ``workload``: the built-in generator's settings (``s``: the serve
+    config). ``{"kind": "none"}`` when the server only answers its clients."""
+    if s.workload != "synthetic":
+        return {"kind": s.workload}
+    return {"kind": "synthetic", "rate_per_s": s.workload_rate,
+            "prompt_len": s.workload_prompt_len, "output_len": s.workload_output_len,
+            "skew": s.workload_skew, "drift_seconds": s.workload_drift_seconds,
+            "max_requests": s.workload_max_requests}

@@ -17,6 +17,14 @@ one ``[D*S]`` row or None per layer) and keeps a layer only when
 
 A layer with nothing deployed (a ``-1`` row, or ``deployed=None``) takes any valid candidate,
 ungated.
+
+Cost-aware rounds (``cost``: a :class:`~xllm_eplb.eplb.cost_model.CostSnapshot`, the planner's
+``plan_on="cost"`` once the model is fitted): the policy balances per-expert cost in token
+equivalents (:func:`~xllm_eplb.eplb.cost_model.expert_weights`: rows plus the fixed cost of an
+active slot), and step 3 compares the *modelled step critical path* (max over ranks of the
+fitted per-rank cost, each replica paying its own fixed cost) under the deployed and the
+candidate row (:func:`cost_gate`): a layer is published only when it falls by
+``min_improvement``. Its records carry ``basis="cost"`` and seconds per step.
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from xllm_eplb.eplb import cost_model
 from xllm_eplb.eplb.balance import rank_loads_from_phy2log
 from xllm_eplb.errors import ConfigError
 from xllm_eplb.obs.logs import event
@@ -47,6 +56,7 @@ class GateRecord:
     improvement_ratio: float
     min_improvement_ratio: float
     placement_changed: bool
+    basis: str = "tokens"            # tokens: peak rank load; cost: modelled seconds per step
 
 
 @dataclass(frozen=True)
@@ -103,6 +113,48 @@ def gate(logical: np.ndarray, deployed: np.ndarray, proposed: np.ndarray,
                        float(min_improvement), bool(ok[j])) for j, i in enumerate(idx)]
 
 
+def cost_gate(cost: cost_model.CostSnapshot, deployed: np.ndarray, proposed: np.ndarray,
+              layers: np.ndarray, ep_size: int, min_improvement: float) -> list[GateRecord]:
+    """The gate on the modelled step critical path (seconds per step) of the layers ``layers``
+    (int [k]); deployed / proposed [L, D*S]. Published when the relative drop is ``> 0`` and
+    ``>= min_improvement``."""
+    idx = np.asarray(layers, dtype=np.int64)
+    cur = cost_model.critical_path(cost.fit, cost.rate, deployed[idx], ep_size, idx)
+    prop = cost_model.critical_path(cost.fit, cost.rate, proposed[idx], ep_size, idx)
+    ratio = np.where(cur > 0, (cur - prop) / np.where(cur > 0, cur, 1.0), 0.0)
+    ok = (ratio > 0) & (ratio >= min_improvement)
+    return [GateRecord(int(i), float(cur[j]), float(prop[j]), float(ratio[j]),
+                       float(min_improvement), bool(ok[j]), "cost") for j, i in enumerate(idx)]
+
+
+def cost_input(cost: cost_model.CostSnapshot, logical: np.ndarray) -> np.ndarray:
+    """The policy's input on a cost-aware round: per-expert cost in token equivalents, scaled
+    so that a layer's rows keep the window's units (float64 [L, E])."""
+    lg = np.asarray(logical, dtype=np.float64)
+    per_step = cost.rate.sum(axis=1)
+    scale = np.where(per_step > 0, lg.sum(axis=1) / np.where(per_step > 0, per_step, 1.0), 1.0)
+    return cost_model.expert_weights(cost.fit, cost.rate, scale)
+
+
+def cost_candidates(policy: EplbPolicy, cost: cost_model.CostSnapshot, logical: np.ndarray,
+                    deployed: np.ndarray) -> list[np.ndarray | None]:
+    """A cost-aware round's candidates: the policy plans twice, on token counts and on
+    :func:`cost_input`; per layer the row with the lower modelled critical path wins (a
+    policy's split assumption is even token halves, so either input can plan better)."""
+    by_tokens = policy.plan(logical, deployed)
+    by_cost = policy.plan(cost_input(cost, logical), deployed)
+    out: list[np.ndarray | None] = []
+    for layer, (a, b) in enumerate(zip(by_tokens, by_cost, strict=True)):
+        rows = [np.asarray(c, dtype=np.int64) for c in (a, b) if c is not None]
+        if len(rows) < 2:
+            out.append(rows[0] if rows else None)
+            continue
+        crit = cost_model.critical_path(cost.fit, cost.rate, np.stack(rows), policy.ep_size,
+                                        np.array([layer, layer]))
+        out.append(rows[int(np.argmin(crit))])
+    return out
+
+
 def _inputs(policy: EplbPolicy, logical, deployed, physical):
     """Shape-checked (logical [L, E], deployed [L, D*S] with -1 rows, physical or None)."""
     lg = np.asarray(logical)
@@ -126,16 +178,18 @@ def _inputs(policy: EplbPolicy, logical, deployed, physical):
 
 
 def propose(policy: EplbPolicy, logical: np.ndarray, deployed: np.ndarray | None, *,
-            physical: np.ndarray | None = None, min_improvement: float = 0.05) -> Round:
+            physical: np.ndarray | None = None, min_improvement: float = 0.05,
+            cost: cost_model.CostSnapshot | None = None) -> Round:
     """One round: ``policy.plan(logical, deployed)``, the strict-invariant check, the gate.
 
     logical [L, E] (the policy's input: counts or an estimate); deployed int64 [L, D*S] (None or
-    -1 rows: nothing deployed); physical [L, D, S] measured under ``deployed`` or None. Pure when
-    the policy is: nothing is kept between calls.
+    -1 rows: nothing deployed); physical [L, D, S] measured under ``deployed`` or None; cost: a
+    fitted cost snapshot (cost-aware round, see the module doc) or None. Pure when the policy
+    is: nothing is kept between calls.
     """
     min_improvement = check_min_improvement(min_improvement)
     lg, dep, physical = _inputs(policy, logical, deployed, physical)
-    cands = policy.plan(lg, dep)
+    cands = policy.plan(lg, dep) if cost is None else cost_candidates(policy, cost, lg, dep)
     table = np.stack([dep[i] if c is None else np.asarray(c, dtype=np.int64)
                       for i, c in enumerate(cands)])
     planned = np.array([c is not None for c in cands])
@@ -150,24 +204,38 @@ def propose(policy: EplbPolicy, logical: np.ndarray, deployed: np.ndarray | None
     records: list[GateRecord] = []
     gated = np.nonzero(changed & seeded)[0]
     if gated.size:
-        records = gate(lg, dep, table, physical, gated, policy.ep_size, min_improvement)
+        records = (gate(lg, dep, table, physical, gated, policy.ep_size, min_improvement)
+                   if cost is None else
+                   cost_gate(cost, dep, table, gated, policy.ep_size, min_improvement))
+        verbose = log.isEnabledFor(logging.INFO)     # asdict + format: ~0.1 ms per layer
         for rec in records:
             update[rec.layer] = rec.placement_changed
-            log.info(event("EPLB placement benefit", policy=policy.name, **asdict(rec)))
+            if verbose:
+                log.info(event("EPLB placement benefit", policy=policy.name, **asdict(rec)))
     table[~update] = dep[~update]
     return Round(table, update, tuple(records))
 
 
+PLAN_ON = ("cost", "tokens")
+
+
 class Planner:
     """The manager's round function: ``policy`` through the gate with ``min_improvement``.
-    Holds no placement: the manager passes what is deployed each call."""
+    Holds no placement: the manager passes what is deployed each call. ``plan_on``: ``cost``
+    uses a fitted cost snapshot when the manager passes one (token counts until then);
+    ``tokens`` always plans and gates on token counts."""
 
-    def __init__(self, policy: EplbPolicy, min_improvement: float = 0.05):
+    def __init__(self, policy: EplbPolicy, min_improvement: float = 0.05,
+                 plan_on: str = "tokens"):
+        if plan_on not in PLAN_ON:
+            raise ConfigError(f"eplb_plan_on={plan_on!r} must be one of {', '.join(PLAN_ON)}")
         self.policy = policy
         self.min_improvement = check_min_improvement(min_improvement)
         self.name = policy.name
+        self.plan_on = plan_on
 
     def __call__(self, logical: np.ndarray, physical: np.ndarray | None,
-                 deployed: np.ndarray) -> Round:
+                 deployed: np.ndarray, cost: cost_model.CostSnapshot | None = None) -> Round:
         return propose(self.policy, logical, deployed, physical=physical,
-                       min_improvement=self.min_improvement)
+                       min_improvement=self.min_improvement,
+                       cost=cost if self.plan_on == "cost" else None)

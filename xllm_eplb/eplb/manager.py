@@ -25,6 +25,13 @@ Timer: armed by the first valid sample of a generation, ``eplb_update_interval``
 commit (a new generation) disarms it, so it restarts at the next sample. A round starts only when
 it fired, the window is not empty and no layer of the previous round is still in flight.
 
+Cost (``eplb_plan_on=cost``): pure-decode samples that carry the workers' expert CPU seconds
+feed a :class:`~xllm_eplb.eplb.cost_model.CostModel`; once fitted, each round plans and gates
+on the modelled step critical path. Every commit opens a
+:class:`~xllm_eplb.eplb.cost_check.CostChecks` entry; a layer measured slower after it than
+before is rolled back to its previous row (``layers_regressed`` / ``layers_rolled_back``) and
+held out of the next rounds (:mod:`~xllm_eplb.eplb.manager_cost`).
+
 Runners: ``"thread"`` (production) aggregates samples and runs the policy on a
 :class:`~xllm_eplb.eplb.manager_runner.RebalanceThread`, so a slow policy never stalls the step
 loop; ``"sync"`` (tests, ``simulate``) does the same work inside ``on_outputs``/``tick`` with the
@@ -46,6 +53,7 @@ from xllm_eplb.eplb.aggregator import CounterShapeError, EplbAggregator, scatter
 from xllm_eplb.eplb.estimator import LoadEstimator
 from xllm_eplb.eplb.gate import Planner, Round
 from xllm_eplb.eplb.info import NO_TOKEN, EplbInfo
+from xllm_eplb.eplb.manager_cost import CostGuard
 from xllm_eplb.eplb.manager_runner import RebalanceThread
 from xllm_eplb.eplb.manager_state import LayerPipeline
 from xllm_eplb.eplb.manager_stats import Counters, Heartbeats, ManagerStats
@@ -93,7 +101,8 @@ class EplbManager:
         self.timeout = float(cfg.eplb_prepare_timeout_seconds)
         self.clock = clock
         self.planner = planner if planner is not None else Planner(
-            policy_from_config(cfg, num_logical), cfg.eplb_min_peak_load_improvement)
+            policy_from_config(cfg, num_logical), cfg.eplb_min_peak_load_improvement,
+            cfg.eplb_plan_on)
         self.policy_name = str(self.planner.name)
         self.agg = EplbAggregator(num_layers, cfg.ep_size, self.slots, num_logical)
         self.estimator = (LoadEstimator(num_layers, num_logical, cfg.eplb_estimator_window,
@@ -107,11 +116,13 @@ class EplbManager:
             raise ValueError(f"initial placement of shape {self._active.shape}, expected "
                              f"[layers, ep_size*slots]={(num_layers, cfg.ep_size * self.slots)}")
         self._active.setflags(write=False)
+        self._initial = self._active
         self._lock = threading.Lock()
         self._queue: collections.deque = collections.deque()
         self._deadline: float | None = None
         self._deadline_gen = -1
         self._counters = Counters()
+        self.cost = CostGuard(num_layers, cfg.ep_size, num_logical, self._counters)
         self.hb = Heartbeats(clock(), cfg.eplb_heartbeat_seconds, self.policy_name)
         log.info(event("EPLB manager start", policy=self.policy_name, layers=num_layers,
                        devices=cfg.ep_size, device_experts=self.slots, runner=runner,
@@ -139,13 +150,15 @@ class EplbManager:
             return self.pipe.command(self.clock())
 
     def on_outputs(self, counters: list[np.ndarray], prepared_tokens: list[int],
-                   activation_token: int) -> None:
+                   activation_token: int, expert_cpu: list | None = None) -> None:
         """One forward's outputs from every rank, in xLLM order: prepared tokens, then the load
         sample (tagged with the placement active now), then the activation completion.
 
         counters: one ``[L, S]`` int64 prefix-sum array per rank. A malformed output is logged
-        and never aggregated (its tokens are still processed). NOTE: the thread runner keeps
-        references to these arrays until its next drain: the caller must not reuse them.
+        and never aggregated (its tokens are still processed). expert_cpu: per rank the ``[L]``
+        expert CPU seconds of this step (pure-decode steps only; feeds the cost model) or
+        None. NOTE: the thread runner keeps references to these arrays until its next drain:
+        the caller must not reuse them.
 
         NOTE: timeouts are checked *before* the prepared tokens are observed. A rank that froze
         (or slept) mid-round also blocks the forward, so its ready token arrives in the same
@@ -158,7 +171,7 @@ class EplbManager:
             self.hb.manager_at = now
             self._abort_overdue(now)
             self._observe_prepared(prepared_tokens, now)
-            self._enqueue(counters)
+            self._enqueue(counters, expert_cpu)
         if self._runner is None:
             self._drain()           # sync: the sample counts before this forward's activation
         with self._lock:
@@ -205,6 +218,12 @@ class EplbManager:
                 next_prepare_token=self.pipe.next_token, policy=self.policy_name,
                 timer_deadline=self._deadline).as_dict()
 
+    def cost_status(self) -> dict:
+        """The cost model for /eplb/status: the fit per layer and the modelled step critical
+        path (seconds, summed over layers) under the deployed and the initial placement."""
+        with self._lock:
+            return self.cost.status(self._active, self._initial)
+
     def close(self) -> None:
         """Stop the background thread (idempotent)."""
         if self._runner is not None:
@@ -242,7 +261,7 @@ class EplbManager:
             log.warning(event("EPLB ignoring stale activation completion token", got=token,
                               waiting_for=waiting))
 
-    def _enqueue(self, counters: list[np.ndarray]) -> None:
+    def _enqueue(self, counters: list[np.ndarray], expert_cpu=None) -> None:
         want = (self.num_layers, self.slots)
         if len(counters) != self.ep_size:
             bad = -1
@@ -258,7 +277,12 @@ class EplbManager:
         if len(self._queue) >= MAX_QUEUED_SAMPLES:
             self._queue.popleft()
             self._counters.samples_backlog_dropped += 1
-        self._queue.append((counters, self._active, self.agg.generation))
+        cpu = None
+        if expert_cpu is not None:
+            cpu = np.asarray(expert_cpu, dtype=np.float64)
+            if cpu.shape != (self.ep_size, self.num_layers):
+                cpu = None                        # a model without per-layer timings: no cost
+        self._queue.append((counters, self._active, self.agg.generation, cpu))
 
     def _reject(self, why: str) -> None:
         self._counters.samples_rejected += 1
@@ -268,12 +292,14 @@ class EplbManager:
         """The activation of ``layer`` came back: write its row into the deployed placement,
         start a new window."""
         row = self.pipe.candidate[layer]
-        d = diff(self._active[layer], row, self.ep_size)
+        prev = self._active[layer].copy()
+        d = diff(prev, row, self.ep_size)
         active = self._active.copy()
         active[layer] = row
         active.setflags(write=False)
         self._active = active
         self.agg.commit()
+        self.cost.on_commit(layer, prev, self.agg.generation)
         self._deadline = None
         self._counters.layers_committed += 1
         self._counters.slots_moved += d.moved_slots
@@ -291,19 +317,22 @@ class EplbManager:
                 return
             items, self._queue = self._queue, collections.deque()
         done = []
-        for counters, placement, gen in items:
+        for counters, placement, gen, cpu in items:
             try:
                 deltas = self.agg.decode(counters)
             except CounterShapeError as e:
-                done.append((str(e), None, gen))
+                done.append((str(e), None, gen, placement, None))
                 continue
-            done.append((deltas, scatter_logical(deltas, placement, self.num_logical), gen))
+            done.append((deltas, scatter_logical(deltas, placement, self.num_logical), gen,
+                         placement, cpu))
         with self._lock:
-            for deltas, logical, gen in done:
+            for deltas, logical, gen, placement, cpu in done:
                 if logical is None:
                     self._reject(deltas)
-                else:
-                    self._accumulate(deltas, logical, gen)
+                    continue
+                self._accumulate(deltas, logical, gen)
+                if cpu is not None:
+                    self.cost.observe(deltas, placement, cpu, gen)
 
     def _accumulate(self, deltas: np.ndarray, logical: np.ndarray, gen: int) -> None:
         if not self.agg.accumulate(deltas, logical, gen):
@@ -361,13 +390,19 @@ class EplbManager:
         c0 = time.thread_time()
         self._drain()
         with self._lock:
+            back = None if self.pipe.in_progress else self.cost.rollback_round(self._active)
+            if back is not None:
+                self.pipe.start_round(*back)
             run = self._due(self.clock())
             if run:
                 logical, physical = self._policy_inputs()
                 deployed = self._active
+                snap = (self.cost.snapshot() if getattr(self.planner, "plan_on", "") == "cost"
+                        else None)
         if run:
             t0 = time.perf_counter()
-            rnd = self.planner(logical, physical, deployed)
+            kw = {"cost": snap} if snap is not None else {}
+            rnd = self.planner(logical, physical, deployed, **kw)
             dt = time.perf_counter() - t0
             with self._lock:
                 self._finish_round(rnd, dt)
@@ -376,9 +411,9 @@ class EplbManager:
                               self._counters.last_policy_seconds)
 
     def _finish_round(self, rnd: Round, seconds: float) -> None:
-        update = np.asarray(rnd.update, dtype=bool)
+        table, update = self.cost.filter_round(rnd, self._active)
         k = int(update.sum())
-        self.pipe.start_round(np.asarray(rnd.table), update)
+        self.pipe.start_round(table, update)
         self.agg.decay()
         self._counters.rounds += 1
         self._counters.layers_published += k

@@ -33,6 +33,12 @@ class Counters:
     stale_tokens: int = 0
     samples_backlog_dropped: int = 0
     last_policy_seconds: float = 0.0
+    # --- cost model (post-commit checks, eplb/cost_check.py) ---
+    cost_checks: int = 0
+    layers_regressed: int = 0          # measured slower after a commit
+    layers_rolled_back: int = 0
+    cost_predicted_gain: float = 0.0   # the last check: modelled relative critical-path drop
+    cost_measured_gain: float = 0.0    # ... and the measured one
 
 
 @dataclass

@@ -39,6 +39,24 @@ def initial_phy2log(num_logical: int, ep_size: int, redundant: int) -> np.ndarra
     return out.reshape(-1)
 
 
+def initial_phy2log_any(num_logical: int, ep_size: int, slots: int) -> np.ndarray:
+    """An initial layout for any ``ep_size * slots >= num_logical``, ``slots <= num_logical``:
+    expert ``e`` on rank ``e * D // E`` (contiguous blocks; xLLM's initial layout when D divides
+    E), each rank's other slots repeat its last expert, a rank without a block of its own
+    (E < D) takes expert ``r % E``. Every expert at least once; int64 [D*S]."""
+    if num_logical % ep_size == 0 and slots >= num_logical // ep_size:
+        return initial_phy2log(num_logical, ep_size, slots - num_logical // ep_size)
+    owner = np.arange(num_logical) * ep_size // num_logical
+    out = np.empty((ep_size, slots), dtype=np.int64)
+    for r in range(ep_size):
+        mine = np.nonzero(owner == r)[0]
+        if mine.size == 0:
+            mine = np.array([r % num_logical])
+        out[r, :mine.size] = mine
+        out[r, mine.size:] = mine[-1]
+    return out.reshape(-1)
+
+
 def validate_phy2log(phy2log: np.ndarray, num_logical: int, ep_size: int,
                      what: str = "placement", allow_rank_duplicates: bool = False) -> None:
     """Raise PlacementError unless every expert is present, ids are in range and no rank holds

@@ -45,6 +45,7 @@ from safetensors.torch import save
 
 from xllm_eplb.errors import UserError
 from xllm_eplb.model import checkpoint_tokenizer as ctok
+from xllm_eplb.model import fp8
 from xllm_eplb.model.checkpoint_configs import generation_config, hf_config, tensor_shapes
 
 ARCHS = ("deepseek_v3", "qwen3_moe", "qwen2_moe", "mixtral")
@@ -89,7 +90,7 @@ class CheckpointSpec:
     norm_topk_prob: bool | None = None      # deepseek_v3/qwen3_moe: True; qwen2_moe: False
     tie_word_embeddings: bool = False
     vocab_size: int = 512
-    max_position_embeddings: int = 1024
+    max_position_embeddings: int = 2048
     rope_theta: float | None = None         # 10000 (mixtral: 1e6)
     rms_norm_eps: float | None = None       # 1e-6 (mixtral: 1e-5)
     routing_skew: float = 1.0
@@ -327,11 +328,32 @@ def prepare_folder(out: str | os.PathLike, force: bool) -> Path:
     return p
 
 
+QUANTS = ("fp8",)
+SCALE_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _quant_args(quant, block_size, scale_dtype) -> tuple[int, int]:
+    """Check the quantization arguments; -> the block (rows, columns)."""
+    if quant not in (None, *QUANTS):
+        _fail("quant", quant, f"must be one of {', '.join(QUANTS)} (or none)")
+    b = (block_size, block_size) if isinstance(block_size, int) else tuple(block_size)
+    if len(b) != 2 or not all(isinstance(v, int) and v >= 1 for v in b):
+        _fail("block_size", block_size, "must be an integer >= 1 or two of them")
+    if scale_dtype not in SCALE_DTYPES:
+        _fail("scale_dtype", scale_dtype, f"must be one of {', '.join(SCALE_DTYPES)}")
+    return b
+
+
 def make_checkpoint(arch: str = "deepseek_v3", out: str | os.PathLike = ".", *,
-                    force: bool = False, **sizes) -> Path:
+                    force: bool = False, quant: str | None = None,
+                    block_size: int | tuple[int, int] = 128, scale_dtype: str = "float32",
+                    **sizes) -> Path:
     """Write a tiny checkpoint of family ``arch`` into ``out`` and return its path.
 
     ``sizes``: any :class:`CheckpointSpec` field (``seed=``, ``dtype=``, ``num_experts=`` ...).
+    ``quant="fp8"``: every block-aligned decoder Linear as float8_e4m3fn + ``weight_scale_inv``
+    (``scale_dtype``) per ``block_size`` block (:func:`fp8.quantize_state_dict`), the others
+    named in ``quantization_config.modules_to_not_convert``.
     ``config.json`` is written last, so its presence means the folder is complete. Raises
     CheckpointError for a bad size, an unknown family or a non-empty folder (unless ``force``).
     """
@@ -339,16 +361,21 @@ def make_checkpoint(arch: str = "deepseek_v3", out: str | os.PathLike = ".", *,
     if unknown:
         _fail(unknown[0], sizes[unknown[0]],
               f"unknown size (known: {', '.join(CheckpointSpec.__dataclass_fields__)})")
+    block = _quant_args(quant, block_size, scale_dtype)
     s = resolve(arch, CheckpointSpec(**sizes))
     p = prepare_folder(out, force)
     tok = ctok.train_tokenizer(s.vocab_size)
     ids = ctok.special_ids(tok)
-    _write_atomic(p / "model.safetensors", save(state_dict(arch, s), metadata={"format": "pt"}))
+    sd, config = state_dict(arch, s), hf_config(arch, s, ids)
+    if quant == "fp8":
+        sd, skipped = fp8.quantize_state_dict(sd, block, fp8.SCALE_TORCH[scale_dtype])
+        config["quantization_config"] = fp8.quantization_config(block, skipped)
+    _write_atomic(p / "model.safetensors", save(sd, metadata={"format": "pt"}))
     _write_atomic(p / "tokenizer.json", tok.to_str(pretty=True).encode())
     _write_atomic(p / "tokenizer_config.json", _json_bytes(ctok.tokenizer_config(s.max_position_embeddings)))
     _write_atomic(p / "generation_config.json", _json_bytes(generation_config(ids)))
     _write_atomic(p / TOPICS_FILE, _json_bytes(topics_info(arch, s, ctok.num_text_tokens(tok))))
-    _write_atomic(p / "config.json", _json_bytes(hf_config(arch, s, ids)))
+    _write_atomic(p / "config.json", _json_bytes(config))
     return p
 
 

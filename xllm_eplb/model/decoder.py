@@ -31,7 +31,13 @@ from xllm_eplb.model import dispatch as dsp
 from xllm_eplb.model import replica_dispatch as rdp
 from xllm_eplb.model.attention import AttnBatch, KVCache
 from xllm_eplb.model.batch import RankBatch
-from xllm_eplb.model.loader import CheckpointReader, check_experts, expert_weights, torch_dtype
+from xllm_eplb.model.loader import (
+    CheckpointReader,
+    check_experts,
+    expert_weights,
+    experts_fp8,
+    torch_dtype,
+)
 from xllm_eplb.model.moe import FusedMoE, LogicalMoE
 from xllm_eplb.model.params import load_params
 from xllm_eplb.model.rank_model import RankModel
@@ -40,6 +46,7 @@ from xllm_eplb.model.routing import FamilyRouter, load_trace, trace_probs
 from xllm_eplb.model.spec import parse_spec
 from xllm_eplb.model.step import StepResult, graph_bucket, sample, token_logprobs
 from xllm_eplb.model.validate import validate_model_config, validate_phy2log
+from xllm_eplb.obs.logs import event
 
 log = logging.getLogger(__name__)
 
@@ -58,8 +65,10 @@ class Decoder(RankModel):
         self.device = torch.device(device or ("cpu" if cfg.runtime.device == "cpu"
                                               else cfg.runtime.device))
         self.dtype = torch_dtype(cfg)
-        self.reader = CheckpointReader(cfg.model.model)
+        self.reader = CheckpointReader(cfg.model.model, spec.quant)
         check_experts(spec, self.reader)
+        #: the routed experts' FP8 format (slots hold fp8 bytes + scales), None = dense
+        self.expert_quant = spec.quant if experts_fp8(spec, self.reader) else None
         self.top, self.layers = load_params(spec, self.reader, self.dtype, self.device)
         self.num_layers, self.num_moe_layers = spec.num_layers, len(spec.moe_layers)
         self.moe_index = {i: ml for ml, i in enumerate(spec.moe_layers)}
@@ -75,10 +84,13 @@ class Decoder(RankModel):
         self.moe_layers: list[FusedMoE] = []
         self.logical_layers: list[LogicalMoE] = []
         if _reference:
-            self.logical_layers = [LogicalMoE(cfg, ml, self.device, source=self._source)
+            self.logical_layers = [LogicalMoE(cfg, ml, self.device, source=self._source,
+                                              quant=self.expert_quant)
                                    for ml in range(self.num_moe_layers)]
         else:
             self.moe_layers = self._sharded(cfg, phy2log)
+            log.info(event("expert slots", rank=self.ep_rank, layers=len(self.moe_layers),
+                           slots=cfg.slots_per_rank, **self.expert_memory()))
         kvh, kd, vd = blocks.kv_dims(spec)
         self.kv = KVCache(spec.num_layers, kvh, kd, vd, m.max_position_embeddings, self.dtype,
                           self.device, slots=cfg.runtime.max_batch_size)
@@ -91,6 +103,15 @@ class Decoder(RankModel):
                         "(rows over capacity are %s)", e.moe_capacity_mode,
                         e.moe_capacity_factor, str(e.moe_fallback_routing).lower(),
                         "re-routed or dropped" if e.moe_fallback_routing else "dropped")
+
+    def expert_memory(self) -> dict:
+        """This rank's expert slot storage summed over its MoE layers: ``format`` and
+        ``bytes`` (FP8: ``fp8_bytes``, ``scale_bytes``, ``dequant`` mode, ``cache_bytes``)."""
+        out: dict = {}
+        for m in self.moe_layers:
+            for k, v in m.store.describe().items():
+                out[k] = out.get(k, 0) + v if isinstance(v, int) else v
+        return out
 
     @classmethod
     def reference(cls, cfg: Config, device: str | None = None) -> "Decoder":
@@ -115,7 +136,8 @@ class Decoder(RankModel):
             raise RuntimeError("a sharded Decoder needs an initialised EP process group "
                                "(worker.comm.init_groups); for one process use "
                                "Decoder.reference(cfg)")
-        return [FusedMoE(cfg, ml, self.ep_rank, phy2log[ml], self.device, source=self._source)
+        return [FusedMoE(cfg, ml, self.ep_rank, phy2log[ml], self.device, source=self._source,
+                         quant=self.expert_quant)
                 for ml in range(self.num_moe_layers)]
 
     # ---- forward ---------------------------------------------------------------------------

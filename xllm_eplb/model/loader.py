@@ -25,10 +25,12 @@ import torch
 
 from xllm_eplb.config import Config
 from xllm_eplb.errors import InputFileError
+from xllm_eplb.model import fp8
 from xllm_eplb.model.spec import ModelSpec
 
 ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
-             "BF16": torch.bfloat16, "I64": torch.int64, "I32": torch.int32}
+             "BF16": torch.bfloat16, "I64": torch.int64, "I32": torch.int32,
+             fp8.ST_FP8: fp8.FP8}
 INDEX = "model.safetensors.index.json"
 MAX_HEADER = 100 << 20
 TORCH_DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
@@ -75,10 +77,16 @@ def read_header(path: Path) -> dict:
 
 
 class CheckpointReader:
-    """Index + lazy positioned reads (``os.preadv``) of a checkpoint folder's tensors."""
+    """Index + lazy positioned reads (``os.preadv``) of a checkpoint folder's tensors.
 
-    def __init__(self, folder: str | Path):
+    ``quant``: the checkpoint's FP8 format (``ModelSpec.quant``). Its fp8 tensors are paired
+    with their scales at construction (headers only, :func:`fp8.check_pairing`); :meth:`get`
+    of an fp8 tensor as another dtype dequantizes it with its scale (the non-expert weights),
+    as fp8 it reads the raw bytes (expert slots)."""
+
+    def __init__(self, folder: str | Path, quant: fp8.Fp8Format | None = None):
         self.folder = Path(folder)
+        self.quant = quant
         files = sorted(self.folder.glob("*.safetensors"))
         index = self.folder / INDEX
         wanted = None
@@ -104,6 +112,7 @@ class CheckpointReader:
                 self.meta[name] = (path, t["dtype"], tuple(int(s) for s in t["shape"]))
                 self.offset[name] = data_start + int(t["data_offsets"][0])
         self.reads: list[str] = []
+        self.fp8_weights = fp8.check_pairing(self.meta, quant, self.folder)
 
     def has(self, name: str) -> bool:
         return name in self.meta
@@ -154,15 +163,40 @@ class CheckpointReader:
             out: torch.Tensor | None = None) -> torch.Tensor:
         """One whole tensor, checked against ``shape``, cast to ``dtype`` (written into
         ``out``, a tensor of that shape, when given)."""
-        _, got = self._check(name, shape)
+        path, got = self._check(name, shape)
+        if self.meta[name][1] == fp8.ST_FP8 and dtype != fp8.FP8:
+            return self._dequantized(name, got, dtype, out)
         self.reads.append(name)
         return self._read(name, got, self.offset[name], dtype, out)
+
+    def get_scale(self, weight: str, shape: tuple, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The float32 scale grid of fp8 tensor ``weight`` [R, C] (into ``out`` when given),
+        checked finite and > 0."""
+        name = fp8.scale_name(weight)
+        s = self.get(name, fp8.grid(shape, self.quant.block), torch.float32, out=out)
+        fp8.check_values(name, self.meta[name][0], s)
+        return s
+
+    def _dequantized(self, name: str, shape: tuple, dtype: torch.dtype,
+                     out: torch.Tensor | None) -> torch.Tensor:
+        q = self.get(name, shape, fp8.FP8)
+        return fp8.dequantize(q, self.get_scale(name, shape), self.quant.block, dtype, out=out)
+
+    def check_scales(self) -> None:
+        """Read every scale of the checkpoint and check its values (finite, > 0): what
+        ``serve`` runs before it starts anything (scales are ~0.02 % of an FP8 file)."""
+        for n in self.fp8_weights:
+            self.get_scale(n, self.meta[n][2])
 
     def get_row(self, name: str, row: int, shape: tuple, dtype: torch.dtype,
                 out: torch.Tensor | None = None) -> torch.Tensor:
         """``name[row]`` of a stacked tensor (``shape`` is the whole tensor's), reading only
         that row's bytes (into ``out`` when given)."""
         _, got = self._check(name, shape)
+        if self.meta[name][1] == fp8.ST_FP8:
+            raise InputFileError(f"{self.meta[name][0]}: tensor {name!r} is a fused {fp8.ST_FP8} "
+                                 f"expert tensor; FP8 experts are read per expert "
+                                 f"(experts.{{e}}.gate_proj|up_proj|down_proj + weight_scale_inv)")
         if not 0 <= row < got[0]:
             raise IndexError(f"{name}: row {row} of {got[0]}")
         self.reads.append(f"{name}[{row}]")
@@ -202,8 +236,9 @@ def expert_weights(spec: ModelSpec, reader: CheckpointReader, i: int, e: int,
                                       out=out.get("w13")),
                 "w2": reader.get_row(pre + "down_proj", e, (E, H, inter), dtype,
                                      out=out.get("w2"))}
-    names = ("w1", "w3", "w2") if spec.family == "mixtral" else ("gate_proj", "up_proj",
-                                                                  "down_proj")
+    names = expert_names(spec)
+    if "w13_q" in out:
+        return _fp8_expert(reader, f"{pre}{e}.", names, (H, inter), out)
     w13 = out.get("w13")
     if w13 is None:
         w13 = torch.empty((2 * inter, H), dtype=dtype)    # gate and up read into its halves
@@ -211,6 +246,50 @@ def expert_weights(spec: ModelSpec, reader: CheckpointReader, i: int, e: int,
     reader.get(f"{pre}{e}.{names[1]}.weight", (inter, H), dtype, out=w13[inter:])
     d = reader.get(f"{pre}{e}.{names[2]}.weight", (H, inter), dtype, out=out.get("w2"))
     return {"w13": w13, "w2": d}
+
+
+def expert_names(spec: ModelSpec) -> tuple[str, str, str]:
+    """Per-expert projection names: gate, up, down."""
+    return ("w1", "w3", "w2") if spec.family == "mixtral" else ("gate_proj", "up_proj",
+                                                                 "down_proj")
+
+
+def _fp8_expert(reader: CheckpointReader, pre: str, names: tuple, dims: tuple,
+                out: dict) -> dict:
+    """An FP8 expert's bytes and float32 scales straight into its slot tensors ``out``:
+    ``w13_q`` [2I, H] (gate rows, up rows), ``w13_s`` [2, gI, gH] (gate grid, up grid),
+    ``w2_q`` [H, I], ``w2_s`` [gH', gI']."""
+    H, inter = dims
+    for j, half in enumerate((slice(0, inter), slice(inter, 2 * inter))):
+        w = f"{pre}{names[j]}.weight"
+        reader.get(w, (inter, H), fp8.FP8, out=out["w13_q"][half])
+        reader.get_scale(w, (inter, H), out=out["w13_s"][j])
+    w = f"{pre}{names[2]}.weight"
+    reader.get(w, (H, inter), fp8.FP8, out=out["w2_q"])
+    reader.get_scale(w, (H, inter), out=out["w2_s"])
+    return out
+
+
+def experts_fp8(spec: ModelSpec, reader: CheckpointReader) -> bool:
+    """Whether the routed experts are FP8 (all of them, or an error: a checkpoint whose
+    experts mix fp8 and plain weights is refused)."""
+    if not reader.fp8_weights:
+        return False
+    kinds = set()
+    for i in spec.moe_layers:
+        pre = moe_prefix(spec, reader, i) + "experts."
+        if fused_experts(spec, reader, i):
+            kinds.add(reader.meta[pre + "gate_up_proj"][1] == fp8.ST_FP8)
+            continue
+        for e in range(spec.num_experts):
+            for n in expert_names(spec):
+                name = f"{pre}{e}.{n}.weight"
+                if name in reader.meta:
+                    kinds.add(reader.meta[name][1] == fp8.ST_FP8)
+    if len(kinds) > 1:
+        raise InputFileError(f"{reader.folder}: some routed expert weights are {fp8.ST_FP8} and "
+                             f"some are not; an FP8 checkpoint quantizes every routed expert")
+    return kinds == {True}
 
 
 def check_experts(spec: ModelSpec, reader: CheckpointReader) -> None:
@@ -222,8 +301,7 @@ def check_experts(spec: ModelSpec, reader: CheckpointReader) -> None:
             reader.check_shape(pre + "gate_up_proj", (E, 2 * inter, H))
             reader.check_shape(pre + "down_proj", (E, H, inter))
             continue
-        names = ("w1", "w3", "w2") if spec.family == "mixtral" else ("gate_proj", "up_proj",
-                                                                      "down_proj")
+        names = expert_names(spec)
         for e in range(E):
             reader.check_shape(f"{pre}{e}.{names[0]}.weight", (inter, H))
             reader.check_shape(f"{pre}{e}.{names[1]}.weight", (inter, H))

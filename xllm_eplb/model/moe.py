@@ -2,18 +2,21 @@
 
 Storage contract (the EPLB migration path relies on it):
 
-- ``w13`` [S, 2I, H] (gate rows then up rows), ``w2`` [S, H, I], ``tag`` [S, 2] int64 =
-  (logical expert id, MoE layer id), ``csum`` [S] float64 = :func:`checksum` of the slot's
-  weights taken when they were loaded from the checkpoint — allocated once, never reassigned (stable addresses for
+- ``store`` (:mod:`expert_store`): the slots' weight tensors, dense (``w13`` [S, 2I, H] gate
+  rows then up rows, ``w2`` [S, H, I]) or FP8 (fp8 bytes + float32 block scales); ``tag``
+  [S, 2] int64 = (logical expert id, MoE layer id), ``csum`` [S] float64 =
+  :func:`expert_store.slot_checksum` of the slot's weight tensors (scales included) taken when
+  they were loaded from the checkpoint — allocated once, never reassigned (stable addresses for
   graph capture); weights move by ``copy_`` / ``index_copy_`` into these tensors.
-- ``expert_tensors()`` returns exactly the per-slot tensors that move with an expert
-  (``w13``, ``w2``, ``tag``, ``csum``; first dim S). The canary (``check_tags``,
+- ``expert_tensors()`` returns exactly the per-slot tensors that move with an expert (the
+  store's tensors, ``tag``, ``csum``; first dim S). The canary (``check_tags``,
   ``check_checksums``) compares the tags with ``local_expert_ids`` and the weights with the
-  checksum that travelled with them.
-- ``source(layer, e, out) -> {"w13", "w2"}``: where :meth:`load_placement` materialises logical
-  expert ``e`` from (the checkpoint reader, ``Decoder._source``); ``out`` is the slot's own
-  ``{"w13", "w2"}`` tensors, which a source may read straight into (the checkpoint reader does:
-  no temporary per-expert copy at load) and return, or ignore and return its own tensors.
+  checksum that travelled with them. ``refresh_slots(slots)`` recomputes what is derived from
+  moved slots (the FP8 resident dequantized cache) once their tensors arrived.
+- ``source(layer, e, out) -> dict``: where :meth:`load_placement` materialises logical expert
+  ``e`` from (the checkpoint reader, ``Decoder._source``); ``out`` is the slot's own tensors
+  (``store.slot(s)``), which a source may read straight into (the checkpoint reader does: no
+  temporary per-expert copy at load) and return, or ignore and return its own tensors.
 - ``local_expert_ids`` torch int64 [S] (updated in place), ``global_phy2log`` host numpy int64
   [D*S] (mirror of the active global slot table), ``log2phy`` torch int64 [E] (updated in place):
   logical id -> the global physical slot this rank sends that expert's tokens to.
@@ -43,6 +46,8 @@ import torch.nn.functional as F
 from xllm_eplb.config import Config
 from xllm_eplb.eplb import placement
 from xllm_eplb.eplb import replica_routing as rr
+from xllm_eplb.model.expert_store import make_store, slot_checksum
+from xllm_eplb.model.fp8 import Fp8Format
 from xllm_eplb.model.loader import torch_dtype
 
 GATHER_LIMIT = 1 << 20   # elements of gathered w13 rows below which compute() gathers weights
@@ -56,7 +61,7 @@ class FusedMoE:
     """
 
     def __init__(self, cfg: Config, layer_id: int, ep_rank: int, phy2log: np.ndarray,
-                 device: torch.device | str = "cpu", *, source):
+                 device: torch.device | str = "cpu", *, source, quant: Fp8Format | None = None):
         m = cfg.model
         self.cfg = cfg
         self.source = source
@@ -69,8 +74,8 @@ class FusedMoE:
         S, H, inter = self.slots_per_rank, m.hidden_size, m.moe_intermediate_size
         dt = torch_dtype(cfg)
         self.device = torch.device(device)
-        self.w13 = torch.empty((S, 2 * inter, H), dtype=dt, device=self.device)
-        self.w2 = torch.empty((S, H, inter), dtype=dt, device=self.device)
+        self.store = make_store(S, H, inter, dt, self.device, fmt=quant,
+                                cache=cfg.model.fp8_dequant_cache)
         self.tag = torch.empty((S, 2), dtype=torch.int64, device=self.device)
         self.csum = torch.empty(S, dtype=torch.float64, device=self.device)
         self.local_expert_ids = torch.empty(S, dtype=torch.int64, device=self.device)
@@ -94,17 +99,19 @@ class FusedMoE:
                              f"({self.ep_size * self.slots_per_rank},)")
         first: dict[int, int] = {}
         for s, e in enumerate(self.local_slice(p).tolist()):
+            dst = self.store.slot(s)
             if e in first:                  # a second local replica: copy, do not re-read
-                w = {"w13": self.w13[first[e]], "w2": self.w2[first[e]]}
+                w = self.store.slot(first[e])
             else:
                 first[e] = s
-                w = self.source(self.layer_id, e, {"w13": self.w13[s], "w2": self.w2[s]})
-            for name, dst in (("w13", self.w13[s]), ("w2", self.w2[s])):
-                if w[name].data_ptr() != dst.data_ptr():
-                    dst.copy_(w[name])
-            self.csum[s] = checksum(self.w13[s], self.w2[s])
+                w = self.source(self.layer_id, e, dst)
+            for name, t in dst.items():
+                if w[name].data_ptr() != t.data_ptr():
+                    t.copy_(w[name])
+            self.csum[s] = slot_checksum(dst)
             self.tag[s, 0] = e
             self.tag[s, 1] = self.layer_id
+        self.store.refresh(range(self.slots_per_rank))
         self.activate_table(p)
 
     def activate_table(self, phy2log: np.ndarray) -> None:
@@ -131,7 +138,21 @@ class FusedMoE:
 
     def expert_tensors(self) -> dict[str, torch.Tensor]:
         """The per-slot tensors that move with an expert: name -> tensor [S, ...]."""
-        return {"w13": self.w13, "w2": self.w2, "tag": self.tag, "csum": self.csum}
+        return {**self.store.tensors(), "tag": self.tag, "csum": self.csum}
+
+    def refresh_slots(self, slots) -> None:
+        """Recompute the state derived from the tensors of ``slots`` (after a move wrote them)."""
+        self.store.refresh(slots)
+
+    @property
+    def w13(self) -> torch.Tensor:
+        """Dense slots' gate/up weights [S, 2I, H] (dense storage only)."""
+        return self.store.w13
+
+    @property
+    def w2(self) -> torch.Tensor:
+        """Dense slots' down weights [S, H, I] (dense storage only)."""
+        return self.store.w2
 
     def check_tags(self) -> list[int]:
         """Canary: local slots whose tag is not (local_expert_ids[s], layer_id); [] if all good."""
@@ -143,7 +164,7 @@ class FusedMoE:
         """Canary for real weights: local slots whose weights no longer match the checksum
         that was taken at load and moved with them; [] if all good."""
         return [s for s in range(self.slots_per_rank)
-                if float(checksum(self.w13[s], self.w2[s])) != float(self.csum[s])]
+                if slot_checksum(self.store.slot(s)) != float(self.csum[s])]
 
     # ---- compute ---------------------------------------------------------------------------
     def route(self, topk_ids: torch.Tensor) -> torch.Tensor:
@@ -167,26 +188,10 @@ class FusedMoE:
         return s
 
     def _compute(self, x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        out = torch.empty_like(x)
         if x.shape[0] == 0:
-            return out
-        if x.shape[0] * self.w13[0].numel() <= GATHER_LIMIT:
-            # few rows (decode): gather each row's weights and run two batched GEMVs, which
-            # costs a fixed handful of kernels instead of one GEMM pair per active slot
-            h = torch.bmm(self.w13[slots], x.unsqueeze(-1)).squeeze(-1)
-            g, u = h.chunk(2, dim=-1)
-            return torch.bmm(self.w2[slots], (F.silu(g) * u).unsqueeze(-1)).squeeze(-1)
-        order = torch.argsort(slots, stable=True)
-        counts = torch.bincount(slots, minlength=self.slots_per_rank).tolist()
-        xs = x[order]
-        ys = torch.empty_like(xs)
-        start = 0
-        for s, c in enumerate(counts):
-            if c:
-                ys[start:start + c] = expert_ffn(xs[start:start + c], self.w13[s], self.w2[s])
-                start += c
-        out[order] = ys
-        return out
+            return torch.empty_like(x)
+        w13, w2, idx = self.store.weights(slots)
+        return grouped_ffn(x, w13, w2, idx)
 
     def count(self, slots: torch.Tensor, counted: torch.Tensor) -> torch.Tensor:
         """Per-slot load of received rows: int64 [S] (rows with ``counted`` 0 excluded)."""
@@ -194,28 +199,29 @@ class FusedMoE:
         return out.index_add_(0, slots, counted.to(torch.int64))
 
 
-def checksum(w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
-    """Identity of one expert's weights: float64 scalar (sum |w13| + sum w2^2 + a position-
-    weighted sum, so swapped or shifted experts differ)."""
-    ramp = torch.arange(1, w13.shape[-1] + 1, dtype=torch.float64, device=w13.device)
-    s_abs, s_sq, s_pos = (torch.zeros((), dtype=torch.float64, device=w13.device)
-                          for _ in range(3))
-    # in blocks of rows: the float64 temporaries stay ~0.5 MiB, where a whole-expert cast took
-    # ~3x the expert's bytes at once, at load (each rank's peak RSS) and in every canary check
-    for a in _blocks(w13):
-        s_abs += a.abs().sum()
-        s_pos += (a * ramp).sum()
-    for b in _blocks(w2):
-        s_sq += b.pow(2).sum()
-    return s_abs + s_sq + s_pos * 1e-3
-
-
-def _blocks(w: torch.Tensor, elems: int = 1 << 16):
-    """``w`` [..., C] as float64 blocks of whole rows, about ``elems`` elements each."""
-    rows = w.reshape(-1, w.shape[-1])
-    step = max(1, elems // max(1, rows.shape[1]))
-    for i in range(0, rows.shape[0], step):
-        yield rows[i:i + step].to(torch.float64)
+def grouped_ffn(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                idx: torch.Tensor) -> torch.Tensor:
+    """Row n of ``x`` [N, H] through expert ``idx[n]`` of ``w13`` [M, 2I, H], ``w2``
+    [M, H, I] -> [N, H]. Many rows: grouped by expert (one GEMM pair per active expert); few
+    rows: per-row gathered weights and batched GEMVs."""
+    if x.shape[0] * w13[0].numel() <= GATHER_LIMIT:
+        # few rows (decode): gather each row's weights and run two batched GEMVs, which
+        # costs a fixed handful of kernels instead of one GEMM pair per active slot
+        h = torch.bmm(w13[idx], x.unsqueeze(-1)).squeeze(-1)
+        g, u = h.chunk(2, dim=-1)
+        return torch.bmm(w2[idx], (F.silu(g) * u).unsqueeze(-1)).squeeze(-1)
+    out = torch.empty_like(x)
+    order = torch.argsort(idx, stable=True)
+    counts = torch.bincount(idx, minlength=w13.shape[0]).tolist()
+    xs = x[order]
+    ys = torch.empty_like(xs)
+    start = 0
+    for s, c in enumerate(counts):
+        if c:
+            ys[start:start + c] = expert_ffn(xs[start:start + c], w13[s], w2[s])
+            start += c
+    out[order] = ys
+    return out
 
 
 def expert_ffn(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
@@ -228,16 +234,26 @@ def expert_ffn(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Te
 class LogicalMoE:
     """Single-process reference: every logical expert of one layer, no placement, no dispatch.
 
-    ``w13`` [E, 2inter, H], ``w2`` [E, H, I]; same weights as any FusedMoE slot holding the expert.
+    ``w13`` [E, 2inter, H], ``w2`` [E, H, I]; same weights as any FusedMoE slot holding the
+    expert (FP8 experts: read into an FP8 store of E slots and dequantized once, by the same
+    rule).
     """
 
     def __init__(self, cfg: Config, layer_id: int, device: torch.device | str = "cpu", *,
-                 source):
-        ws = [source(layer_id, e) for e in range(cfg.model.num_experts)]
+                 source, quant: Fp8Format | None = None):
+        m = cfg.model
+        E = m.num_experts
+        store = make_store(E, m.hidden_size, m.moe_intermediate_size, torch_dtype(cfg), device,
+                           fmt=quant)
+        for e in range(E):
+            dst = store.slot(e)
+            w = source(layer_id, e, dst)
+            for name, t in dst.items():
+                if w[name].data_ptr() != t.data_ptr():
+                    t.copy_(w[name])
         self.layer_id = layer_id
-        self.num_logical = cfg.model.num_experts
-        self.w13 = torch.stack([w["w13"] for w in ws]).to(device)
-        self.w2 = torch.stack([w["w2"] for w in ws]).to(device)
+        self.num_logical = E
+        self.w13, self.w2, _ = store.weights(torch.arange(E, device=torch.device(device)))
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         """x [T, H], topk_ids [T, k] logical -> expert outputs [T, k, H] (unweighted)."""

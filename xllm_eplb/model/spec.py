@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from xllm_eplb.errors import InputFileError
+from xllm_eplb.model.fp8 import Fp8Format, parse_quant
 
 FAMILIES = ("deepseek_v3", "mixtral", "qwen2_moe", "qwen3_moe")
 DTYPES = ("float32", "float64", "bfloat16", "float16")
@@ -69,6 +70,7 @@ class ModelSpec:
     qk_norm: bool = False              # qwen3: per-head RMSNorm of q and k before RoPE
     mla: MLASpec | None = None
     dtype: str = "float32"
+    quant: Fp8Format | None = None     # config.json quantization_config (FP8 block scales)
     extra: dict = field(default_factory=dict)
 
     @property
@@ -187,7 +189,8 @@ def parse_spec(folder: str | Path) -> ModelSpec:
                   rms_norm_eps=c.float("rms_norm_eps", 1e-6), num_heads=heads,
                   rope_theta=theta, rope_scaling=scaling,
                   tie_word_embeddings=c.bool("tie_word_embeddings", False), num_experts=E,
-                  top_k=c.int("num_experts_per_tok"), dtype=_dtype(c))
+                  top_k=c.int("num_experts_per_tok"), dtype=_dtype(c),
+                  quant=parse_quant(d, folder / "config.json"))
     if common["top_k"] > E:
         raise c.err("num_experts_per_tok", common["top_k"], f"must be <= the {E} experts")
     if fam == "deepseek_v3":

@@ -13,9 +13,10 @@ def validate_model_config(cfg: Config) -> None:
     """Raise ConfigError / InputFileError naming the field, the value and the rule."""
     m, e = cfg.model, cfg.eplb
     err = layout_error(m.num_experts, e.ep_size, e.redundant_experts_num)
+    if err and m.model:
+        raise ConfigError(_from_config_json(m.model, m.num_experts, err))
     if err:
-        where = f"{m.model}/config.json: routed experts " if m.model else ""
-        raise ConfigError(where + err)
+        raise ConfigError(err)
     for flag, value, rule in elastic_rules(cfg):       # --elastic_ep: survives one loss
         where = f"{m.model}/config.json: routed experts {m.num_experts}: " if m.model else ""
         raise ConfigError(f"{where}--{flag}={value}: {rule}")
@@ -30,8 +31,36 @@ def validate_model_config(cfg: Config) -> None:
     if m.routing_mode == "trace":
         from xllm_eplb.model.routing import load_trace
         load_trace(m.routing_trace)
+    s = cfg.serve
+    if m.model and s.workload == "synthetic" and (s.workload_prompt_len + s.workload_output_len
+                                                  > m.max_position_embeddings):
+        raise ConfigError(f"--workload_prompt_len + --workload_output_len = "
+                          f"{s.workload_prompt_len + s.workload_output_len}: must be <= "
+                          f"max_position_embeddings={m.max_position_embeddings} of "
+                          f"{m.model}/config.json")
     if not m.model:
         spec_for(cfg)              # the generated default checkpoint can have these sizes
+
+
+_EXPERT_KEYS = ("n_routed_experts", "num_local_experts", "num_experts")
+
+
+def _from_config_json(folder: str, num_experts: int, err: str) -> str:
+    """A layout error about a checkpoint's experts, naming its config.json and the key the
+    expert count came from (``--num_experts`` does not apply with ``--model``)."""
+    import json
+    from pathlib import Path
+
+    path = Path(folder) / "config.json"
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        raw = {}
+    key = next((k for k in _EXPERT_KEYS if raw.get(k) is not None), "num_experts")
+    flag = f"--num_experts={num_experts}"
+    if err.startswith(flag):
+        return f"{path}: {key}={num_experts} (routed experts per MoE layer){err[len(flag):]}"
+    return f"{err} ({key}={num_experts} in {path})"
 
 
 def validate_phy2log(cfg: Config, phy2log: np.ndarray) -> np.ndarray:

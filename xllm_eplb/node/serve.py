@@ -30,7 +30,8 @@ log = logging.getLogger(__name__)
 
 def resolve_topology(cfg: Config) -> Config:
     """``eplb_num_nodes`` left at 1 becomes ``nnodes`` (``node_aware`` sees the real nodes);
-    ``log_dir`` becomes ``<log_dir>/node<n>`` (per-node log files, also on one machine)."""
+    ``log_dir`` becomes ``<log_dir>/node<n>`` (per-node log files, also on one machine; each run
+    in its own ``<time>/`` folder there, ``node<n>/latest`` the newest)."""
     rt = cfg.runtime
     e = cfg.eplb
     if e.eplb_num_nodes == 1:
@@ -75,7 +76,7 @@ def serve_nodes(cfg: Config, digest: str = "") -> int:
 
     cfg = _checks(resolve_topology(resolve_config(cfg)))
     node = cfg.runtime.node_rank
-    launcher_process(cfg, f"xllm-eplb:launcher-node{node}")
+    cfg = launcher_process(cfg, f"xllm-eplb:launcher-node{node}")   # node<n>/<time>/
     store_port = cfg.runtime.master_port
     store = open_store(cfg, master=node == 0)
     cfg, origin = _rendezvous(cfg, store)   # compares the flags as given, not local paths

@@ -94,3 +94,32 @@ def setup_logging(tag: str, level: str = "info", log_file: str | None = None,
         h = logging.FileHandler(log_file)
         h.setFormatter(_Formatter(tag))
         root.addHandler(h)
+
+
+#: the link in ``--log_dir`` to the newest run's folder
+LATEST = "latest"
+
+
+def run_log_dir(root: str | Path, tag: str = "", now: float | None = None) -> Path:
+    """Create this run's own log folder ``<root>/<YYYYmmdd-HHMMSS>[-<tag>]`` (``-1``, ``-2``...
+    appended when it exists) and point the symlink ``<root>/latest`` at it (relative, replaced
+    atomically). Returns the folder. OSError when ``root`` cannot be written; a ``latest`` that
+    is not a symlink (a folder a user made) is left alone."""
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    base = time.strftime("%Y%m%d-%H%M%S", time.localtime(now)) + (f"-{tag}" if tag else "")
+    for n in range(1000):
+        run = root / (base if n == 0 else f"{base}-{n}")
+        try:
+            run.mkdir()
+            break
+        except FileExistsError:
+            continue
+    else:
+        raise OSError(f"{root}: no free run folder name for {base}")
+    link, tmp = root / LATEST, root / f".{LATEST}.{run.name}"
+    if link.is_symlink() or not link.exists():
+        tmp.unlink(missing_ok=True)
+        tmp.symlink_to(run.name)
+        tmp.replace(link)
+    return run

@@ -20,6 +20,9 @@ PREFIX = "xllm_eplb_"
 _FAST = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 _SLOW = (0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _LATENCY = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
+_TOKEN = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
+          1.0, 2.5, 5.0)
+_COUNT = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 #: heartbeat components of the control plane and of each worker (the `EPLB heartbeat` log
 #: lines name the same components, docs/serving.md)
 HEARTBEAT_COMPONENTS = ("rebalance_loop", "manager", "executor", "p2p")
@@ -32,7 +35,8 @@ class EngineMetrics:
     """The engine's metric families. ``ep_size`` ranks, ``num_layers`` MoE layers."""
 
     def __init__(self, ep_size: int, num_layers: int, *, per_layer: bool = False,
-                 version: str = "", backend: str = "", policy: str = ""):
+                 version: str = "", backend: str = "", policy: str = "",
+                 hot_experts: int = 0, all_experts: bool = False):
         self.registry = CollectorRegistry(auto_describe=True)
         self.ep_size, self.num_layers, self.per_layer = ep_size, num_layers, per_layer
         self._last: dict[str, float] = {}
@@ -41,6 +45,8 @@ class EngineMetrics:
         self._define_rebalance()
         self._define_transfer()
         self._define_serving()
+        self._define_live()
+        self._define_experts(hot_experts, all_experts)
         self._define_health()
         self._define_elastic()
 
@@ -83,7 +89,8 @@ class EngineMetrics:
         self.rounds = self._c("rebalance_rounds", "policy rounds completed")
         self.layers = self._c("rebalance_layers", "layers by outcome: published (passed the "
                               "gate), committed (activated on all ranks), timed_out (rolled "
-                              "back)", ("result",))
+                              "back), regressed (measured slower after the commit), "
+                              "rolled_back (restored after a regression)", ("result",))
         self.policy_seconds = self._h("policy_duration_seconds", "one policy round (all "
                                       "layers), background thread", _SLOW)
         self.rebalancing = self._g("rebalancing", "1 while a layer is being prepared or "
@@ -125,6 +132,66 @@ class EngineMetrics:
                                "physical slots of their load, over the mean (mean over layers)")
         self.comm_share = self._g("comm_share", "recent steps: worker seconds blocked on "
                                   "communication over worker step seconds")
+
+    def _define_live(self):
+        """vLLM-style serving metrics (#27): per-token latencies, queueing, step shape, KV."""
+        self.tpot = self._h("time_per_output_token_seconds", "per finished request: (last "
+                            "token - first token) / (output tokens - 1)", _TOKEN)
+        self.itl = self._h("inter_token_latency_seconds", "gap between two consecutive output "
+                           "tokens of one request (engine side)", _TOKEN)
+        self.queue_time = self._h("request_queue_time_seconds", "arrival to the first "
+                                  "scheduled prefill", _LATENCY)
+        self.batch_size = self._h("batch_size", "rows (requests) per forward step, all ranks",
+                                  _COUNT)
+        self.step_tokens = self._h("tokens_per_step", "tokens per forward step, all ranks "
+                                   "(prefill tokens + one per decode row)", _COUNT)
+        self.kv_usage = self._g("kv_cache_usage_ratio", "tokens held in the running requests' "
+                                "KV caches / (ep_size x max_batch_size x "
+                                "max_position_embeddings), the most the scheduler can hold")
+        self.kv_tokens = self._g("kv_cache_tokens", "tokens held in the running requests' KV "
+                                 "caches, all ranks")
+
+    def _define_experts(self, hot: int, every: bool):
+        """Per-layer expert view with bounded cardinality: the ``hot`` hottest logical experts
+        of each MoE layer by recent load (labels ``layer``, ``hot`` = 0..hot-1: layers x hot
+        series whatever experts are hot), and, opt-in, every expert (layers x experts)."""
+        self.hot_experts, self.all_experts = hot, every
+        self.hot_load = self.hot_id = self.hot_replicas = None
+        self.expert_load = self.expert_replicas = None
+        if hot > 0:
+            lab = ("layer", "hot")
+            self.hot_load = self._g("hot_expert_load_ratio", "recent load of the hot-th "
+                                    "hottest logical expert of the layer / the layer's mean "
+                                    "expert load", lab)
+            self.hot_id = self._g("hot_expert_id", "logical expert id of the hot-th hottest "
+                                  "expert of the layer", lab)
+            self.hot_replicas = self._g("hot_expert_replicas", "physical replicas (slots) of "
+                                        "the hot-th hottest expert of the layer", lab)
+        if every:
+            lab = ("layer", "expert")
+            self.expert_load = self._g("expert_load_ratio", "recent load of the logical expert "
+                                       "/ the layer's mean expert load", lab)
+            self.expert_replicas = self._g("expert_replicas", "physical replicas (slots) of "
+                                           "the logical expert", lab)
+
+    def set_experts(self, load, replicas) -> None:
+        """``load`` float [layers, experts] recent token-expert picks per logical expert,
+        ``replicas`` int [layers, experts] slots holding it: the expert gauges."""
+        for layer in range(len(load)):
+            row, reps = load[layer], replicas[layer]
+            mean = float(row.mean()) if len(row) else 0.0
+            ratio = row / mean if mean > 0 else row * 0.0
+            lay = str(layer)
+            if self.hot_load is not None:
+                order = sorted(range(len(row)), key=lambda e: (-row[e], e))[:self.hot_experts]
+                for k, e in enumerate(order):
+                    self.hot_load.labels(lay, str(k)).set(float(ratio[e]))
+                    self.hot_id.labels(lay, str(k)).set(e)
+                    self.hot_replicas.labels(lay, str(k)).set(int(reps[e]))
+            if self.expert_load is not None:
+                for e in range(len(row)):
+                    self.expert_load.labels(lay, str(e)).set(float(ratio[e]))
+                    self.expert_replicas.labels(lay, str(e)).set(int(reps[e]))
 
     def _define_health(self):
         self.worker_up = self._g("worker_up", "1 while the rank answers forward steps",
@@ -171,7 +238,7 @@ class EngineMetrics:
             self.steps.labels(kind)
         for result in REQUEST_RESULTS:
             self.requests.labels(result)
-        for result in ("published", "committed", "timed_out"):
+        for result in ("published", "committed", "timed_out", "regressed", "rolled_back"):
             self.layers.labels(result)
         self.p2p_bytes.labels("sent")
         for phase in ("materialize", "transfer", "activation", "total"):

@@ -49,6 +49,9 @@ class ReplayOptions:
     use_estimator: bool | None = None   # None: follow eplb_use_estimator
     routing: str | None = None          # replica routing mode; None: even split (see module doc)
     routing_seed: int = 0               # seed of the source split when the trace has none
+    #: (fixed seconds per active slot, seconds per row): feed the manager modelled expert
+    #: seconds (its cost model then plans on cost) and record the modelled critical path
+    cost: tuple[float, float] | None = None
 
 
 class SimClock:
@@ -122,6 +125,7 @@ def replay(trace: Trace, cfg: EplbConfig, opts: ReplayOptions | None = None) -> 
     activated = np.full(steps, NO_LAYER, dtype=np.int64)
     moved = np.zeros(steps, dtype=np.int64)
     rounds, round_steps = 0, []
+    critical = np.zeros((steps, 3)) if opts.cost is not None else None
     t0 = time.perf_counter()
     try:
         for t in range(steps):
@@ -138,7 +142,8 @@ def replay(trace: Trace, cfg: EplbConfig, opts: ReplayOptions | None = None) -> 
             if before is not None:
                 activated[t] = info.update_layer_id
                 moved[t] = diff(before, workers.placement[info.update_layer_id], ep).moved_slots
-            mgr.on_outputs(cnt, tokens, act)
+            mgr.on_outputs(cnt, tokens, act, expert_cpu=cost_step(
+                opts.cost, cnt, served_static, ep, critical, t))
             clock.t += opts.step_seconds
             mgr.tick()
             r = mgr.stats()["rounds"]
@@ -149,8 +154,29 @@ def replay(trace: Trace, cfg: EplbConfig, opts: ReplayOptions | None = None) -> 
         final = mgr.active_placement.copy()
     finally:
         mgr.close()
+    extra = {} if critical is None else {"critical": critical}
     return ReplayResult(rank_eplb, rank_static, activated, moved, round_steps, stats, static,
-                        final, time.perf_counter() - t0, opts.window_steps, routing=opts.routing)
+                        final, time.perf_counter() - t0, opts.window_steps, extra,
+                        routing=opts.routing)
+
+
+def modelled_cost(per_slot: np.ndarray, fixed: float, row: float) -> np.ndarray:
+    """Per-rank expert seconds of one step: per_slot [L, D, S] rows -> float64 [L, D]."""
+    return fixed * (per_slot > 0).sum(axis=2) + row * per_slot.sum(axis=2)
+
+
+def cost_step(cost, cnt, served_static, ep: int, critical, t: int):
+    """``ReplayOptions.cost``: the step's modelled expert seconds per rank under the EPLB
+    placement (``[D, L]``, what the workers would report) and, into ``critical[t]``, the
+    modelled critical path (sum over layers of the slowest rank) under EPLB and static, and
+    the static mean rank's. None without a cost."""
+    if cost is None:
+        return None
+    eplb = modelled_cost(counter_format.decode(np.stack(cnt, axis=1)), *cost)
+    layers = served_static.shape[0]
+    stat = modelled_cost(np.asarray(served_static).reshape(layers, ep, -1), *cost)
+    critical[t] = (eplb.max(axis=1).sum(), stat.max(axis=1).sum(), stat.mean(axis=1).sum())
+    return eplb.T
 
 
 def _step_slots(trace: Trace, ep: int, opts: ReplayOptions):

@@ -13,6 +13,13 @@ serve until step 3):
    Active tensors are never replaced (stable addresses); the canary checks every slot's tag.
 
 The forward between 2 and 3 still runs on the old weights and tables.
+
+What moves is exactly ``expert_tensors()`` of the layer, whatever the storage format (dense
+weights, or FP8 bytes + their block scales), plus the slot's tag and checksum: per transfer one
+message per tensor (paired, in one global order; fp8 travels as its uint8 bytes). Step 3 waits
+for every message of the layer before it copies anything, so a slot is activated only when its
+weights *and* scales have both arrived; derived state (the FP8 resident dequantized cache) is
+recomputed from them (``refresh_slots``) before the tables switch.
 """
 
 from __future__ import annotations
@@ -67,6 +74,8 @@ class MoveStats:
     total_ms: float
     # --- multi-node (#14) ---
     cross_node_bytes: int = 0       # received from ranks on other nodes (0 on one node)
+    # --- quantized slots (#24) ---
+    slot_bytes: int = 0             # one slot's moved bytes: every expert tensor (fp8 scales too)
 
 
 @dataclass
@@ -265,6 +274,11 @@ class ModelEplbHooks:
             else:
                 for s in plan.changed.tolist():
                     active[s].copy_(stage[s])
+        # every tensor of every changed slot has arrived: now derived state (the FP8
+        # dequantized cache) follows, then the tables switch
+        refresh = getattr(moe, "refresh_slots", None)
+        if refresh is not None:
+            refresh(plan.changed.tolist())
         self._switch_tables(moe, pending)
         activation_ms = (time.perf_counter() - t0) * 1e3
         if self.canary:
@@ -280,15 +294,20 @@ class ModelEplbHooks:
                           transfer_ms=wait_s * 1e3, activation_ms=activation_ms,
                           total_ms=pending.materialize_ms + pending.post_ms + wait_s * 1e3
                           + activation_ms, cross_node_bytes=self._cross_node_bytes(plan, tensors,
-                                                                                   layer))
+                                                                                   layer),
+                          slot_bytes=self._slot_bytes(tensors, layer))
         log.info(event("update_expert_weight", **dataclasses.asdict(stats)))
         return stats
+
+    def _slot_bytes(self, tensors: dict, layer: int) -> int:
+        """Bytes of one slot of every expert tensor (weights, scales, tag, checksum)."""
+        return sum(tensors[n][0].numel() * tensors[n][0].element_size()
+                   for n in self._names[layer])
 
     def _cross_node_bytes(self, plan, tensors: dict, layer: int) -> int:
         """Bytes this rank received from ranks on other nodes in ``plan`` (one slot of every
         expert tensor per received transfer)."""
-        slot_bytes = sum(tensors[n][0].numel() * tensors[n][0].element_size()
-                         for n in self._names[layer])
+        slot_bytes = self._slot_bytes(tensors, layer)
         k = self.ranks_per_node
         return slot_bytes * sum(1 for t in plan.recv if t.src_rank // k != self.rank // k)
 

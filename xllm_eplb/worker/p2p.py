@@ -185,11 +185,20 @@ def plan_messages(plan: P2PPlan, active: dict[str, torch.Tensor],
     return out
 
 
+def wire_view(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as it travels: 1-byte floats (fp8) as their uint8 bytes, so no transport ever sees
+    a float8 dtype (gloo collectives refuse it; send/recv of the bytes is exact)."""
+    if t.is_floating_point() and t.element_size() == 1:
+        return t.view(torch.uint8)
+    return t
+
+
 def chunk(t: torch.Tensor, chunk_bytes: int) -> list[torch.Tensor]:
-    """Views of the contiguous tensor ``t`` (flattened) of at most ``chunk_bytes`` each."""
+    """Views of the contiguous tensor ``t`` (flattened, :func:`wire_view`) of at most
+    ``chunk_bytes`` each."""
     if not t.is_contiguous():
         raise ValueError(f"P2P tensor of shape {tuple(t.shape)} is not contiguous")
-    flat = t.view(-1)
+    flat = wire_view(t).view(-1)
     step = max(1, chunk_bytes // t.element_size())
     if flat.numel() <= step:
         return [flat]

@@ -38,7 +38,7 @@ from xllm_eplb.ipc.records import StepTimings, WorkerHeartbeat
 from xllm_eplb.ipc.ring import InputRing, OutputRing
 from xllm_eplb.model.decoder import build_model
 from xllm_eplb.obs.logs import FILE_ONLY, console_handler, event, setup_logging
-from xllm_eplb.worker import comm, regroup
+from xllm_eplb.worker import affinity, comm, regroup
 from xllm_eplb.worker.executor import make_executor
 from xllm_eplb.worker.faults import make_faults
 
@@ -86,6 +86,7 @@ class Worker:
         self.inp = self.out = self.model = self.executor = None
         self.device = None
         self.faults = make_faults(cfg, rank, self._crash)
+        self.threads = 1                 # torch intra-op threads (= pinned cores, worker_main)
 
     def _crash(self, detail: str) -> None:
         """An injected crash: tell the launcher why, then leave at once (no clean-up)."""
@@ -95,7 +96,7 @@ class Worker:
         child_exit(INJECTED_CRASH_EXIT, self.events)
 
     def start(self) -> None:
-        torch.set_num_threads(1)
+        torch.set_num_threads(self.threads)
         rid, who = self.cfg.runtime.run_id, f"ep{self.rank}"
         # NOTE: a node's input ring has one reader per rank from the node's first rank on
         # (node 0: every rank, the bridges read the remote ones); single node: index = rank
@@ -238,13 +239,17 @@ class Worker:
                        dist_s=round(t[2] - t[1], 3), rings_s=round(t[3] - t[2], 3)))
 
 
-def worker_main(cfg: Config, rank: int, events, parent_pid: int, generation: int = 0) -> None:
+def worker_main(cfg: Config, rank: int, events, parent_pid: int, generation: int = 0,
+                cores: tuple[int, ...] | None = None) -> None:
     """Process entry point (spawned by the launcher; ``generation`` > 1: an elastic
-    replacement)."""
+    replacement); ``cores``: this rank's pinned cores (``--worker_cpu_affinity``; None: not
+    pinned, one torch thread)."""
+    threads = affinity.apply(cores)
     child_setup(f"xllm-eplb:ep{rank}", parent_pid)
     _setup_logs(cfg, rank)
     send_event(events, f"ep{rank}", "spawned")
     w = Worker(cfg, rank, events, parent_pid, generation)
+    w.threads = threads
     code = 1
     try:
         w.start()

@@ -54,6 +54,9 @@ def make_policy(kind: str, ep_size: int, num_logical: int, redundant: int,
       each expert's expected per-step count + ``peak_z`` standard deviations, with
       ``step_tokens`` routed tokens per forward step over all ranks (``peak_z`` 0 = off;
       ``peak_z`` > 0 needs ``step_tokens`` > 0);
+    - ``cold_slack``: a deployed layer whose peak exceeds ``(1 + cold_slack) x`` its lower bound
+      is planned like a fresh layer from that table (a host engine's strict initial layout;
+      0 = off, the default; the integrations use 0.25);
     - also ``move_cost``, ``target_slack``, ``must_slack``, ``count_slack``, ``max_iters``
       (see ``IncrementalPolicy``).
 

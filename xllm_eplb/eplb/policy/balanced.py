@@ -31,12 +31,20 @@ from xllm_eplb.eplb.policy.packing import (
 def plan_balanced(loads: np.ndarray, prev: np.ndarray, ep_size: int, slots: int):
     """All layers: loads [L, E] (int or float), prev [L, D*S] -> list of [D*S] or None."""
     lg = np.asarray(loads)
-    layers, num_e = lg.shape
-    extra = ep_size * slots - num_e
     if not fast_path_ok(lg):
-        return [plan_layer_exact(lg[i], prev[i], ep_size, slots) for i in range(layers)]
+        return [plan_layer_exact(lg[i], prev[i], ep_size, slots) for i in range(lg.shape[0])]
+    items, eff, rc, ok = balanced_items(lg, ep_size, slots)
+    table, packed = pack_sequences(items, eff, ep_size, slots, lg.shape[1])
+    return finish_balanced(lg, prev, table, packed, rc, ok, ep_size, slots)
+
+
+def balanced_items(lg: np.ndarray, ep_size: int, slots: int):
+    """Steps A and the packing order of B (fast path only): (items int64 [L, D*S] in packing
+    order, eff [L, D*S] packing load per item (int64 for integer loads, float64 floors for
+    float loads), replica counts rc [L, E], ok [L])."""
+    layers, num_e = lg.shape
     w = as_float(lg)
-    rc, added, ok = select_replicas_max_drop(w, extra, ep_size)
+    rc, added, ok = select_replicas_max_drop(w, ep_size * slots - num_e, ep_size)
     items = np.concatenate([np.broadcast_to(np.arange(num_e), (layers, num_e)), added], axis=1)
     rcf = np.take_along_axis(rc, items, 1)
     wi = np.take_along_axis(w, items, 1)
@@ -47,8 +55,13 @@ def plan_balanced(loads: np.ndarray, prev: np.ndarray, ep_size: int, slots: int)
     else:
         eff = np.take_along_axis(np.asarray(lg, np.int64), items, 1) // np.take_along_axis(
             rc, items, 1)
-    table, packed = pack_sequences(items, eff, ep_size, slots, num_e)
-    out: list[np.ndarray | None] = [None] * layers
+    return items, eff, rc, ok
+
+
+def finish_balanced(lg, prev, table, packed, rc, ok, ep_size: int, slots: int):
+    """Step B's cyclic fallback and step C (slot stabilisation) after the packing."""
+    w = as_float(lg)
+    out: list[np.ndarray | None] = [None] * lg.shape[0]
     for i in np.nonzero(ok & ~packed)[0]:
         fb = cyclic_fallback(w[i], rc[i], ep_size, slots)
         if fb is not None:

@@ -12,28 +12,47 @@ from abc import ABC, abstractmethod
 
 import numpy as np
 
-from xllm_eplb.eplb.placement import PlacementError, slots_per_rank
+from xllm_eplb.eplb.placement import PlacementError, initial_phy2log_any, slots_per_rank
 from xllm_eplb.errors import ConfigError
 
 
 class EplbPolicy(ABC):
     """Sizes: ``D`` = ``ep_size`` ranks, ``S`` = ``slots`` per rank, ``E`` = ``num_logical``
     experts; tables are rank-major ``[L, D*S]`` int64. Subclasses take their tuning options as
-    keyword-only ``__init__`` arguments (the factory checks option names against them)."""
+    keyword-only ``__init__`` arguments (the factory checks option names against them).
+
+    ``slots`` (positional, after ``redundant``): plan any layout with ``D * slots >= E`` and
+    ``slots <= E`` (an expert count the ranks do not divide; the integrations' case), bypassing
+    the engine's layout rules; ``redundant`` is then informational only."""
 
     name: str = "abstract"
 
-    def __init__(self, ep_size: int, num_logical: int, redundant: int):
-        try:
-            self.slots = slots_per_rank(num_logical, ep_size, redundant)
-        except PlacementError as e:
-            raise ConfigError(str(e)) from None
-        if self.slots > num_logical:
-            raise ConfigError(f"redundant_experts_num={redundant}: {self.slots} slots per rank "
-                              f"exceed the {num_logical} experts (one replica of an expert per "
-                              f"rank)")
+    def __init__(self, ep_size: int, num_logical: int, redundant: int,
+                 slots: int | None = None):
+        if slots is None:                  # the engine's layout rules (config.layout_rules)
+            try:
+                self.slots = slots_per_rank(num_logical, ep_size, redundant)
+            except PlacementError as e:
+                raise ConfigError(str(e)) from None
+            if self.slots > num_logical:
+                raise ConfigError(f"redundant_experts_num={redundant}: {self.slots} slots per "
+                                  f"rank exceed the {num_logical} experts (one replica of an "
+                                  f"expert per rank)")
+        else:                              # any layout (the integrations): D*S >= E, S <= E
+            self.slots = int(slots)
+            if ep_size < 1 or not 1 <= self.slots <= num_logical or \
+                    ep_size * self.slots < num_logical:
+                raise ConfigError(f"layout ep_size={ep_size} x slots={slots}: needs "
+                                  f"1 <= slots <= num_experts={num_logical} and "
+                                  f"ep_size * slots >= num_experts")
         self.ep_size, self.num_logical, self.redundant = ep_size, num_logical, redundant
         self.num_slots = ep_size * self.slots
+
+    def initial_row(self) -> np.ndarray:
+        """The table a layer with nothing deployed (``-1`` row) starts from, int64 [D*S]:
+        xLLM's initial layout under the engine's rules, else every expert once in contiguous
+        blocks (``initial_phy2log_any``)."""
+        return initial_phy2log_any(self.num_logical, self.ep_size, self.slots)
 
     @classmethod
     def option_names(cls) -> tuple[str, ...]:

@@ -43,7 +43,11 @@ def _exc(x, t):
 
 
 def _swap_candidates(st, act, m, part, t):
-    """Best swap per active layer: (score [k], dmov [k], flat index into [K, S, S] [k])."""
+    """Best swap per active layer: (score [k], dmov [k], flat index into [K, S, S] [k]).
+
+    NOTE: the [k, K, S, S] candidate arrays dominate a fresh plan's CPU time: the masks are
+    combined on [k, K, S] first and the moved-slot count is built in int8, so each big array is
+    touched as few times as possible."""
     table, v, r, has, base = st["table"], st["v"], st["r"], st["has"], st["base"]
     k = act.size
     kr = np.arange(k)
@@ -61,20 +65,26 @@ def _swap_candidates(st, act, m, part, t):
     np.maximum(nm, 0.0, out=nm)
     npp = (rp - t[:, None])[:, :, None, None] + delta
     np.maximum(npp, 0.0, out=npp)
-    gain = ((rm - t)[:, None] + _exc(rp, t[:, None]))[:, :, None, None] - nm - npp
-    ok = (delta > 0) & (gain > 0)
-    ok &= ~has[a3, part[:, :, None], em[:, None, :]][..., :, None]    # em[i] not on partner
-    ok &= ~has[a3, m[:, None, None], tp][..., None, :]                # tp[j] not on m
-    ok &= (part != m[:, None])[..., None, None]
-    dmov = ((tp[:, :, None, :] != bm[:, None, :, None]).astype(np.int8)
-            + (em[:, None, :, None] != bp[:, :, None, :])
-            - (em != bm).astype(np.int8)[:, None, :, None]
-            - (tp != bp).astype(np.int8)[:, :, None, :])
-    score = gain * _INV_DEN[dmov + 2]
-    np.copyto(score, -np.inf, where=~ok)
+    gain = ((rm - t)[:, None] + _exc(rp, t[:, None]))[:, :, None, None] - nm
+    gain -= npp
+    # a swap is out when em[i] is on the partner, tp[j] is on m, or the partner is m
+    out_i = has[a3, part[:, :, None], em[:, None, :]] | (part == m[:, None])[:, :, None]
+    out_j = has[a3, m[:, None, None], tp]                             # [k, K, Sj]
+    bad = out_i[..., :, None] | out_j[..., None, :]
+    bad |= delta <= 0
+    bad |= gain <= 0
+    # newly moved slots + 2, in [0, 4]: the lookup index of 1 / (max(dmov, 0) + FREE_MOVE)
+    i8 = np.int8
+    idx = (tp[:, :, None, :] != bm[:, None, :, None]).view(i8)
+    idx += (em[:, None, :, None] != bp[:, :, None, :]).view(i8)
+    idx += ((1 - (em != bm)).astype(i8)[:, None, :, None]
+            + (1 - (tp != bp)).astype(i8)[:, :, None, :])
+    score = gain
+    score *= _INV_DEN[idx]
+    np.copyto(score, -np.inf, where=bad)
     score = score.reshape(k, -1)
     best = np.argmax(score, axis=1)
-    return score[kr, best], dmov.reshape(k, -1)[kr, best].astype(np.int64), best
+    return score[kr, best], idx.reshape(k, -1)[kr, best].astype(np.int64) - 2, best
 
 
 def _per_expert_sum(vals, flat, num_e):

@@ -20,6 +20,14 @@ from xllm_eplb.eplb.policy.packing import pack_sequences
 
 def plan_greedy(loads: np.ndarray, ep_size: int, slots: int):
     """loads [L, E] -> list of [D*S] or None per layer."""
+    items, eff, ok = greedy_items(loads, ep_size, slots)
+    table, packed = pack_sequences(items, eff, ep_size, slots, np.shape(loads)[1])
+    return [table[i] if ok[i] and packed[i] else None for i in range(table.shape[0])]
+
+
+def greedy_items(loads: np.ndarray, ep_size: int, slots: int):
+    """The replicas and the placement order: (items int64 [L, D*S], eff float64 [L, D*S] the
+    working load of each item, ok [L] (False where the replica cap was hit))."""
     w = np.asarray(loads, dtype=np.float64).copy()
     layers, num_e = w.shape
     extra = ep_size * slots - num_e
@@ -36,8 +44,7 @@ def plan_greedy(loads: np.ndarray, ep_size: int, slots: int):
     phase1 = np.stack([np.repeat(np.arange(num_e), copies[i]) for i in range(layers)])
     phase2 = np.lexsort((np.broadcast_to(np.arange(num_e), w.shape), -w), axis=1)
     items = np.concatenate([phase1.reshape(layers, extra), phase2], axis=1)
-    table, packed = pack_sequences(items, np.take_along_axis(w, items, 1), ep_size, slots, num_e)
-    return [table[i] if ok[i] and packed[i] else None for i in range(layers)]
+    return items, np.take_along_axis(w, items, 1), ok
 
 
 class GreedyPolicy(EplbPolicy):

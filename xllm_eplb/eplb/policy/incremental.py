@@ -25,9 +25,13 @@ min-max per-replica load)`` per layer:
 6. a layer still above ``must`` and its trigger is also planned from scratch (min-max counts, LPT,
    swap search, slot stabilisation); that plan wins only when its benefit minus cost is higher;
 7. without a slot budget, a fresh layer is never worse than the ``balanced`` or ``greedy``
-   policy's plan of the same load: both are computed for it and the lowest peak wins (ties: this
-   policy's own plan; with ``budget_slots`` the budget rules, peers' plans move too much). The
-   noise floor of step 2 never applies to a fresh layer (it is planned to ``target``).
+   policy's plan of the same load by more than ``must_slack`` x LB (0.4%): a layer above
+   ``must`` also gets both peers' plans and the lowest peak wins (ties: this policy's own plan;
+   with ``budget_slots`` the budget rules, peers' plans move too much); a layer within ``must``
+   skips them (a peer's peak is >= LB, so it could win by ``must_slack`` at most, and the two
+   packings cost as much as the rest of a fresh plan: on the DeepSeek dumps no layer at EP32 and
+   EP64 and 5 of 58 at EP128 need them). The noise floor of step 2 never applies to a fresh
+   layer (it is planned to ``target``).
 
 Noise-aware placement (``peak_z > 0`` with ``step_tokens``): every step above plans on
 ``noise_aware.noise_weights`` (each expert's expected per-step count plus ``peak_z`` standard
@@ -42,15 +46,15 @@ import logging
 import numpy as np
 
 from xllm_eplb.eplb.balance import rank_loads_from_phy2log
-from xllm_eplb.eplb.placement import initial_phy2log
-from xllm_eplb.eplb.policy.balanced import plan_balanced
+from xllm_eplb.eplb.policy.balanced import balanced_items, finish_balanced, plan_balanced
 from xllm_eplb.eplb.policy.base import EplbPolicy
 from xllm_eplb.eplb.policy.excess import excess_search
-from xllm_eplb.eplb.policy.greedy import plan_greedy
+from xllm_eplb.eplb.policy.greedy import greedy_items, plan_greedy
 from xllm_eplb.eplb.policy.localsearch import slot_values, swap_search
 from xllm_eplb.eplb.policy.noise_aware import noise_weights
 from xllm_eplb.eplb.policy.packing import (
     cyclic_fallback,
+    fast_path_ok,
     pack_sequences,
     select_replicas_max_load,
     stabilize_slots,
@@ -69,19 +73,21 @@ class IncrementalPolicy(EplbPolicy):
     rank load one moved slot costs), ``target_slack``, ``must_slack``, ``count_slack``,
     ``trigger_slack``, ``settle_slack``, ``noise_z`` (0 = no noise floor), ``rewrite_moves``
     (None = only on deployed layers where one replica exceeds the target; see the module doc),
-    ``max_iters`` (search iterations, 0 = 8 x slots), ``peak_z`` + ``step_tokens``
+    ``max_iters`` (search iterations, 0 = 8 x slots), ``cold_slack`` (a deployed layer whose
+    peak exceeds ``(1 + cold_slack) x LB`` is planned like a fresh one, from its deployed table:
+    a host engine's strict initial layout; 0 = off), ``peak_z`` + ``step_tokens``
     (noise-aware placement: sigma multiple >= 0, 0 = plan on the mean; routed tokens, top-k
     occurrences, per forward step over all ranks, > 0 when ``peak_z`` > 0)."""
 
     name = "incremental"
 
-    def __init__(self, ep_size, num_logical, redundant, *, budget_slots: int = 0,
+    def __init__(self, ep_size, num_logical, redundant, slots=None, *, budget_slots: int = 0,
                  budget_bytes: int = 0, slot_bytes: int = 0, move_cost: float = 2e-4,
                  target_slack: float = 2e-3, must_slack: float = 4e-3, count_slack: float = 0.02,
                  max_iters: int = 0, trigger_slack: float = 0.02, settle_slack: float = 0.009,
                  noise_z: float = 2.5, rewrite_moves=None, peak_z: float = 0.0,
-                 step_tokens: float = 0.0):
-        super().__init__(ep_size, num_logical, redundant)
+                 step_tokens: float = 0.0, cold_slack: float = 0.0):
+        super().__init__(ep_size, num_logical, redundant, slots)
         self.peak_z, self.step_tokens = _check_noise_aware(peak_z, step_tokens)
         if budget_bytes and slot_bytes:
             budget_slots = max(1, int(budget_bytes) // int(slot_bytes))
@@ -98,6 +104,9 @@ class IncrementalPolicy(EplbPolicy):
         self.trigger_slack, self.settle_slack = float(trigger_slack), float(settle_slack)
         self.rewrite_moves = None if rewrite_moves is None else bool(rewrite_moves)
         self.noise_z = float(noise_z)
+        self.cold_slack = float(cold_slack)
+        if self.cold_slack < 0:
+            raise ConfigError(f"incremental cold_slack={cold_slack}: must be >= 0 (0 = off)")
         self.max_iters = int(max_iters) or 8 * self.num_slots
         self.last_stats: dict = {}       # diagnostics of the latest plan() (bench, tests)
 
@@ -108,18 +117,23 @@ class IncrementalPolicy(EplbPolicy):
         d, s = self.ep_size, self.slots
         base = np.asarray(deployed, dtype=np.int64).copy()
         unseeded = (base < 0).any(axis=1)
-        base[unseeded] = initial_phy2log(num_e, d, self.redundant)
+        base[unseeded] = self.initial_row()
         t0 = dedup_ranks(base.reshape(n, d, s))
         c0 = np.stack([np.bincount(row[row >= 0], minlength=num_e) for row in t0.reshape(n, -1)])
         free = (t0 < 0).sum(axis=(1, 2))
         c_opt = select_replicas_max_load(w, self.num_slots - num_e, d)
         # NOTE: a deployed strict layer keeps its replica counts here; only the excess search's
         # single-slot rewrites change them (see `_search` and ``rewrite_moves``).
-        strict = ~(t0 < 0).any(axis=(1, 2))           # base itself obeys one replica per rank
-        c = adjust_counts(w, c0, free, d, c_opt, self.count_slack)
-        c[strict] = c0[strict]
+        # base itself obeys one replica per rank (a layer with nothing deployed never counts: its
+        # replica counts are planned, whatever the initial layout holds)
+        strict = ~(t0 < 0).any(axis=(1, 2)) & ~unseeded
         ideal = w.sum(axis=1) / d
         lb = np.maximum(ideal, (w / c_opt).max(axis=1))
+        if self.cold_slack > 0:    # a deployed layer far off its bound: a cold start, plan it fresh
+            cold = rank_loads_from_phy2log(base, w, d).max(axis=1) > lb * (1 + self.cold_slack)
+            strict &= ~cold
+        c = adjust_counts(w, c0, free, d, c_opt, self.count_slack)
+        c[strict] = c0[strict]
         fresh = ~strict | unseeded
         # hysteresis: a deployed layer is re-planned only above `trigger`, and then only down to
         # `settle`; a layer coming from xLLM's initial layout is planned down to `target`
@@ -165,39 +179,65 @@ class IncrementalPolicy(EplbPolicy):
             n_scratch = self._try_scratch(w, base, out, traj, pos, cur, must, slot_cost, c_opt)
         n_peer = 0
         if self.budget_slots <= 0:               # a slot budget caps the moves: no peer plan
+            # a peer's peak is >= LB, so a layer at or below ``must`` (LB x (1 + must_slack))
+            # cannot lose more than must_slack to one: the peers plan only the rest
+            own = np.array([np.inf if out[i] is None else 0.0 for i in range(n)])
+            have = np.nonzero(np.isfinite(own))[0]
+            if have.size:
+                own[have] = rank_loads_from_phy2log(np.stack([out[i] for i in have]), w[have],
+                                                    d).max(axis=1)
+            miss = fresh & (own > lb * (1 + self.must_slack))
             n_peer = self._never_worse_than_peers(w if self.peak_z > 0 else logical, w, base,
-                                                  out, np.nonzero(fresh)[0])
+                                                  out, np.nonzero(miss)[0])
+        n_filled = self._fill_unseeded(out, unseeded, rep, ok, w, c)
         self.last_stats = dict(scratch_layers=n_scratch, searched_layers=int(idx.size),
-                               fresh_fallback_layers=n_fb, peer_plan_layers=n_peer)
+                               fresh_fallback_layers=n_fb, peer_plan_layers=n_peer,
+                               filled_layers=n_filled)
         return out
+
+    def _fill_unseeded(self, out, unseeded, rep, ok, w, c) -> int:
+        """The fresh-plan contract: a layer with nothing deployed (``-1`` row) always gets a full
+        valid table, never "keep" (a uniform or all-zero layer is already as balanced as its
+        repaired table, so the search keeps it): the repaired table, else the cyclic layout of
+        its replica counts. Returns the number of layers filled here."""
+        filled = 0
+        for i in np.nonzero(unseeded)[0]:
+            if out[i] is not None:
+                continue
+            row = rep[i].reshape(-1) if ok[i] else cyclic_fallback(w[i], c[i], self.ep_size,
+                                                                  self.slots)
+            if row is None or (row < 0).any():
+                row = plan_greedy(w[i][None, :], self.ep_size, self.slots)[0]
+            out[i] = np.asarray(row, dtype=np.int64).copy()
+            filled += 1
+        return filled
 
     def _never_worse_than_peers(self, logical, w, base, out, idx) -> int:
         """Step 7: for the fresh layers ``idx``, replace ``out[i]`` (in place) by the
         ``balanced`` or ``greedy`` plan of the same load when its peak (even split, on ``w``) is
         strictly lower; greedy's plan is slot-stabilised against the base. Returns the number of
-        layers replaced."""
+        layers replaced. (Vectorised over the layers: one peak computation per candidate.)"""
         if idx.size == 0:
             return 0
         d, s = self.ep_size, self.slots
         lg = np.asarray(logical)[idx]
-        rows = [plan_balanced(lg, base[idx], d, s), plan_greedy(lg, d, s)]
-        replaced = 0
-        for j, i in enumerate(idx):
-            own = base[i] if out[i] is None else out[i]
-            best, best_pk = None, rank_loads_from_phy2log(own, w[i], d).max()
-            for k, cand in enumerate(rows):
-                row = cand[j]
-                if row is None:
-                    continue
-                if k == 1:
-                    row = stabilize_slots(row[None, :], base[i][None, :], d)[0]
-                pk = rank_loads_from_phy2log(row, w[i], d).max()
-                if pk < best_pk:
-                    best, best_pk = np.asarray(row, dtype=np.int64), pk
-            if best is not None:
-                out[i] = best
-                replaced += 1
-        return replaced
+        own = np.stack([base[i] if out[i] is None else out[i] for i in idx])
+        best_pk = rank_loads_from_phy2log(own, w[idx], d).max(axis=1)
+        best = np.full(idx.size, -1)
+        rows = peer_plans(lg, base[idx], d, s)
+        tables = []
+        for k, cand in enumerate(rows):
+            have = np.array([r is not None for r in cand])
+            tab = np.stack([own[j] if r is None else r for j, r in enumerate(cand)])
+            if k == 1 and have.any():
+                tab[have] = stabilize_slots(tab[have], base[idx][have], d)
+            pk = rank_loads_from_phy2log(tab, w[idx], d).max(axis=1)
+            win = have & (pk < best_pk)
+            best[win], best_pk[win] = k, pk[win]
+            tables.append(tab)
+        for j in np.nonzero(best >= 0)[0]:
+            out[idx[j]] = tables[best[j]][j].astype(np.int64)
+        return int((best >= 0).sum())
 
     def _search(self, sub, w, c, base, fresh, target, start, lb, slot_cost):
         """Moves for the layers of ``sub`` [k, D, S] (the repaired tables; other args [k, ...]).
@@ -304,6 +344,24 @@ class IncrementalPolicy(EplbPolicy):
         table = table.reshape(k, d, s)
         pk, _ = swap_search(table, w, counts.copy(), target, np.zeros(k), self.max_iters)
         return table, pk
+
+
+def peer_plans(lg: np.ndarray, prev: np.ndarray, d: int, s: int) -> list[list]:
+    """[balanced's rows, greedy's rows] for loads ``lg`` [k, E] (each a list of [D*S] or None).
+    Both packings run as ONE ``pack_sequences`` call over 2k layers (the packing costs one numpy
+    pass per item whatever the layer count); balanced's integer packing loads are exact in
+    float64 below ``EXACT_FLOAT_LIMIT``, so the decisions are those of the separate calls."""
+    if not fast_path_ok(lg):
+        return [plan_balanced(lg, prev, d, s), plan_greedy(lg, d, s)]
+    bi, be, rc, ok_b = balanced_items(lg, d, s)
+    gi, ge, ok_g = greedy_items(lg, d, s)
+    k = lg.shape[0]
+    table, packed = pack_sequences(np.concatenate([bi, gi]),
+                                   np.concatenate([be.astype(np.float64), ge]), d, s,
+                                   lg.shape[1])
+    bal = finish_balanced(lg, prev, table[:k], packed[:k], rc, ok_b, d, s)
+    gre = [table[k + i] if ok_g[i] and packed[k + i] else None for i in range(k)]
+    return [bal, gre]
 
 
 def _check_noise_aware(peak_z, step_tokens) -> tuple[float, float]:

@@ -95,9 +95,9 @@ class NodeAwarePolicy(EplbPolicy):
 
     name = "node_aware"
 
-    def __init__(self, ep_size, num_logical, redundant, *, num_nodes: int = 1,
+    def __init__(self, ep_size, num_logical, redundant, slots=None, *, num_nodes: int = 1,
                  num_groups: int = 0):
-        super().__init__(ep_size, num_logical, redundant)
+        super().__init__(ep_size, num_logical, redundant, slots)
         self.num_nodes = int(num_nodes)
         self.num_groups = int(num_groups) or num_logical
         check_topology(num_logical, ep_size, self.slots, self.num_nodes, self.num_groups)

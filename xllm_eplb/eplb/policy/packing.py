@@ -125,7 +125,8 @@ def stabilize_slots(cand: np.ndarray, prev: np.ndarray, ep_size: int) -> np.ndar
     c = cand.reshape(layers, ep_size, s)
     p = np.asarray(prev, dtype=np.int64).reshape(layers, ep_size, s)
     match = p[..., :, None] == c[..., None, :]                 # [L, D, dst, src]
-    first = match & (np.cumsum(match, axis=2) == 1)            # each src -> its first dst
+    # each src -> its first dst (prev may repeat an expert on a rank: xLLM's initial layout)
+    first = match & (np.arange(s)[:, None] == np.argmax(match, axis=2)[..., None, :])
     filled = first.any(axis=3)
     used = first.any(axis=2)
     out = np.where(filled, np.take_along_axis(c, np.argmax(first, axis=3), axis=2), -1)

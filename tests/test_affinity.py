@@ -1,0 +1,86 @@
+"""--worker_cpu_affinity: the plan (auto / none / LIST), its errors, and a real spawned child
+that starts on the cores it was given."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+
+import pytest
+
+from xllm_eplb.errors import ConfigError
+from xllm_eplb.worker import affinity
+
+
+def test_auto_pins_one_engine_core_and_splits_the_rest():
+    p = affinity.plan("auto", 2, tuple(range(9)))
+    assert p.engine == (0,) and p.workers == ((1, 2, 3, 4), (5, 6, 7, 8)) and p.pinned
+    p = affinity.plan("auto", 4, (0, 1, 2, 3, 4))
+    assert p.workers == ((1,), (2,), (3,), (4,))
+
+
+def test_auto_falls_back_to_none_with_too_few_cores():
+    p = affinity.plan("auto", 2, (0, 1))                # this 2-core machine at EP2
+    assert not p.pinned and p.engine is None
+    assert p.note == "worker_cpu_affinity=auto: 2 cores for 2 workers + the engine: not " \
+                     "pinned (needs 3)"
+    assert not affinity.plan("none", 2, tuple(range(64))).pinned
+
+
+def test_list_gives_each_rank_its_entry():
+    p = affinity.plan("0,1", 2, (0, 1))
+    assert p.workers == ((0,), (1,)) and p.engine is None
+    assert affinity.plan("0-1,2+4", 2, tuple(range(8))).workers == ((0, 1), (2, 4))
+
+
+@pytest.mark.parametrize("spec,msg", [
+    ("0,2", "--worker_cpu_affinity=0,2: core 2 is not available (this machine lets serve use "
+            "cores 0-1: 2 for 2 ranks)"),
+    ("0,0", "core 0 is given to ranks 0 and 1"),
+    ("0", "1 entries for 2 EP ranks on this node"),
+    ("a,b", "'a' is not a core"),
+    ("3-1,0", "range '3-1' is empty"),
+])
+def test_list_errors_name_the_flag_value_and_rule(spec, msg):
+    with pytest.raises(ConfigError, match=msg.replace("(", r"\(").replace(")", r"\)")):
+        affinity.plan(spec, 2, (0, 1))
+
+
+def _report(q):
+    q.put(sorted(os.sched_getaffinity(0)))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+def test_a_child_spawned_inside_pinned_starts_on_those_cores():
+    cpus = sorted(os.sched_getaffinity(0))
+    before = os.sched_getaffinity(0)
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    with affinity.pinned((cpus[-1],)):
+        p = ctx.Process(target=_report, args=(q,))
+        p.start()
+    assert os.sched_getaffinity(0) == before            # the launcher's mask is restored
+    try:
+        assert q.get(timeout=50) == [cpus[-1]]
+    finally:
+        p.join(10)
+    assert affinity.apply(None) == 1
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_serve_with_a_core_the_machine_lacks_exits_2_before_starting(tmp_path):
+    import subprocess
+    import sys
+
+    bad = max(os.sched_getaffinity(0)) + 1
+    r = subprocess.run([sys.executable, "-m", "xllm_eplb", "serve", "--ep-size", "2",
+                        f"--worker_cpu_affinity=0,{bad}", "--port", "0",
+                        "--log_dir", str(tmp_path / "logs")],
+                       capture_output=True, text=True, timeout=100, cwd=tmp_path)
+    assert r.returncode == 2, r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert lines[-1].startswith(f"error: --worker_cpu_affinity=0,{bad}: core {bad} is not "
+                                f"available"), r.stderr
+    assert "xllm-eplb ready" not in r.stdout

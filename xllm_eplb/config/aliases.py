@@ -1,0 +1,73 @@
+"""Flag names users bring from other engines (vLLM, SGLang), and flags with a bare form.
+
+- :data:`ALIASES`: another engine's name for one of our fields with the same meaning
+  (``--max-model-len`` is ``--max_position_embeddings``); accepted on the command line, in
+  flagfiles and config files.
+- :data:`FOREIGN`: another engine's flag for a feature this engine does not have; using one is
+  an error that says so (instead of a "did you mean" guess).
+- :data:`BARE`: a choice field that also reads like a boolean: ``--workload`` alone is
+  ``--workload=synthetic``, ``--noworkload`` is ``--workload=none``.
+
+Names are in the ``_`` spelling (``-`` is normalised before the lookup).
+"""
+
+from __future__ import annotations
+
+from xllm_eplb.errors import ConfigError
+
+#: other engine's flag -> our field (same meaning)
+ALIASES: dict[str, str] = {
+    "max_model_len": "max_position_embeddings",      # vLLM (prompt + output positions)
+    "context_length": "max_position_embeddings",     # SGLang
+    "max_num_seqs": "max_batch_size",                # vLLM: rows per DP rank (= EP rank) per step
+    "max_running_requests": "max_batch_size",        # SGLang
+    "chunked_prefill_size": "max_prefill_tokens",    # SGLang: prefill chunk per rank per step
+    "model_path": "model",                           # SGLang
+    "tokenizer_path": "tokenizer",                   # SGLang
+    "expert_parallel_size": "ep_size",               # SGLang
+}
+
+_NO_TP = ("this engine has no tensor parallelism: every EP rank holds the whole attention and "
+          "dense layers and a share of the routed experts; set the ranks with --ep-size")
+_NO_PP = "this engine has no pipeline parallelism: set the ranks with --ep-size"
+_DP = ("this engine runs one data-parallel attention rank per EP rank: the DP size is "
+       "--ep-size")
+
+#: other engine's flag for a feature we do not have -> why (the error text)
+FOREIGN: dict[str, str] = {
+    "tensor_parallel_size": _NO_TP,
+    "tp_size": _NO_TP,
+    "tp": _NO_TP,
+    "pipeline_parallel_size": _NO_PP,
+    "pp_size": _NO_PP,
+    "data_parallel_size": _DP,
+    "dp_size": _DP,
+    "dp": _DP,
+    "enable_expert_parallel": "expert parallelism is always on in this engine: set the EP ranks "
+                              "with --ep-size",
+    "gpu_memory_utilization": "this engine has no preallocated KV-cache pool to size: each "
+                              "rank's KV cache grows with its requests (--max_batch_size rows)",
+    "mem_fraction_static": "this engine has no preallocated KV-cache pool to size: each rank's "
+                           "KV cache grows with its requests (--max_batch_size rows)",
+    "enable_prefix_caching": "this engine has no prefix caching",
+    "speculative_config": "this engine has no speculative decoding",
+    "speculative_algorithm": "this engine has no speculative decoding",
+    "trust_remote_code": "this engine runs no model code from the checkpoint: the four "
+                         "families (deepseek_v3, qwen3_moe, qwen2_moe, mixtral) are built in",
+    "max_num_batched_tokens": "this engine budgets prefill tokens per EP rank per step: use "
+                              "--max_prefill_tokens (longer prompts are prefilled in chunks); "
+                              "decode rows are bounded by --max_batch_size",
+}
+
+#: choice field -> (value of the bare ``--name``, value of ``--noname``)
+BARE: dict[str, tuple[str, str]] = {
+    "workload": ("synthetic", "none"),
+}
+
+
+def canonical(name: str, shown: str) -> str:
+    """Our field name for flag ``name`` (``_`` spelling); ConfigError for a :data:`FOREIGN`
+    flag (``shown``: the flag as the user wrote it)."""
+    if name in FOREIGN:
+        raise ConfigError(f"{shown}: {FOREIGN[name]}")
+    return ALIASES.get(name, name)

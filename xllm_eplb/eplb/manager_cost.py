@@ -1,0 +1,103 @@
+"""The manager's cost side (:class:`CostGuard`): the cost model it feeds, the post-commit
+checks, and the roll-back of layers measured slower. Called by
+:class:`~xllm_eplb.eplb.manager.EplbManager` with its lock held; nothing here locks."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+
+from xllm_eplb.eplb.cost_check import CheckResult, CostChecks
+from xllm_eplb.eplb.cost_model import CostModel, CostSnapshot, critical_path
+from xllm_eplb.obs.logs import event
+
+log = logging.getLogger("xllm_eplb.eplb.manager")
+
+#: rounds a rolled-back layer is left out of
+HOLD_ROUNDS = 2
+
+
+class CostGuard:
+    """``counters``: the manager's :class:`~xllm_eplb.eplb.manager_stats.Counters` (updated in
+    place: ``cost_checks``, ``layers_regressed``, ``layers_rolled_back``, the last gains)."""
+
+    def __init__(self, num_layers: int, ep_size: int, num_logical: int, counters):
+        self.model = CostModel(num_layers, ep_size, num_logical)
+        self.checks = CostChecks(self.model)
+        self.counters = counters
+        self.num_layers = num_layers
+        self.rollback: dict[int, np.ndarray] = {}
+        self.held: dict[int, int] = {}
+
+    def snapshot(self) -> CostSnapshot | None:
+        return self.model.snapshot()
+
+    def observe(self, deltas: np.ndarray, placement: np.ndarray, cpu: np.ndarray,
+                gen: int) -> None:
+        """One pure-decode step: the model, then the open commit checks."""
+        self.model.observe(deltas, placement, cpu)
+        for res in self.checks.on_sample(cpu, gen):
+            self._checked(res)
+
+    def _checked(self, res: CheckResult) -> None:
+        c = self.counters
+        c.cost_checks += 1
+        c.cost_measured_gain = res.measured_gain
+        c.cost_predicted_gain = res.predicted_gain if res.predicted_gain is not None else 0.0
+        log.info(event("EPLB layer cost check", layer=res.layer,
+                       measured_before_ms=round(res.measured_before * 1e3, 4),
+                       measured_after_ms=round(res.measured_after * 1e3, 4),
+                       measured_gain=round(res.measured_gain, 4),
+                       predicted_gain=(None if res.predicted_gain is None
+                                       else round(res.predicted_gain, 4)),
+                       regressed=res.regressed))
+        if res.regressed:
+            c.layers_regressed += 1
+            self.rollback[res.layer] = res.prev_row
+
+    def status(self, active: np.ndarray, initial: np.ndarray) -> dict:
+        """Fit (``fixed_s`` / ``row_s`` / ``samples`` per layer, ``ready``) and, once ready,
+        the modelled critical path per step under ``active`` and ``initial`` (seconds)."""
+        fit = self.model.fit()
+        out = {"ready": fit.ready, "fixed_s": fit.fixed.tolist(), "row_s": fit.row.tolist(),
+               "samples": fit.samples.tolist(), "observed_steps": self.model.steps,
+               "predicted_critical_s": None, "predicted_critical_initial_s": None}
+        if fit.ready:
+            rate, d = self.model.per_step_rate(), self.model.D
+            out["predicted_critical_s"] = float(critical_path(fit, rate, active, d).sum())
+            out["predicted_critical_initial_s"] = float(critical_path(fit, rate, initial,
+                                                                      d).sum())
+        return out
+
+    def on_commit(self, layer: int, prev_row: np.ndarray, generation: int) -> None:
+        self.checks.on_commit(layer, prev_row, generation)
+
+    def rollback_round(self, active: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+        """(table [L, D*S], update [L]) restoring the rows of layers measured slower, or None;
+        those layers then sit out the next ``HOLD_ROUNDS`` rounds."""
+        if not self.rollback:
+            return None
+        table = np.array(active, dtype=np.int64)
+        update = np.zeros(self.num_layers, dtype=bool)
+        for layer, row in self.rollback.items():
+            table[layer], update[layer] = row, True
+            self.held[layer] = HOLD_ROUNDS
+        self.rollback = {}
+        self.counters.layers_rolled_back += int(update.sum())
+        log.warning(event("EPLB rolling back layers measured slower",
+                          layers=",".join(map(str, np.nonzero(update)[0]))))
+        return table, update
+
+    def filter_round(self, rnd, active: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """A planned round's (table, update) with held layers kept as deployed; remembers the
+        round's cost predictions for the commit checks."""
+        update = np.asarray(rnd.update, dtype=bool).copy()
+        table = np.array(rnd.table, dtype=np.int64)
+        for layer in list(self.held):
+            update[layer], table[layer] = False, active[layer]
+            self.held[layer] -= 1
+            if self.held[layer] <= 0:
+                del self.held[layer]
+        self.checks.on_round(rnd.gate)
+        return table, update

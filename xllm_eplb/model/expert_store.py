@@ -1,0 +1,161 @@
+"""The weight tensors of a MoE layer's expert slots, one class per storage format.
+
+A store holds ``n`` slots of one layer and answers four questions; :class:`FusedMoE`, the
+migration, the staging buffers and the canary only ever see "the tensors of a slot":
+
+- ``tensors()``: name -> tensor [n, ...], every per-slot weight tensor (what moves, what the
+  checksum covers, what the staging buffers mirror);
+- ``slot(s)``: name -> the views of slot ``s`` (what a checkpoint source reads into);
+- ``weights(slots)`` -> ``(w13 [m, 2I, H], w2 [m, H, I], idx)``: dense compute weights for
+  the slot ids ``slots`` [N] int64, ``idx`` [N] indexing into them;
+- ``refresh(slots)``: recompute derived state of those slots after their tensors were written
+  (a migration, a load).
+
+:class:`DenseSlots`: ``w13`` [n, 2I, H] and ``w2`` [n, H, I] in the model dtype.
+:class:`Fp8Slots`: ``w13_q`` float8_e4m3fn [n, 2I, H] (gate rows, up rows), ``w13_s`` float32
+[n, 2, ceil(I/bn), ceil(H/bk)] (gate and up keep separate grids: a concatenated grid is shared
+only when I % bn == 0), ``w2_q`` [n, H, I], ``w2_s`` [n, ceil(H/bn), ceil(I/bk)]. Compute
+dequantizes with :func:`fp8.dequantize` (transformers' rule): per step the active slots only
+(memory stays at the fp8 footprint), or, with ``cache``, a resident dequantized copy of every
+slot, refreshed by ``refresh`` (more memory, no per-step work). Both give identical weights.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from xllm_eplb.model import fp8
+
+
+class DenseSlots:
+    """Slots in the model dtype."""
+
+    kind = "dense"
+
+    def __init__(self, n: int, hidden: int, inter: int, dtype: torch.dtype,
+                 device: torch.device):
+        self.w13 = torch.empty((n, 2 * inter, hidden), dtype=dtype, device=device)
+        self.w2 = torch.empty((n, hidden, inter), dtype=dtype, device=device)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {"w13": self.w13, "w2": self.w2}
+
+    def slot(self, s: int) -> dict[str, torch.Tensor]:
+        return {"w13": self.w13[s], "w2": self.w2[s]}
+
+    def weights(self, slots: torch.Tensor):
+        return self.w13, self.w2, slots
+
+    def refresh(self, slots) -> None:
+        """Nothing is derived from dense slots."""
+
+    def describe(self) -> dict:
+        return {"format": self.kind, "bytes": _nbytes(self.tensors())}
+
+
+class Fp8Slots:
+    """Slots as fp8 bytes plus float32 block scales (see the module docstring)."""
+
+    kind = "fp8"
+
+    def __init__(self, n: int, hidden: int, inter: int, dtype: torch.dtype,
+                 device: torch.device, fmt: fp8.Fp8Format, cache: bool = False):
+        self.fmt, self.dtype = fmt, dtype
+        self.inter = inter
+        g13, g2 = fp8.grid((inter, hidden), fmt.block), fp8.grid((hidden, inter), fmt.block)
+        self.w13_q = torch.empty((n, 2 * inter, hidden), dtype=fp8.FP8, device=device)
+        self.w13_s = torch.empty((n, 2, *g13), dtype=torch.float32, device=device)
+        self.w2_q = torch.empty((n, hidden, inter), dtype=fp8.FP8, device=device)
+        self.w2_s = torch.empty((n, *g2), dtype=torch.float32, device=device)
+        self.cache = None
+        if cache:
+            self.cache = (torch.empty((n, 2 * inter, hidden), dtype=dtype, device=device),
+                          torch.empty((n, hidden, inter), dtype=dtype, device=device))
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {"w13_q": self.w13_q, "w13_s": self.w13_s, "w2_q": self.w2_q, "w2_s": self.w2_s}
+
+    def slot(self, s: int) -> dict[str, torch.Tensor]:
+        return {k: t[s] for k, t in self.tensors().items()}
+
+    def dense_into(self, s: int, w13: torch.Tensor, w2: torch.Tensor) -> None:
+        """Dequantize slot ``s`` into ``w13`` [2I, H] (gate and up, each with its own grid)
+        and ``w2`` [H, I]: one expert matrix at a time, so the fp32 temporary stays one
+        matrix."""
+        b, dt, inter = self.fmt.block, self.dtype, self.inter
+        fp8.dequantize(self.w13_q[s, :inter], self.w13_s[s, 0], b, dt, out=w13[:inter])
+        fp8.dequantize(self.w13_q[s, inter:], self.w13_s[s, 1], b, dt, out=w13[inter:])
+        fp8.dequantize(self.w2_q[s], self.w2_s[s], b, dt, out=w2)
+
+    def dense(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dequantized (w13 [m, 2I, H], w2 [m, H, I]) of slots ``ids`` [m]."""
+        m = ids.numel()
+        w13 = torch.empty((m, *self.w13_q.shape[1:]), dtype=self.dtype, device=ids.device)
+        w2 = torch.empty((m, *self.w2_q.shape[1:]), dtype=self.dtype, device=ids.device)
+        for j, s in enumerate(ids.tolist()):
+            self.dense_into(s, w13[j], w2[j])
+        return w13, w2
+
+    def weights(self, slots: torch.Tensor):
+        if self.cache is not None:
+            return self.cache[0], self.cache[1], slots
+        ids, idx = torch.unique(slots, return_inverse=True)
+        w13, w2 = self.dense(ids)
+        return w13, w2, idx
+
+    def refresh(self, slots) -> None:
+        """Re-dequantize the resident cache of ``slots`` (after a load or a move)."""
+        if self.cache is None:
+            return
+        for s in slots:
+            self.dense_into(int(s), self.cache[0][int(s)], self.cache[1][int(s)])
+
+    def describe(self) -> dict:
+        t = self.tensors()
+        out = {"format": self.kind, "bytes": _nbytes(t),
+               "fp8_bytes": _nbytes({k: v for k, v in t.items() if k.endswith("_q")}),
+               "scale_bytes": _nbytes({k: v for k, v in t.items() if k.endswith("_s")}),
+               "dequant": "cache" if self.cache is not None else "per_step"}
+        if self.cache is not None:
+            out["cache_bytes"] = _nbytes({"w13": self.cache[0], "w2": self.cache[1]})
+        return out
+
+
+def _nbytes(tensors: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def make_store(n: int, hidden: int, inter: int, dtype: torch.dtype, device, *,
+               fmt: fp8.Fp8Format | None, cache: bool = False):
+    """The store of ``n`` slots: :class:`Fp8Slots` for FP8 experts (``fmt``), else dense."""
+    device = torch.device(device)
+    if fmt is None:
+        return DenseSlots(n, hidden, inter, dtype, device)
+    return Fp8Slots(n, hidden, inter, dtype, device, fmt, cache)
+
+
+def slot_checksum(tensors: dict[str, torch.Tensor]) -> float:
+    """Identity of one slot's tensors (every weight tensor, scales included), from their
+    bytes: per tensor (sorted names), the position-weighted sum of its 16-bit words modulo the
+    prime 2^31 - 1, chained. Any single changed word changes it (weights and words are both
+    below the prime), as do swapped or shifted experts; exact in a float64. Works in blocks of
+    64 Ki words, so the temporaries stay small at load and in every canary check."""
+    h = 0
+    for name in sorted(tensors):
+        h = (h * 1_000_003 + _tensor_sum(tensors[name])) % _P
+    return float(h)
+
+
+_P = (1 << 31) - 1
+_BLOCK = 1 << 16
+
+
+def _tensor_sum(t: torch.Tensor) -> int:
+    b = t.contiguous().reshape(-1).view(torch.uint8)
+    words = b.view(torch.int16) if b.numel() % 2 == 0 else b
+    ramp = torch.arange(1, _BLOCK + 1, dtype=torch.int64, device=t.device)
+    acc = 0
+    for i in range(0, words.numel(), _BLOCK):
+        w = words[i:i + _BLOCK].to(torch.int64)
+        acc = (acc + int((w * ramp[:w.numel()]).sum()) * (i // _BLOCK + 1)) % _P
+    return acc
