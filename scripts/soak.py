@@ -278,7 +278,8 @@ def recoveries(log_dir: Path, kills: list[tuple[float, str]]) -> dict:
     """From the engine log: per recovery, the engine's detect latency (launcher saw the exit
     -> engine detects, ``detect_s``), detect -> re-formed (``seconds``) and kill -> resumed
     (the kill times of the chaos thread against the ``EPLB elastic resume`` stamps)."""
-    path = log_dir / "engine.log"
+    path = log_dir / "latest" / "engine.log"      # the run's own folder (--log_dir/latest)
+    path = path if path.exists() else log_dir / "engine.log"
     lines = path.read_text().splitlines() if path.exists() else []
 
     def field(ln: str, key: str) -> float:
