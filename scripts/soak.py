@@ -40,6 +40,7 @@ import http.client
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -277,7 +278,8 @@ def recoveries(log_dir: Path, kills: list[tuple[float, str]]) -> dict:
     """From the engine log: per recovery, the engine's detect latency (launcher saw the exit
     -> engine detects, ``detect_s``), detect -> re-formed (``seconds``) and kill -> resumed
     (the kill times of the chaos thread against the ``EPLB elastic resume`` stamps)."""
-    path = log_dir / "engine.log"
+    path = log_dir / "latest" / "engine.log"      # the run's own folder (--log_dir/latest)
+    path = path if path.exists() else log_dir / "engine.log"
     lines = path.read_text().splitlines() if path.exists() else []
 
     def field(ln: str, key: str) -> float:
@@ -370,6 +372,7 @@ def main() -> None:
                     help="--elastic_ep=true and a random worker SIGKILLed every --kill-every s")
     ap.add_argument("--kill-every", type=float, default=None,
                     help="seconds between kills (default 60; 20 with --quick)")
+    ap.add_argument("--keep-logs", type=Path, help="copy the soak server's logs here")
     ap.add_argument("--warmup-s", type=float, default=None,
                     help="seconds before the start figures (default min(60, 10%% of the run))")
     args = ap.parse_args()
@@ -382,7 +385,11 @@ def main() -> None:
         t0 = time.monotonic()
         ref = reference(model, tmp, pool)
         every = (args.kill_every or (20.0 if args.quick else 60.0)) if args.chaos else 0.0
-        res = soak(model, tmp, pool, ref, minutes, args.clients, warm, every)
+        try:
+            res = soak(model, tmp, pool, ref, minutes, args.clients, warm, every)
+        finally:
+            if args.keep_logs:
+                shutil.copytree(tmp / "logs_soak", args.keep_logs, dirs_exist_ok=True)
         res["wall_s"] = round(time.monotonic() - t0, 1)
     keys = ("requests_ok", "requests_failed", "token_mismatches", "rebalances", "layers_moved",
             "rss_growth_max", "fds_start", "fds_end", "threads_start", "threads_end",

@@ -137,4 +137,6 @@ def test_abort_round_drops_the_round_unless_an_activation_is_awaited():
     t = p.command(2.0).prepare_token
     p.observe_prepared([t, t], 2.5)
     assert p.command(3.0).update_layer_id == 0       # activation sent: awaited
-    assert not p.abort_round() and p.in_progress     # some rank may have switched: refused
+    assert not p.abort_round() and p.in_progress     # settle the activation first
+    p.drop_awaited()                                 # no rank switched it: not deployed
+    assert p.abort_round() and not p.in_progress and p.layers_completed == 0

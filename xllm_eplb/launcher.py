@@ -327,7 +327,8 @@ class Launcher:
             return False
         p = self.procs[who]
         p.join(2.0)
-        if p.exitcode is None or self.restarts >= rt.elastic_max_restarts:
+        # NOTE: exit 0 is the engine's shutdown message reaching the worker: a stop, no death
+        if p.exitcode in (None, 0) or self.restarts >= rt.elastic_max_restarts:
             return False
         self.restarts += 1
         self.generation += 1

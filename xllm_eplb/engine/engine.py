@@ -71,6 +71,12 @@ def agreed_token(tokens: list[int]) -> int:
     return first
 
 
+def _with_output(fault: WorkerFault, out) -> WorkerFault:
+    """``fault`` carrying the output frame that caused it (already read from its ring)."""
+    fault.output = out
+    return fault
+
+
 def decode_costs(outs, pure: bool) -> list | None:
     """The ranks' per-layer expert CPU seconds of a pure-decode step (the cost model's input),
     else None (prefill rows are not all counted)."""
@@ -153,12 +159,17 @@ class Engine:
     def _gather(self, timeout: float) -> list | None:
         """Every rank's output of the step; ``--elastic_ep``: None after a recovery from a
         rank's death (``engine/membership.py``; the step is void)."""
+        got: dict[int, object] = {}
         try:
-            return [self._get(r, timeout) for r in range(self.D)]
+            for r in range(self.D):
+                got[r] = self._get(r, timeout)
+            return [got[r] for r in range(self.D)]
         except WorkerFault as e:
             if self.membership is None:
                 raise
-            self.membership.recover(e)
+            if getattr(e, "output", None) is not None:     # the frame that failed is read
+                got[e.output.rank] = e.output
+            self.membership.recover(e, got)
             return None
 
     @property
@@ -204,10 +215,10 @@ class Engine:
             raise WorkerFault(f"rank {rank}: no output for step {self.step_no}: {e}") from None
         self.watch.answer(rank)
         if out.error:
-            raise WorkerFault(out.error)
+            raise _with_output(WorkerFault(out.error), out)
         if out.step != self.step_no or out.rank != rank:
-            raise WorkerFault(f"rank {rank}: answered step {out.step} rank {out.rank}, "
-                              f"expected step {self.step_no}")
+            raise _with_output(WorkerFault(f"rank {rank}: answered step {out.step} rank "
+                                           f"{out.rank}, expected step {self.step_no}"), out)
         return out
 
     # --- warm-up and loop ------------------------------------------------------------------

@@ -57,9 +57,10 @@ class Membership:
                 "requests_reprefilled": self.reprefilled, "last_recovery": dict(self.last)}
 
     # --- recovery --------------------------------------------------------------------------
-    def recover(self, fault: WorkerFault) -> None:
-        """Recover from the death behind ``fault`` or raise a :class:`WorkerFault` (the run
-        then stops as without elasticity)."""
+    def recover(self, fault: WorkerFault, got: dict) -> None:
+        """Recover from the death behind ``fault`` (``got``: the outputs of the failed step
+        read so far, by rank) or raise a :class:`WorkerFault` (the run then stops as without
+        elasticity)."""
         eng, fw = self.eng, self.eng.failures
         t0 = time.monotonic()
         fw.explain(fault, wait=NOTICE_WAIT)
@@ -71,10 +72,10 @@ class Membership:
         log.warning(event("EPLB elastic detect", rank=rank, step=step, generation=generation,
                           detect_s=round(time.time() - seen, 3), cause=msg))
         self.mark_down(rank)
-        if eng.manager is not None and not eng.manager.abort_round():
-            raise WorkerFault(f"{msg}; an EPLB layer activation was in flight (some rank may "
-                              "have switched it): the run stops")
-        self._fence(rank, step)
+        self._fence(rank, step, got)
+        if eng.manager is not None and not eng.manager.abort_round(self._switched(rank, got)):
+            raise WorkerFault(f"{msg}; an EPLB layer activation was in flight and only some "
+                              "ranks switched it: the run stops")
         back = eng.sched.void_step()
         t_fence = time.monotonic()
         log.info(event("EPLB elastic fence", step=step, requests_reprefilled=len(back),
@@ -101,14 +102,24 @@ class Membership:
     def mark_down(self, rank: int) -> None:
         self.eng.metrics.rank_active.labels(str(rank)).set(0)
 
-    def _fence(self, dead: int, step: int) -> None:
-        """Drop the survivors' outputs of the void step (each writes exactly one)."""
+    def _switched(self, dead: int, got: dict) -> bool | None:
+        """Did the surviving ranks switch the layer whose activation the void step carried?
+        A rank that finished the step did (its executor activates after the forward); one
+        that failed did not. True / False when they agree, None when they do not."""
+        token = self.eng.manager.pipe.awaited_token()
+        done = [o.error is None and o.activation_token == token
+                for r, o in got.items() if r != dead]
+        return True if all(done) else (False if not any(done) else None)
+
+    def _fence(self, dead: int, step: int, got: dict) -> None:
+        """Read the survivors' remaining outputs of the void step (each writes exactly one)
+        into ``got``; none of them is committed."""
         eng = self.eng
         for r in range(eng.D):
-            if r == dead or eng.watch.answered[r]:
+            if r == dead or r in got:
                 continue
             try:
-                eng.outs[r].get(timeout=self.silence)
+                got[r] = eng.outs[r].get(timeout=self.silence)
             except (RingTimeoutError, IpcError) as e:
                 raise WorkerFault(f"EPLB elastic: rank {r} did not finish step {step} after "
                                   f"rank {dead} died ({e})") from None

@@ -177,11 +177,18 @@ class EplbManager:
         with self._lock:
             self._observe_activation(int(activation_token))
 
-    def abort_round(self) -> bool:
-        """``--elastic_ep`` recovery: drop the round in flight (``LayerPipeline.abort_round``);
-        False when an activation is awaited (the run must stop)."""
+    def abort_round(self, switched: bool | None = False) -> bool:
+        """``--elastic_ep`` recovery: drop the round in flight (``LayerPipeline.abort_round``).
+        An activation awaited from the void step is first settled by ``switched``: True (every
+        surviving rank switched the layer: it is committed), False (none did: it is not
+        deployed), None (some did: nothing is changed and False is returned, the run stops)."""
         with self._lock:
             busy = self.pipe.in_progress
+            if self.pipe.awaiting is not None and switched is not None:
+                if switched:
+                    self._observe_activation(self.pipe.awaited_token())
+                else:
+                    self.pipe.drop_awaited()
             ok = self.pipe.abort_round()
         if busy and ok:
             log.warning(event("EPLB elastic round aborted", reason="rank lost"))

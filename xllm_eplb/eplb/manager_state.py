@@ -90,13 +90,19 @@ class LayerPipeline:
     def abort_round(self) -> bool:
         """Drop what is left of the round (elastic recovery: the workers' prepared buffers are
         gone); committed layers stay deployed. False, and nothing changed, while an activation
-        is awaited (some rank may already have switched that layer)."""
+        is awaited (the caller settles it first: commit or :meth:`drop_awaited`)."""
         if self.awaiting is not None:
             return False
         self.enable[:] = False
         self.state = [IDLE] * self.num_layers
         self.active_layer, self.active_token, self.pending = NO_LAYER, NO_TOKEN, None
         return True
+
+    def drop_awaited(self) -> None:
+        """The awaited activation never happened on any rank: the layer is not deployed."""
+        if self.awaiting is not None:
+            self.state[self.awaiting[0]] = IDLE
+            self.awaiting = None
 
     def _next_enabled(self, after: int) -> int:
         for layer in range(after + 1, self.num_layers):
