@@ -382,6 +382,8 @@ class EplbManager:
                 deployed = self._active
                 snap = (self.cost.snapshot() if getattr(self.planner, "plan_on", "") == "cost"
                         else None)
+                run = not (snap is None and self.cost.waiting(self.agg.sample_count,
+                                                               self.planner))
         if run:
             t0 = time.perf_counter()
             kw = {"cost": snap} if snap is not None else {}
