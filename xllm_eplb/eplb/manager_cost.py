@@ -32,17 +32,20 @@ class CostGuard:
         self.num_layers = num_layers
         self.rollback: dict[int, np.ndarray] = {}
         self.held: dict[int, int] = {}
+        #: the manager's caller reports expert timings (wait for the model from the start)
+        self.expect_timings = False
 
     def snapshot(self) -> CostSnapshot | None:
         return self.model.snapshot()
 
     def waiting(self, window_samples: int, planner) -> bool:
         """True when a round due now should wait for the cost model: the planner plans on cost,
-        timings have started to arrive but the model is not fitted yet (or has seen fewer steps
-        than a post-commit check compares), and the window is still
-        young (``COST_WAIT_SAMPLES``). Without any timings (no pure-decode step yet, or a
-        source without them) rounds plan on token counts at once."""
-        if getattr(planner, "plan_on", "") != "cost" or self.model.steps == 0:
+        timings are expected (``expect_timings``) or have started to arrive, but the model is not
+        fitted yet (or has seen fewer steps than a post-commit check compares), and the window
+        is still young (``COST_WAIT_SAMPLES``). A source without timings plans on token counts
+        at once."""
+        if getattr(planner, "plan_on", "") != "cost" or not (self.expect_timings
+                                                             or self.model.steps > 0):
             return False
         unfit = self.model.steps < self.checks.steps or self.model.snapshot() is None
         return unfit and window_samples < COST_WAIT_SAMPLES
