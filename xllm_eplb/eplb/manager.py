@@ -318,7 +318,7 @@ class EplbManager:
                     continue
                 self._accumulate(deltas, logical, gen)
                 if cpu is not None:
-                    self.cost.observe(deltas, placement, cpu, gen)
+                    self.cost.observe(deltas, placement, cpu, gen, logical)
 
     def _accumulate(self, deltas: np.ndarray, logical: np.ndarray, gen: int) -> None:
         if not self.agg.accumulate(deltas, logical, gen):

@@ -51,9 +51,9 @@ class CostGuard:
         return unfit and window_samples < COST_WAIT_SAMPLES
 
     def observe(self, deltas: np.ndarray, placement: np.ndarray, cpu: np.ndarray,
-                gen: int) -> None:
+                gen: int, logical: np.ndarray | None = None) -> None:
         """One pure-decode step: the model, then the open commit checks."""
-        self.model.observe(deltas, placement, cpu)
+        self.model.observe(deltas, placement, cpu, logical)
         for res in self.checks.on_sample(cpu, gen):
             self._checked(res)
 
