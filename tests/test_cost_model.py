@@ -208,3 +208,21 @@ def test_a_layer_whose_data_cannot_separate_the_terms_takes_the_pooled_fit():
     assert fit.fixed[1] / fit.row[1] == pytest.approx(fit.fixed[0] / fit.row[0], rel=1e-6)
     assert 3 * fit.fixed[1] + 9 * fit.row[1] == pytest.approx(2 * (3 * FIXED + 9 * ROW),
                                                               rel=0.05)
+
+
+def test_cost_rounds_wait_for_the_model_once_timings_flow():
+    counters = Counters()
+    guard = CostGuard(1, 2, 4, counters)
+    cost, tokens = Planner(make_policy("greedy", 2, 4, 1), 0.05, "cost"), \
+        Planner(make_policy("greedy", 2, 4, 1), 0.05, "tokens")
+    assert not guard.waiting(10, cost)               # no timings at all: plan on tokens now
+    observe_steps(guard.model, np.array([[0, 1, 2, 3, 1, 2]]), 5, np.random.default_rng(5))
+    assert guard.waiting(10, cost) and not guard.waiting(10, tokens)
+    assert not guard.waiting(10_000, cost)           # an old window: stop waiting
+    observe_steps(guard.model, np.array([[0, 1, 2, 3, 1, 2]]), guard.checks.steps,
+                  np.random.default_rng(6))
+    assert not guard.waiting(10, cost)               # fitted, enough steps for the check
+    guard.expect_timings = True                      # the engine: wait from the first sample
+    fresh = CostGuard(1, 2, 4, Counters())
+    fresh.expect_timings = True
+    assert fresh.waiting(10, cost) and not fresh.waiting(10, tokens)

@@ -39,11 +39,13 @@ class EplbConfig:
         "(case-insensitive; legacy names flat/deepseek_flat/deepseek_hier/hier/hierarchical map "
         "to balanced; unknown -> greedy with one warning)")
     eplb_plan_on: str = opt(
-        "cost", "what rounds balance and gate on: cost (a per-layer model fitted from the "
-        "workers' expert timings: fixed seconds per active slot + seconds per row; a layer is "
-        "published only if the modelled step critical path falls by "
-        "eplb_min_peak_load_improvement; token counts until the model is fitted) or tokens "
-        "(token counts only, as xLLM)", choices=("cost", "tokens"))
+        "cost", "what rounds plan and gate on: cost (a per-layer model fitted from the workers' "
+        "expert timings: fixed seconds per active slot + seconds per row; the policy plans on "
+        "token counts and on per-expert cost, the row with the lower modelled step critical "
+        "path wins, and a layer is published only if that path falls by "
+        "eplb_min_peak_load_improvement; rounds wait for the fitted model, token counts when "
+        "no timings arrive; a layer measured slower after its commit is rolled back) or "
+        "tokens (token counts only, as xLLM)", choices=("cost", "tokens"))
     eplb_use_decode_only_load: bool = opt(
         False, "eager path counts only real decode tokens (prefill rows of mixed batches are masked)")
     eplb_prepare_timeout_seconds: float = opt(

@@ -29,7 +29,7 @@ def _make_manager(cfg: Config, placement):
     from xllm_eplb.eplb.manager import EplbManager
 
     return EplbManager(cfg.eplb, cfg.num_moe_layers, cfg.model.num_experts, runner="thread",
-                       initial=placement)
+                       initial=placement, expect_timings=True)
 
 
 def _attach_rings(cfg: Config):

@@ -196,7 +196,10 @@ class CostModel:
         self.decay = 0.5 ** (1.0 / half_life)
         self._fit: CostFit | None = None
 
-    def observe(self, deltas: np.ndarray, placement: np.ndarray, expert_cpu) -> None:
+    def observe(self, deltas: np.ndarray, placement: np.ndarray, expert_cpu,
+                logical: np.ndarray | None = None) -> None:
+        """One step; ``logical`` [L, E]: the step's rows per logical expert when the caller
+        already has them (else scattered here from ``deltas`` and ``placement``)."""
         cpu = np.asarray(expert_cpu, dtype=np.float64)
         if cpu.shape != (self.D, self.L):
             raise ValueError(f"expert_cpu of shape {cpu.shape}, expected [ranks, layers]="
@@ -207,9 +210,10 @@ class CostModel:
         self.rows[i] = d.sum(axis=2)
         self.seconds[i] = cpu.T
         self.steps += 1
-        logical = np.zeros((self.L, self.E))
-        p = np.asarray(placement, dtype=np.int64)
-        np.add.at(logical, (np.arange(self.L)[:, None], p), d.reshape(self.L, -1))
+        if logical is None:
+            logical = np.zeros((self.L, self.E))
+            p = np.asarray(placement, dtype=np.int64)
+            np.add.at(logical, (np.arange(self.L)[:, None], p), d.reshape(self.L, -1))
         self.rate = self.decay * self.rate + (1.0 - self.decay) * logical
         self.rate_weight = self.decay * self.rate_weight + (1.0 - self.decay)
         self._fit = None

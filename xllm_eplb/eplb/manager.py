@@ -82,12 +82,14 @@ class EplbManager:
     ``planner`` (tests): replaces the policy + gate built from ``cfg``; it must carry a
     ``name``. ``initial``: the deployed placement at start, int64 ``[L, D*S]`` (the workers'
     initial table, e.g. ``--eplb_init_placement``; default xLLM's initial layout).
+    ``expect_timings``: the caller passes expert timings on pure-decode steps (the engine), so a
+    cost-planned round waits for the fitted model from the first sample on.
     """
 
     def __init__(self, cfg: EplbConfig, num_layers: int, num_logical: int, *,
                  planner: PlannerFn | None = None,
                  clock: Callable[[], float] = time.monotonic, runner: str = "thread",
-                 initial: np.ndarray | None = None):
+                 initial: np.ndarray | None = None, expect_timings: bool = False):
         if not isinstance(cfg, EplbConfig):
             raise TypeError(f"EplbManager takes the EplbConfig (cfg.eplb), got "
                             f"{type(cfg).__name__}")
@@ -123,6 +125,7 @@ class EplbManager:
         self._deadline_gen = -1
         self._counters = Counters()
         self.cost = CostGuard(num_layers, cfg.ep_size, num_logical, self._counters)
+        self.cost.expect_timings = bool(expect_timings)
         self.hb = Heartbeats(clock(), cfg.eplb_heartbeat_seconds, self.policy_name)
         log.info(event("EPLB manager start", policy=self.policy_name, layers=num_layers,
                        devices=cfg.ep_size, device_experts=self.slots, runner=runner,
@@ -332,7 +335,7 @@ class EplbManager:
                     continue
                 self._accumulate(deltas, logical, gen)
                 if cpu is not None:
-                    self.cost.observe(deltas, placement, cpu, gen)
+                    self.cost.observe(deltas, placement, cpu, gen, logical)
 
     def _accumulate(self, deltas: np.ndarray, logical: np.ndarray, gen: int) -> None:
         if not self.agg.accumulate(deltas, logical, gen):
@@ -399,6 +402,8 @@ class EplbManager:
                 deployed = self._active
                 snap = (self.cost.snapshot() if getattr(self.planner, "plan_on", "") == "cost"
                         else None)
+                run = not (snap is None and self.cost.waiting(self.agg.sample_count,
+                                                               self.planner))
         if run:
             t0 = time.perf_counter()
             kw = {"cost": snap} if snap is not None else {}

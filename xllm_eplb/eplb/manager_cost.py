@@ -16,6 +16,9 @@ log = logging.getLogger("xllm_eplb.eplb.manager")
 
 #: rounds a rolled-back layer is left out of
 HOLD_ROUNDS = 2
+#: a cost-planned manager whose model has started to observe timings defers rounds until it is
+#: fitted, unless its window already holds this many samples (then plan on token counts)
+COST_WAIT_SAMPLES = 512
 
 
 class CostGuard:
@@ -29,14 +32,28 @@ class CostGuard:
         self.num_layers = num_layers
         self.rollback: dict[int, np.ndarray] = {}
         self.held: dict[int, int] = {}
+        #: the manager's caller reports expert timings (wait for the model from the start)
+        self.expect_timings = False
 
     def snapshot(self) -> CostSnapshot | None:
         return self.model.snapshot()
 
+    def waiting(self, window_samples: int, planner) -> bool:
+        """True when a round due now should wait for the cost model: the planner plans on cost,
+        timings are expected (``expect_timings``) or have started to arrive, but the model is not
+        fitted yet (or has seen fewer steps than a post-commit check compares), and the window
+        is still young (``COST_WAIT_SAMPLES``). A source without timings plans on token counts
+        at once."""
+        if getattr(planner, "plan_on", "") != "cost" or not (self.expect_timings
+                                                             or self.model.steps > 0):
+            return False
+        unfit = self.model.steps < self.checks.steps or self.model.snapshot() is None
+        return unfit and window_samples < COST_WAIT_SAMPLES
+
     def observe(self, deltas: np.ndarray, placement: np.ndarray, cpu: np.ndarray,
-                gen: int) -> None:
+                gen: int, logical: np.ndarray | None = None) -> None:
         """One pure-decode step: the model, then the open commit checks."""
-        self.model.observe(deltas, placement, cpu)
+        self.model.observe(deltas, placement, cpu, logical)
         for res in self.checks.on_sample(cpu, gen):
             self._checked(res)
 

@@ -115,7 +115,8 @@ def replay(trace: Trace, cfg: EplbConfig, opts: ReplayOptions | None = None) -> 
         cfg = dataclasses.replace(cfg, eplb_use_estimator=bool(opts.use_estimator))
     ep = int(cfg.ep_size)
     clock = SimClock()
-    mgr = EplbManager(cfg, trace.layers, trace.experts, clock=clock, runner="sync")
+    mgr = EplbManager(cfg, trace.layers, trace.experts, clock=clock, runner="sync",
+                      expect_timings=opts.cost is not None)
     static = mgr.active_placement.copy()
     workers = SimWorkers(static, ep, delays=int(opts.transfer_steps_per_layer))
     steps = trace.steps
