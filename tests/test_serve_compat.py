@@ -101,6 +101,20 @@ def test_models_retrieve_api_key_and_tokenize_round_trips(server):
     assert st == 400 and err["error"]["param"] == "tokens"
 
 
+@pytest.mark.timeout(200)
+def test_bench_sends_the_api_key(server):
+    from click.testing import CliRunner
+
+    from xllm_eplb.commands.bench import bench
+
+    args = ["--url", server.url, "--requests", "2", "--concurrency", "2", "--max-tokens", "2"]
+    r = CliRunner().invoke(bench, args)
+    assert r.exit_code == 2 and "every request failed; first error: 401" in r.output, r.output
+    r = CliRunner().invoke(bench, [*args, "--api-key", KEY])
+    assert r.exit_code == 0, r.output
+    assert NAME in r.output            # the header read /v1/models with the key
+
+
 def _log_softmax(logits: np.ndarray) -> np.ndarray:
     z = logits - logits.max(axis=-1, keepdims=True)
     return z - np.log(np.exp(z).sum(axis=-1, keepdims=True))

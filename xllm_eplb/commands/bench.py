@@ -103,13 +103,21 @@ def workload_warning(status: dict) -> str | None:
             f"it alone)")
 
 
-def stream_one(host: str, port: int, body: dict, timeout: float) -> dict:
+def auth_headers(api_key: str = "") -> dict:
+    """The JSON content type, plus the bearer token of a server started with ``--api-key``."""
+    h = {"Content-Type": "application/json"}
+    if api_key:
+        h["Authorization"] = f"Bearer {api_key}"
+    return h
+
+
+def stream_one(host: str, port: int, body: dict, timeout: float, api_key: str = "") -> dict:
     """One streamed completion: token arrival times (perf_counter), ids, or an error."""
     t0 = time.perf_counter()
     conn = http.client.HTTPConnection(host, port, timeout=timeout)
     try:
         conn.request("POST", "/v1/completions", body=json.dumps(body).encode(),
-                     headers={"Content-Type": "application/json"})
+                     headers=auth_headers(api_key))
         r = conn.getresponse()
         if r.status != 200:
             raw = r.read()
@@ -151,7 +159,7 @@ def arrival_times(n: int, rate: float, burstiness: float = 1.0, seed: int = 0) -
 
 def run_bench(url: str, prompts: list, max_tokens: int, concurrency: int,
               seed: int = 0, timeout: float = 600.0, *, request_rate: float = math.inf,
-              burstiness: float = 1.0) -> dict:
+              burstiness: float = 1.0, api_key: str = "") -> dict:
     """Send every prompt (token ids or text) as a streamed request, request ``i`` not before
     ``arrival_times(...)[i]`` and at most ``concurrency`` in flight; returns the numbers
     and the generated token ids per prompt (``outputs``, None if failed). A request that waits
@@ -166,7 +174,7 @@ def run_bench(url: str, prompts: list, max_tokens: int, concurrency: int,
         body = {"prompt": p, "max_tokens": max_tokens, "temperature": 0.0, "seed": seed + i,
                 "ignore_eos": True, "stream": True, "return_token_ids": True}
         try:
-            res = stream_one(host, port, body, timeout)
+            res = stream_one(host, port, body, timeout, api_key)
         except (OSError, http.client.HTTPException, ValueError) as e:
             res = {"error": f"{type(e).__name__}: {e}"}
         with lock:
@@ -216,7 +224,7 @@ def summarize(results: list[dict], secs: float) -> dict:
     return out
 
 
-def server_info(url: str, timeout: float = 10.0) -> dict:
+def server_info(url: str, timeout: float = 10.0, api_key: str = "") -> dict:
     """What the server says about itself: ``{"model": /v1/models' first entry, "status":
     /eplb/status}``; a part the server does not answer (another engine) is left out."""
     import urllib.request
@@ -224,7 +232,8 @@ def server_info(url: str, timeout: float = 10.0) -> dict:
     out: dict = {}
     for key, path in (("model", "/v1/models"), ("status", "/eplb/status")):
         try:
-            with urllib.request.urlopen(url.rstrip("/") + path, timeout=timeout) as r:
+            req = urllib.request.Request(url.rstrip("/") + path, headers=auth_headers(api_key))
+            with urllib.request.urlopen(req, timeout=timeout) as r:
                 body = json.loads(r.read())
         except (OSError, ValueError):
             continue
@@ -312,11 +321,13 @@ def table(url: str, info: dict, r: dict, width: int = 60) -> str:
               show_default=True, help="shape of the gamma law of the gaps between arrivals: "
               "1 = Poisson, < 1 burstier, > 1 more regular (needs a finite --request-rate)")
 @click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--api-key", "--api_key", default="",
+              help="bearer token of a server started with --api-key (as the openai client's)")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
               help="also write the numbers to this JSON file")
 @handle_user_errors
 def bench(url, n, concurrency, prompt_len, max_tokens, topics, skew, dataset, max_prompt_chars,
-          request_rate, burstiness, seed, json_path) -> None:
+          request_rate, burstiness, seed, api_key, json_path) -> None:
     """Drive a running server (streaming) and report throughput, TTFT, TPOT, ITL and E2E."""
     check_url(url)
     if json_path and not (Path(json_path).parent.is_dir()):
@@ -326,12 +337,12 @@ def bench(url, n, concurrency, prompt_len, max_tokens, topics, skew, dataset, ma
                         f"--request-rate=inf every request is sent at once)")
     prompts = (sharegpt_prompts(dataset, n, seed, max_prompt_chars) if dataset
                else make_prompts(n, prompt_len, topics, skew, seed))
-    info = server_info(url)
+    info = server_info(url, api_key=api_key)
     warn = workload_warning(info.get("status", {}))
     if warn:
         click.echo(warn, err=True)
     res = run_bench(url, prompts, max_tokens, concurrency, seed, request_rate=request_rate,
-                    burstiness=burstiness)
+                    burstiness=burstiness, api_key=api_key)
     res.pop("outputs")
     if res["ok"] == 0 and res["errors"]:
         raise UserError(f"--url={url}: every request failed; first error: {res['first_error']}")
