@@ -1,0 +1,287 @@
+"""The :class:`Launcher`: owns the run's children (the engine, one worker per EP rank) and its
+shared memory; spawns them on their pinned cores, pumps their start-up events, supervises (a
+dead child stops the run, naming it; ``--elastic_ep``: see ``elastic.py``) and stops them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import multiprocessing as mp
+import multiprocessing.connection as mpc
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+from xllm_eplb.config import Config, node_ranks, ranks_per_node
+from xllm_eplb.engine.process import engine_main
+from xllm_eplb.ipc.objects import sweep_run
+from xllm_eplb.launcher.elastic import ElasticSupervision
+from xllm_eplb.launcher.events import EventHub
+from xllm_eplb.launcher.exits import describe_exit, log_name, wall_clock
+from xllm_eplb.launcher.rings import RunShm
+from xllm_eplb.obs.logs import FILE_ONLY, event
+from xllm_eplb.preflight import StartupError
+from xllm_eplb.worker import affinity
+from xllm_eplb.worker.worker import worker_main
+
+log = logging.getLogger(__name__)
+
+#: environment of every child (one intra-op thread per rank; 2 cores serve 17 processes)
+CHILD_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1",
+             "TORCH_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+@contextlib.contextmanager
+def _child_env():
+    """Environment the spawned interpreter starts with (spawn copies ``os.environ``)."""
+    old = {k: os.environ.get(k) for k in CHILD_ENV}
+    os.environ.update(CHILD_ENV)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+class Launcher(ElasticSupervision):
+    """Owns the children and the run's shared memory; :meth:`run` returns the exit code."""
+
+    def __init__(self, cfg: Config, *, progress=None):
+        self.cfg = cfg
+        self.ctx = mp.get_context("spawn")
+        self.events = EventHub(self.ctx)
+        self.procs: dict[str, mp.Process] = {}
+        #: the first ``error`` event detail of each child, in arrival order
+        self.errors: dict[str, str] = {}
+        self.stop_signal = 0
+        self.shm = None
+        self.progress = progress
+        self.t0 = time.monotonic()
+        self.killed_at = ""     # wall_clock() of the last stop's SIGKILLs
+        # --- elastic EP (#23): the store outlives any worker; dead workers are replaced
+        self.store = None
+        self.generation = 1
+        self.restarts = 0
+
+    # --- signals ---------------------------------------------------------------------------
+    def _on_signal(self, signum, frame) -> None:
+        if not self.stop_signal:
+            self.stop_signal = signum
+
+    def install_signals(self) -> None:
+        signal.signal(signal.SIGINT, self._on_signal)
+        signal.signal(signal.SIGTERM, self._on_signal)
+
+    # --- start -----------------------------------------------------------------------------
+    @functools.cached_property
+    def affinity(self) -> affinity.AffinityPlan:
+        """This node's ``--worker_cpu_affinity`` plan (decided once, logged in one line)."""
+        plan = affinity.plan(self.cfg.runtime.worker_cpu_affinity, ranks_per_node(self.cfg))
+        log.info(event("launcher cpu affinity", note=plan.note))
+        return plan
+
+    def _cores(self, who: str) -> tuple[int, ...] | None:
+        if who == "engine":
+            return self.affinity.engine
+        if who.startswith("ep"):
+            return self.affinity.workers[int(who[2:]) - node_ranks(self.cfg).start]
+        return None
+
+    def _spawn(self, who: str, target, *args) -> None:
+        """Start child ``who``; an argument that is ``self.events`` becomes the child's own
+        :class:`EventSender` (one pipe per child). An EP worker or the engine starts on its
+        pinned cores (the worker also gets them as ``cores=``: it sizes its torch threads to
+        them)."""
+        sender = self.events.sender(who)
+        args = tuple(sender if a is self.events else a for a in args)
+        cores = self._cores(who)
+        kwargs = {"cores": cores} if target is worker_main else {}
+        with _child_env(), affinity.pinned(cores):
+            p = self.ctx.Process(target=target, name=who, args=args, kwargs=kwargs,
+                                 daemon=False)
+            p.start()
+        self.events.spawned(sender)
+        self.procs[who] = p
+        log.debug(event("launcher spawn", proc=who, pid=p.pid))
+
+    def start(self) -> None:
+        """Shared memory, then the engine (it binds the port first), then the workers."""
+        cfg, me = self.cfg, os.getpid()
+        self.shm = RunShm.create(cfg)
+        if cfg.runtime.elastic_ep:   # hosted here, not by worker 0: any worker may die
+            self._host_store()
+        self._spawn("engine", engine_main, cfg, self.events, me)
+        self._wait_stage("engine", "http_bound")
+        for r in range(cfg.eplb.ep_size):
+            self._spawn(f"ep{r}", worker_main, cfg, r, self.events, me)
+        self._wait_stage("engine", "ready")
+
+    def _wait_stage(self, who: str, stage: str) -> None:
+        """Pump events until ``who`` reports ``stage``; a dead child or a signal aborts."""
+        self._wait_all({(who, stage)})
+
+    def _wait_all(self, want: set) -> None:
+        """Pump events until every ``(who, stage)`` of ``want`` arrived (any order); an error
+        event, a dead child or a signal aborts."""
+        want = set(want)
+        while want:
+            ev = self._next_event(0.2)
+            if ev:
+                want.discard((ev[0], ev[1]))
+                if ev[1] == "error":
+                    raise StartupError(f"{ev[0]} failed during start-up: {ev[2]}")
+            dead = self.dead_child()
+            if dead:
+                raise StartupError(self.death_message(dead, during="start-up"))
+            if self.stop_signal:
+                raise KeyboardInterrupt
+
+    def _next_event(self, timeout: float):
+        try:
+            ev = self.events.get(timeout=timeout)
+        except Exception:  # noqa: BLE001 - queue.Empty
+            return None
+        self._report_stage(*ev)
+        return ev
+
+    def _report_stage(self, who: str, stage: str, detail: str) -> None:
+        if stage == "error" and detail and who not in self.errors:
+            self.errors[who] = detail            # named in the death message
+        if stage in ("attached", "kill"):
+            self._elastic_event(who, stage, detail)
+        if self.progress is not None:
+            self.progress.update(who, stage)
+        log.debug(event("launcher stage", proc=who, stage=stage, detail=detail,
+                        t=round(time.monotonic() - self.t0, 2)))
+
+    # --- supervise -------------------------------------------------------------------------
+    def dead_child(self) -> str | None:
+        for who, p in self.procs.items():
+            if p.exitcode is not None:
+                return who
+            if not p.is_alive():
+                p.join(2.0)
+                return who
+        return None
+
+    def death_message(self, who: str, during: str = "serving") -> str:
+        p = self.procs[who]
+        name = f"rank {who[2:]}" if who.startswith("ep") else who
+        self._drain_events()
+        why = f" ({self.errors[who]})" if who in self.errors else ""
+        return (f"{name} (pid {p.pid}) died during {during}: {describe_exit(p.exitcode)}{why}; "
+                f"see {Path(self.cfg.serve.log_dir) / log_name(who)} (seen at {wall_clock()})")
+
+    def supervise(self) -> int:
+        """Block until a signal (-> 0) or a child's death (-> 1; ``--elastic_ep``: a dead
+        worker is replaced instead, up to ``--elastic_max_restarts`` times)."""
+        sentinels = {p.sentinel: who for who, p in self.procs.items()}
+        while not self.stop_signal:
+            ready = mpc.wait(list(sentinels), timeout=0.5)
+            self._drain_events()
+            if ready and self._replace(sentinels[ready[0]]):
+                sentinels = {p.sentinel: who for who, p in self.procs.items()}
+                continue
+            if ready and not self._stopping_together():
+                who = self._first_failed(sentinels[ready[0]])
+                self.procs[who].join(2.0)  # reap it: the exit cause names the signal
+                self._report_death(who)
+                return 1
+        log.info(event("launcher stop", signal=signal.Signals(self.stop_signal).name))
+        return 0
+
+    def _report_death(self, who: str) -> None:
+        """One message, said three times alike: the engine's notice (its clients are told
+        which rank died), the launcher log and the console's summary line."""
+        msg = self.death_message(who)
+        if who != "engine":
+            self.events.notify("engine", ("died", who, msg))
+        # NOTE: the console gets one summary line (the `error:` below), the file both
+        log.error(event("launcher child died", proc=who, pid=self.procs[who].pid,
+                        cause=describe_exit(self.procs[who].exitcode), message=msg),
+                  extra=FILE_ONLY)
+        print(f"error: {msg}", file=sys.stderr, flush=True)
+
+    def _first_failed(self, who: str) -> str:
+        """The child that caused the failure: one killed by a signal (it could report nothing;
+        the survivors' errors are only its consequence), else the first dead one that reported
+        an error (a worker's injected crash names its phase; the engine's fault names the
+        rank), else ``who``."""
+        self._drain_events()
+        dead = {w: p.exitcode for w, p in self.procs.items() if p.exitcode is not None}
+        killed = [w for w, code in dead.items() if code < 0]
+        if killed:
+            return who if who in killed else killed[0]
+        # NOTE: a worker that exits 0 after the engine's shutdown message (the engine stops on
+        # a fault it found, e.g. a bad frame) is no cause: the reporter still in its teardown is.
+        return next((w for w in self.errors if w in dead),
+                    next(iter(self.errors), who) if dead.get(who) == 0 else who)
+
+    def _stopping_together(self, grace: float = 0.3) -> bool:
+        """True when a stop signal reaches the launcher within ``grace`` s of a child's death.
+
+        NOTE: a SIGTERM sent to the whole process group (``timeout``, systemd, a container
+        runtime) reaches the children and the launcher at once; that is a requested stop, not a
+        failure.
+        """
+        end = time.monotonic() + grace
+        while not self.stop_signal and time.monotonic() < end:
+            time.sleep(0.02)
+        return bool(self.stop_signal)
+
+    def _drain_events(self) -> None:
+        while self._next_event(0) is not None:
+            pass
+
+    # --- stop ------------------------------------------------------------------------------
+    def stop(self, graceful: bool) -> list[str]:
+        """Stop every child; returns the names of those that had to be killed."""
+        timeout = self.cfg.serve.shutdown_timeout_seconds if graceful else min(
+            3.0, self.cfg.serve.shutdown_timeout_seconds)
+        eng = self.procs.get("engine")
+        if eng is not None and eng.exitcode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(eng.pid, signal.SIGTERM)   # engine: graceful stop of the whole run
+        if not graceful:
+            for who, p in self.procs.items():
+                if who != "engine" and p.exitcode is None:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(p.pid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and any(p.exitcode is None
+                                                  for p in self.procs.values()):
+            mpc.wait([p.sentinel for p in self.procs.values() if p.exitcode is None], 0.1)
+            self._drain_events()   # NOTE: a child flushing its event queue must not block
+            for p in self.procs.values():
+                p.join(0)
+        killed = [who for who, p in self.procs.items() if p.exitcode is None]
+        for who in killed:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.procs[who].pid, signal.SIGKILL)
+        self.killed_at = wall_clock()
+        for p in self.procs.values():
+            p.join(5)
+        if killed:
+            log.warning(event("launcher killed", procs=",".join(killed), after_s=timeout,
+                              signal="SIGKILL", at=self.killed_at,
+                              why="did not stop within --shutdown_timeout_seconds"),
+                        extra=FILE_ONLY)
+        return killed
+
+    def cleanup(self) -> None:
+        """Close and sweep the run's shared memory; close the event queue and the store."""
+        if self.shm is not None:
+            self.shm.close()
+        self.store = None
+        sweep_run(self.cfg.runtime.run_id)
+        with contextlib.suppress(Exception):
+            self.events.close()
+            self.events.join_thread()
+
