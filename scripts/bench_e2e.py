@@ -128,7 +128,7 @@ def cost_checks(srv) -> list[dict]:
     committed layer the measured critical-path gain (same server, the steps just before vs just
     after the commit) and the one the cost model predicted."""
     out = []
-    for line in (srv.log_dir / "engine.log").read_text().splitlines():
+    for line in (srv.log_dir / "latest" / "engine.log").read_text().splitlines():   # this run's folder
         if "EPLB layer cost check" not in line:
             continue
         kv = dict(f.split("=", 1) for f in line.split() if "=" in f)
