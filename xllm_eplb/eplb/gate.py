@@ -37,6 +37,7 @@ import numpy as np
 
 from xllm_eplb.eplb import cost_model
 from xllm_eplb.eplb.balance import rank_loads_from_phy2log
+from xllm_eplb.eplb.cost_search import align_row, pack_row, refine_row
 from xllm_eplb.errors import ConfigError
 from xllm_eplb.obs.logs import event
 
@@ -136,22 +137,47 @@ def cost_input(cost: cost_model.CostSnapshot, logical: np.ndarray) -> np.ndarray
     return cost_model.expert_weights(cost.fit, cost.rate, scale)
 
 
+#: a cost-aware round takes the row that changes fewest slots among those whose modelled
+#: critical path is within this fraction of the lowest
+NEAR_BEST = 0.01
+
+
 def cost_candidates(policy: EplbPolicy, cost: cost_model.CostSnapshot, logical: np.ndarray,
                     deployed: np.ndarray) -> list[np.ndarray | None]:
     """A cost-aware round's candidates: the policy plans twice, on token counts and on
-    :func:`cost_input`; per layer the row with the lower modelled critical path wins (a
-    policy's split assumption is even token halves, so either input can plan better)."""
+    :func:`cost_input`; each plan and the deployed row are then polished on the modelled step
+    cost (:func:`~xllm_eplb.eplb.cost_search.refine_row`: swaps before splits, at most
+    ``slots`` moves), and a row packed from scratch on the model
+    (:func:`~xllm_eplb.eplb.cost_search.pack_row`) is polished too. Every row is aligned to the
+    deployed one (:func:`~xllm_eplb.eplb.cost_search.align_row`: same cost, fewer slots
+    changed). Per layer the row changing fewest slots among those within ``NEAR_BEST`` of the
+    lowest modelled critical path wins (a policy's split assumption is even token halves and it
+    cannot see the fixed cost, so any of them can plan better)."""
     by_tokens = policy.plan(logical, deployed)
     by_cost = policy.plan(cost_input(cost, logical), deployed)
     out: list[np.ndarray | None] = []
     for layer, (a, b) in enumerate(zip(by_tokens, by_cost, strict=True)):
+        dep = np.asarray(deployed[layer], dtype=np.int64)
+        seeded = bool((dep >= 0).all())
         rows = [np.asarray(c, dtype=np.int64) for c in (a, b) if c is not None]
-        if len(rows) < 2:
-            out.append(rows[0] if rows else None)
+        starts = rows + ([dep] if seeded else [])
+        starts = [r for r in starts
+                  if valid_rows(r[None, :], policy.num_logical, policy.ep_size)[0]]
+        fixed, per_row = float(cost.fit.fixed[layer]), float(cost.fit.row[layer])
+        starts.append(pack_row(fixed, per_row, cost.rate[layer], policy.ep_size, policy.slots))
+        rows += [refine_row(fixed, per_row, cost.rate[layer], r, policy.ep_size,
+                            policy.slots)[0] for r in starts]
+        if not rows:
+            out.append(None)
             continue
+        if seeded:
+            rows = [align_row(r, dep, policy.ep_size) for r in rows]
         crit = cost_model.critical_path(cost.fit, cost.rate, np.stack(rows), policy.ep_size,
-                                        np.array([layer, layer]))
-        out.append(rows[int(np.argmin(crit))])
+                                        np.full(len(rows), layer))
+        changed = [int((r != dep).sum()) if seeded else 0 for r in rows]
+        near = [i for i in range(len(rows)) if crit[i] <= crit.min() * (1 + NEAR_BEST)]
+        best = min(near, key=lambda i: (changed[i], float(crit[i])))
+        out.append(None if seeded and changed[best] == 0 else rows[best])
     return out
 
 
