@@ -40,9 +40,9 @@ class EplbConfig:
         "to balanced; unknown -> greedy with one warning)")
     eplb_plan_on: str = opt(
         "cost", "what rounds plan and gate on: cost (a per-layer model fitted from the workers' "
-        "expert timings: fixed seconds per active slot + seconds per row; the policy plans on "
-        "token counts and on per-expert cost, the row with the lower modelled step critical "
-        "path wins, and a layer is published only if that path falls by "
+        "expert timings: fixed seconds per active slot + seconds per row; the policy's rows, "
+        "the deployed row and a row packed on the model are searched on the modelled step "
+        "critical path (swaps before splits), the lowest wins, and a layer is published only if that path falls by "
         "eplb_min_peak_load_improvement; rounds wait for the fitted model, token counts when "
         "no timings arrive; a layer measured slower after its commit is rolled back) or "
         "tokens (token counts only, as xLLM)", choices=("cost", "tokens"))

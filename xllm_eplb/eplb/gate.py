@@ -139,7 +139,7 @@ def cost_input(cost: cost_model.CostSnapshot, logical: np.ndarray) -> np.ndarray
 
 #: a cost-aware round takes the row that changes fewest slots among those whose modelled
 #: critical path is within this fraction of the lowest
-NEAR_BEST = 0.01
+NEAR_BEST = 0.03
 
 
 def cost_candidates(policy: EplbPolicy, cost: cost_model.CostSnapshot, logical: np.ndarray,
