@@ -24,7 +24,9 @@ the mode order reversed every other round. Per mode and round (deltas of ``/eplb
   imbalance (``off``: the static imbalance);
 - perfect balance: the off step with its critical path replaced by the mean rank's,
   ``gain_perfect = tpot_off / (tpot_off - (crit_off - mean_off)) - 1``; measured
-  ``gain = tokens/s on / tokens/s off - 1`` in the same round;
+  ``gain = tokens/s on / tokens/s off - 1`` in the same round; on the critical path,
+  ``critical_gain_perfect = crit_off / mean_off - 1`` against ``crit_off / crit_on - 1``
+  (``critical_gain_over_perfect``: the share of perfect balance reached);
 - the cost model (``/eplb/status`` ``cost_model`` of the ``on`` server): its predicted
   critical path under the initial and the deployed placement; predicted wall-clock gain =
   ``tpot_off / (tpot_off - (pred_initial - pred_deployed)) - 1`` against the measured gain,
@@ -147,7 +149,12 @@ def pair_numbers(r: dict) -> dict:
     out = {"gain": on["tokens_per_s"] / off["tokens_per_s"] - 1.0,
            "gain_perfect": step / (step - (crit - mean)) - 1.0 if step > crit - mean else None,
            "critical_path_gain": off["critical_ms_per_step"] / on["critical_ms_per_step"] - 1,
+           # perfect balance on the critical path: off's slowest rank brought to its mean rank
+           "critical_gain_perfect": crit / mean - 1.0 if mean > 0 else None,
            "tokens_identical": on["outputs"] == off["outputs"]}
+    if out["critical_gain_perfect"]:
+        out["critical_gain_over_perfect"] = (out["critical_path_gain"]
+                                             / out["critical_gain_perfect"])
     cmod = on.get("cost_model") or {}
     if cmod.get("predicted_critical_s") and cmod.get("predicted_critical_initial_s"):
         dp = cmod["predicted_critical_initial_s"] - cmod["predicted_critical_s"]
@@ -187,11 +194,20 @@ def summarize(rounds: list[dict], modes: list[str]) -> dict:
         out["predicted_critical_path_gain"] = median(
             [p.get("predicted_critical_path_gain") for p in pairs])
         out["critical_path_gain_median"] = median([p["critical_path_gain"] for p in pairs])
+        out["predicted_minus_measured_critical_path_gain"] = median(
+            [p["predicted_critical_path_gain"] - p["critical_path_gain"] for p in pairs
+             if p.get("predicted_critical_path_gain") is not None])
     if "tokens" in modes:
         out["tokens_planning_critical_path_ratio"] = median(
             [p["critical_path_ratio_tokens_off"] for p in pairs])
     out["cost_planning_critical_path_ratio"] = median(
         [1.0 / (1.0 + p["critical_path_gain"]) for p in pairs])
+    out["critical_gain_over_perfect_median"] = median(
+        [p.get("critical_gain_over_perfect") for p in pairs])
+    out["critical_path_shorter_every_pair"] = all(p["critical_path_gain"] >= 0 for p in pairs)
+    if "nomove" in modes:     # the spread of an unchanged placement: the run's noise
+        nm = [p["gain_nomove"] for p in pairs]
+        out["nomove_wall_clock_spread"] = [min(nm), max(nm)]
     return out
 
 
