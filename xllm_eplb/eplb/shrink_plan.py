@@ -96,8 +96,9 @@ def _layer(ml: int, rows: np.ndarray, num_experts: int, w: np.ndarray, spread: l
                 d = int(rows[r, s])
                 if count[d] < 2:
                     continue
-                dup = int((rows[r] == d).sum()) > 1
-                k = (not dup, w[d] / count[d], spread[r], r, s)
+                # a same-rank duplicate serves nothing: only the spread orders those
+                k = ((0, 0.0, spread[r], r, s) if int((rows[r] == d).sum()) > 1
+                     else (1, w[d] / count[d], spread[r], r, s))
                 if key is None or k < key:
                     best, key = (r, s), k
         if best is None:     # unreachable under the rule: every rank holds e or only singles
