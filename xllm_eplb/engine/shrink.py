@@ -98,13 +98,15 @@ def resize(eng, keep: list[int], table) -> None:
 
 def _manager(eng, D: int, table):
     """The EPLB manager of the smaller world, the new table deployed; None when EPLB is off
-    or the layout is not expressible by ``--ep_size`` / ``--redundant_experts_num`` (the
-    survivors keep serving the re-planned table without rebalancing; logged)."""
-    old = eng.manager
-    if old is None:
+    or the layout is not expressible by ``--ep_size`` / ``--redundant_experts_num``
+    (``num_experts`` not divisible by the ranks left: the survivors keep serving the re-planned
+    table without rebalancing, logged; a later shrink to an expressible size turns it on
+    again)."""
+    cfg, old = eng.cfg, eng.manager
+    if old is not None:
+        old.close()
+    if not cfg.eplb.enable_eplb:
         return None
-    old.close()
-    cfg = eng.cfg
     E, S = cfg.model.num_experts, cfg.slots_per_rank
     redundant = S - E // D
     err = layout_error(E, D, redundant)
@@ -113,6 +115,7 @@ def _manager(eng, D: int, table):
                           num_experts=E, why=err))
         eng.metrics.enabled.set(0)
         return None
+    eng.metrics.enabled.set(1)
     from xllm_eplb.eplb.manager import EplbManager
 
     e = dataclasses.replace(cfg.eplb, ep_size=D, redundant_experts_num=redundant)
