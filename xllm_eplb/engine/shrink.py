@@ -69,6 +69,7 @@ def shrink(ms, rank: int, generation: int) -> dict:
     m = eng.metrics
     m.experts_reloaded.labels("checkpoint").inc(len(plan.reloads))
     m.rank_active.labels(str(D - 1)).set(0)
+    m.worker_up.labels(str(D - 1)).set(0)
     m.ep_size_g.set(D - 1)
     return {"ep_size": D - 1, "workers": workers, "plan_s": round(t_plan, 4),
             "experts_checkpoint": len(plan.reloads), "experts_replica": 0,
