@@ -41,11 +41,9 @@ def _metrics(s) -> dict:
 
 
 def _covers_all(placement, ep_size: int, num_experts: int = 8) -> None:
+    """Every MoE layer's deployed table: ep_size x 4 slots holding every expert."""
     for row in placement:
         assert len(row) == ep_size * 4 and set(row) == set(range(num_experts)), row
-        for r in range(ep_size):
-            mine = row[r * 4:(r + 1) * 4]
-            assert len(mine) == 4
 
 
 @pytest.mark.timeout(420)
