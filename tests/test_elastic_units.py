@@ -1,6 +1,7 @@
 """Elastic EP pieces in one process (issue #23): the redundancy rule at validation, the
 launcher-hosted store's placement keys, the scheduler's void step (re-prefill from prompt +
-output) and the re-prefill's tokens being those of an uninterrupted run."""
+output) and the re-prefill's tokens being those of an uninterrupted run; for a shrink, the
+scheduler's and step watch's smaller rank set and the dead reader retired from the input ring."""
 
 from __future__ import annotations
 
@@ -140,3 +141,54 @@ def test_abort_round_drops_the_round_unless_an_activation_is_awaited():
     assert not p.abort_round() and p.in_progress     # settle the activation first
     p.drop_awaited()                                 # no rank switched it: not deployed
     assert p.abort_round() and not p.in_progress and p.layers_completed == 0
+
+
+def test_shrink_resizes_the_scheduler_and_the_step_watch():
+    from xllm_eplb.engine.health import StepWatch
+
+    s = Scheduler(dp_size=3, max_batch_size=4, max_prefill_tokens=8)
+    reqs = [s.submit(Request(prompt=[1, 2, 3], max_tokens=9)) for _ in range(3)]
+    s.pull()
+    s.update({r.req_id: 7 for x in s.schedule() for r in x.rows})
+    with pytest.raises(RuntimeError, match="void_step first"):
+        s.resize([0, 2])
+    old = {r.req_id: r.dp_rank for r in reqs}
+    s.void_step()
+    s.resize([0, 2])                           # rank 1 died: old 0 -> 0, old 2 -> 1
+    nxt = s.schedule()
+    assert len(nxt) == 2 and all(r.dp_rank in (0, 1) for r in reqs)
+    released = {rid: k for k, x in enumerate(nxt) for rid in x.release}
+    assert released == {rid: {0: 0, 2: 1}[k] for rid, k in old.items() if k != 1}
+    assert sorted(len(x.rows) for x in nxt) == [1, 2]      # least-loaded survivor first
+    w = StepWatch(4, 10.0)
+    w.resize([0, 1, 3])
+    w.begin()
+    w.answer(2)
+    assert w.D == 3 and w.readers == [0, 1, 3] and w.answered == [False, False, True]
+
+
+@pytest.fixture
+def run_id():
+    import os
+    import uuid
+
+    from xllm_eplb.ipc import objects
+    from xllm_eplb.ipc.shm import run_prefix
+
+    rid = "t" + uuid.uuid4().hex[:10]
+    yield rid
+    objects.clean(rid, force=True)
+    assert not [f for f in os.listdir("/dev/shm") if run_prefix(rid) in f]
+
+
+def test_a_retired_reader_never_holds_the_producer_back(run_id):
+    from xllm_eplb.ipc.messages import ForwardInput
+    from xllm_eplb.ipc.ring import InputRing
+
+    with InputRing.create(run_id, 2, slots=2, frame_bytes=1024) as eng, \
+            InputRing.attach(run_id, 0) as w0:
+        eng.put(ForwardInput(0, []), timeout=1)      # reader 1 (dead) never reads it
+        eng.retire_reader(1)
+        for step in range(1, 6):                     # more than the slots: never blocks
+            eng.put(ForwardInput(step, []), timeout=1)
+            assert w0.get(timeout=1).step in (step - 1, step)

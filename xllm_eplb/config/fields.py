@@ -199,7 +199,8 @@ class RuntimeConfig:
         unit="s", lo=0, lo_open=True)
     # --- elastic EP (#23) ---
     elastic_ep: bool = opt(False, "fault-tolerant EP: a worker that dies (or is silent for "
-                           "--elastic_silence_seconds) is replaced in place, the ranks re-form "
+                           "--elastic_silence_seconds) is replaced in place (or left out: "
+                           "--elastic_restart), the ranks re-form "
                            "their process groups (next generation) and every request in flight "
                            "is re-prefilled from prompt + output; off: a death stops the run")
     elastic_silence_seconds: float = opt(5.0, "with --elastic_ep: a worker that has not read a "
@@ -209,8 +210,14 @@ class RuntimeConfig:
                                               "(the replacement loaded and joined) within "
                                               "this, else the run stops", unit="s", lo=0,
                                               lo_open=True)
-    elastic_max_restarts: int = opt(3, "with --elastic_ep: worker replacements per run before "
-                                    "a death stops the run (a crash loop ends)", lo=0)
+    elastic_max_restarts: int = opt(3, "with --elastic_ep: worker replacements per run; a "
+                                    "death after them shrinks the run (a crash loop ends)",
+                                    lo=0)
+    elastic_restart: bool = opt(True, "with --elastic_ep: respawn a dead worker in place (up "
+                                "to --elastic_max_restarts); false (or the restarts used up): "
+                                "shrink instead: the survivors re-form with compact ranks "
+                                "0..N-2, re-plan the experts (orphans read from the checkpoint) "
+                                "and keep serving on N-1 ranks")
 
 
 @dataclass(frozen=True)

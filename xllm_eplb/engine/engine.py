@@ -245,6 +245,8 @@ class Engine:
                 last_health = time.monotonic()
                 self._refresh()
             if self.stopping or not self.sched.has_work:
+                if self.membership is not None:      # a death while idle: recover now
+                    self.membership.when_idle()
                 continue
             batches = self.sched.schedule()
             self.live.on_scheduled(batches, self.sched.running, time.monotonic())

@@ -31,6 +31,12 @@ class StepWatch:
         self.started = 0.0                  # time.monotonic() of the in-flight step, 0 = none
         self.answered = [False] * ep_size
         self.last_done = time.monotonic()
+        #: the input-ring reader (= worker) of each rank; an elastic shrink compacts the ranks
+        self.readers = list(range(ep_size))
+
+    def resize(self, readers: list[int]) -> None:
+        """Elastic shrink: rank ``r`` is now worker ``readers[r]``."""
+        self.D, self.readers, self.answered = len(readers), list(readers), [False] * len(readers)
 
     def begin(self) -> None:
         self.answered = [False] * self.D
@@ -57,21 +63,21 @@ class StepWatch:
             pending = [r for r in pending if not _has_frame(outs[r])]
         if inp is not None:
             with contextlib.suppress(Exception):
-                unread = [r for r in pending if reader_behind(inp.ring, r)]
+                unread = [r for r in pending if reader_behind(inp.ring, self.readers[r])]
                 if unread:
                     return unread
         return pending
 
     def unread(self, inp) -> list[int]:
-        """Ranks silent in the in-flight step: those that have not read its input frame, else
+        """Workers (input-ring readers, the ids the launcher kills by) silent in the in-flight
+        step: those that have not read its input frame, else
         those whose process is stopped (SIGSTOP; mid-step the others wait for it inside the
         all-to-all and cannot be told apart otherwise); [] when none or unknown."""
         if not self.started:
             return []
         with contextlib.suppress(Exception):
-            behind = [r for r in range(self.D) if reader_behind(inp.ring, r)]
-            return behind or [r for r in range(self.D)
-                              if _stopped(reader_pid(inp.ring, r))]
+            behind = [w for w in self.readers if reader_behind(inp.ring, w)]
+            return behind or [w for w in self.readers if _stopped(reader_pid(inp.ring, w))]
         return []
 
     def stalled(self, inp=None, outs=None) -> list[int] | None:

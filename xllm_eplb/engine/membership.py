@@ -1,7 +1,8 @@
 """Elastic EP membership (``--elastic_ep``, issue #23): the one owner, in the engine, of who is
 alive and of the process-group generation, and the recovery that follows a death.
 
-Recovery (the launcher respawns the dead worker in place and sends the engine a notice)::
+Recovery (the launcher respawns the dead worker in place, or with ``--elastic_restart=false``
+or its restarts used up leaves it out, and sends the engine a notice saying which)::
 
     detect   a step fails (a survivor's collective reports peer_lost, the dead rank's ring
              producer is gone, or the launcher's notice arrives while the step waits)
@@ -12,6 +13,10 @@ Recovery (the launcher respawns the dead worker in place and sends the engine a 
              it has attached its rings the engine sends ``ForwardInput(regroup=g+1)``: the
              survivors leave generation g and join g+1 with the replacement (same ranks)
     resume   the next step is ordinary; streams continue without a repeated or skipped token
+
+A death the launcher does not replace is a *shrink* (``engine/shrink.py``): the re-form is with
+the survivors only, at compact ranks ``0..N-2``, after a re-plan of the experts; the engine's
+rank set follows. Ranks are compact; :attr:`Membership.workers` maps each to its worker.
 
 An EPLB round in flight is dropped (``EplbManager.abort_round``: committed layers stay, the
 rest is re-planned by a later round). A death the engine cannot recover from stops the run as
@@ -27,9 +32,10 @@ import logging
 import time
 
 from xllm_eplb.engine.failures import WorkerFault
+from xllm_eplb.engine.shrink import shrink
 from xllm_eplb.ipc.errors import IpcError, RingTimeoutError
 from xllm_eplb.ipc.messages import ForwardInput
-from xllm_eplb.ipc.store import put_placement
+from xllm_eplb.ipc.store import put_members, put_placement
 from xllm_eplb.model.batch import RankBatch
 from xllm_eplb.obs.logs import event
 
@@ -50,11 +56,22 @@ class Membership:
         self.recoveries = 0
         self.reprefilled = 0
         self.last: dict = {}
+        #: the worker (``ep<w>``, its rings) of each EP rank; a shrink drops the dead one and
+        #: the survivors take compact ranks
+        self.workers = list(range(engine.D))
+        self.shrinks = 0
 
     def status(self) -> dict:
         return {"elastic": True, "generation": self.generation, "ep_size": self.eng.D,
-                "ranks_active": list(range(self.eng.D)), "recoveries": self.recoveries,
+                "ranks_active": list(range(self.eng.D)), "workers": list(self.workers),
+                "recoveries": self.recoveries, "shrinks": self.shrinks,
                 "requests_reprefilled": self.reprefilled, "last_recovery": dict(self.last)}
+
+    def when_idle(self) -> None:
+        """A death notice while no step runs: an empty step now meets the dead rank (and
+        recovers, or stops the run), instead of the next request's."""
+        if self.eng.failures._poll(0.0):
+            self.eng.step([RankBatch() for _ in range(self.eng.D)])
 
     # --- recovery --------------------------------------------------------------------------
     def recover(self, fault: WorkerFault, got: dict) -> None:
@@ -66,10 +83,14 @@ class Membership:
         fw.explain(fault, wait=NOTICE_WAIT)
         if fw.died is None or len(fw.died) < 5:
             raise fault
-        _, who, msg, generation, seen = fw.died
+        _, who, msg, generation, seen, *mode = fw.died
+        shrinking = mode == ["shrink"]
         fw.clear_death()                  # from here on, a death notice is a second death
-        rank, step = int(who[2:]), eng.step_no
-        log.warning(event("EPLB elastic detect", rank=rank, step=step, generation=generation,
+        if int(who[2:]) not in self.workers:
+            raise fault
+        rank, step = self.workers.index(int(who[2:])), eng.step_no
+        log.warning(event("EPLB elastic detect", rank=rank, worker=who, step=step,
+                          generation=generation, mode=mode[0] if mode else "respawn",
                           detect_s=round(time.time() - seen, 3), cause=msg))
         self.mark_down(rank)
         self._fence(rank, step, got)
@@ -80,24 +101,34 @@ class Membership:
         t_fence = time.monotonic()
         log.info(event("EPLB elastic fence", step=step, requests_reprefilled=len(back),
                        seconds=round(t_fence - t0, 3)))
-        self._reform(rank, generation)
+        extra = {}
+        if shrinking:
+            extra = shrink(self, rank, generation)
+            self.shrinks += 1
+            log.info(event("EPLB elastic re-form", generation=generation, rank=rank,
+                           ep_size=eng.D, seconds=round(time.monotonic() - t_fence, 3)))
+        else:
+            self._reform(rank, generation)
         t_done = time.monotonic()
         self.generation, self.recoveries = generation, self.recoveries + 1
         self.reprefilled += len(back)
-        self._metrics(t_done - t0, len(back))
-        self.last = {"rank": rank, "step": step, "generation": generation,
+        self._metrics(t_done - t0, len(back), respawn=not shrinking)
+        self.last = {"rank": rank, "worker": who, "step": step, "generation": generation,
+                     "mode": "shrink" if shrinking else "respawn",
                      "fence_s": round(t_fence - t0, 3), "reform_s": round(t_done - t_fence, 3),
-                     "seconds": round(t_done - t0, 3), "requests_reprefilled": len(back)}
+                     "seconds": round(t_done - t0, 3), "requests_reprefilled": len(back),
+                     **extra}
         log.warning(event("EPLB elastic resume", **self.last))
 
-    def _metrics(self, seconds: float, reprefilled: int) -> None:
-        """The replacement re-read its whole shard (every slot of every MoE layer) from the
-        checkpoint; nothing moved between replicas."""
+    def _metrics(self, seconds: float, reprefilled: int, respawn: bool) -> None:
+        """A replacement re-read its whole shard (every slot of every MoE layer) from the
+        checkpoint; nothing moved between replicas (a shrink counts its own reloads)."""
         m, cfg = self.eng.metrics, self.eng.cfg
-        m.generation.set(self.generation)
+        m.pg_generation.set(self.generation)
         m.recovery_seconds.observe(seconds)
         m.reprefilled.inc(reprefilled)
-        m.experts_reloaded.labels("checkpoint").inc(cfg.slots_per_rank * cfg.num_moe_layers)
+        if respawn:
+            m.experts_reloaded.labels("checkpoint").inc(cfg.slots_per_rank * cfg.num_moe_layers)
 
     def mark_down(self, rank: int) -> None:
         self.eng.metrics.rank_active.labels(str(rank)).set(0)
@@ -130,6 +161,7 @@ class Membership:
         eng, fw = self.eng, self.eng.failures
         t0 = time.monotonic()
         put_placement(self.store, generation, eng.active_placement)
+        put_members(self.store, generation, self.workers)
         got = fw.next_attached(self.join_timeout)
         if got is None or fw.died is not None:
             raise WorkerFault(f"EPLB elastic: the replacement of rank {dead} did not attach "

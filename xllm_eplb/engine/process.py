@@ -129,11 +129,13 @@ def _serve(cfg: Config, events, parent_pid: int, res: dict) -> int:
 
 
 def _teardown(res: dict, parent_pid: int, run_id: str, reason: str = SHUTDOWN) -> None:
+    eng = res.get("engine")
+    if eng is not None and eng.manager is not res.get("manager"):
+        res["manager"] = eng.manager        # an elastic shrink rebuilt it
     for key in ("workload", "manager"):
         if res.get(key) is not None:
             with contextlib.suppress(Exception):
                 res[key].close()
-    eng = res.get("engine")
     if eng is not None:
         eng.state = "stopping"
         eng.sched.fail_all(reason)

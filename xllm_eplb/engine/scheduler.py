@@ -293,6 +293,15 @@ class Scheduler:
         self.waiting.extendleft(reversed(back))
         return back
 
+    def resize(self, keep: list[int]) -> None:
+        """``--elastic_ep`` shrink, after :meth:`void_step`: DP rank ``r`` of the smaller set
+        is old rank ``keep[r]`` (its pending KV releases follow it; the dead rank's go). The
+        requeued requests are re-prefilled on the least-loaded survivors."""
+        if self.running:
+            raise RuntimeError("Scheduler.resize: requests still running (void_step first)")
+        self._release = [self._release[r] for r in keep]
+        self.dp_size = len(keep)
+
     def fail_in_flight(self, error: str) -> list[Request]:
         """Finish every running and waiting request with ``error`` (a stalled step,
         ``engine/failures.py``) while the engine keeps running: the running ones' KV caches are

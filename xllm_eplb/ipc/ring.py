@@ -129,7 +129,23 @@ class InputRing(_MessageRing):
     def put(self, msg: ForwardInput, timeout: float | None = None) -> int:
         if not isinstance(msg, ForwardInput):
             raise TypeError(f"ring {self.name}: put expects ForwardInput, got {type(msg).__name__}")
-        return super().put(msg, timeout)
+        seq = super().put(msg, timeout)
+        for i in getattr(self, "retired", ()):
+            self._sink(i)
+        return seq
+
+    def retire_reader(self, index: int) -> None:
+        """Producer, ``--elastic_ep`` shrink: reader ``index`` (a dead worker, not replaced)
+        will never read again; from now on the producer consumes its frames itself (so
+        back-pressure never waits on it)."""
+        self.retired = getattr(self, "retired", set()) | {int(index)}
+        self._sink(index)
+
+    def _sink(self, index: int) -> None:
+        data, space = self.ring._data[index], self.ring._space[index]
+        while data.value > 0:        # frames pending for that reader: give their slots back
+            data.acquire(0)
+            space.release()
 
     def get(self, timeout: float | None = None) -> ForwardInput:
         return super().get(timeout)

@@ -46,3 +46,18 @@ def get_placement(store, generation: int) -> np.ndarray:
     head, body = raw.split(b";", 1)
     shape = tuple(int(x) for x in head.decode().split(","))
     return np.frombuffer(body, dtype=np.int64).reshape(shape).copy()
+
+
+def members_key(generation: int) -> str:
+    return f"members/gen{generation}"
+
+
+def put_members(store, generation: int, workers: list[int]) -> None:
+    """The workers of ``generation`` in compact rank order (worker ``workers[r]`` is EP rank
+    ``r``): an elastic shrink drops the dead one, the survivors take compact ranks."""
+    store.set(members_key(generation), ",".join(map(str, workers)).encode())
+
+
+def get_members(store, generation: int) -> list[int]:
+    """The workers of ``generation`` (waits until the engine has set them)."""
+    return [int(x) for x in bytes(store.get(members_key(generation))).decode().split(",")]

@@ -69,6 +69,7 @@ class Launcher(ElasticSupervision):
         self.store = None
         self.generation = 1
         self.restarts = 0
+        self.retired: dict[str, mp.Process] = {}   # dead workers left out by a shrink
 
     # --- signals ---------------------------------------------------------------------------
     def _on_signal(self, signum, frame) -> None:

@@ -213,8 +213,8 @@ class EngineMetrics:
         """``--elastic_ep`` (#23): membership and recoveries (engine/membership.py)."""
         self.rank_active = self._g("rank_active", "1 while the EP rank is a member of the "
                                    "current process-group generation", ("rank",))
-        self.generation = self._g("generation", "process-group generation (1 at start, +1 "
-                                  "per elastic recovery)")
+        self.pg_generation = self._g("generation", "process-group generation (1 at start, "
+                                     "+1 per elastic recovery)")
         self.recovery_seconds = self._h("recovery_seconds", "elastic recovery: death detected "
                                         "-> ranks re-formed", (0.1, 0.25, 0.5, 1, 2, 3, 5, 10,
                                                               30, 60))
@@ -222,7 +222,7 @@ class EngineMetrics:
                                    "+ output after a rank died")
         self.experts_reloaded = self._c("experts_reloaded", "expert slots loaded again after a "
                                         "rank died, by source", ("source",))
-        self.generation.set(1)
+        self.pg_generation.set(1)
         for r in range(self.ep_size):
             self.rank_active.labels(str(r)).set(1)
         for source in ("replica", "checkpoint"):

@@ -41,16 +41,25 @@ def get_placement(client, generation: int):
     return store.get_placement(client, generation)
 
 
-def join(cfg: Config, client, rank: int, generation: int, timeout_s: float) -> comm.CommGroups:
+def get_members(client, generation: int) -> list[int]:
+    """The workers of ``generation`` in compact rank order (an elastic shrink drops one)."""
+    return store.get_members(client, generation)
+
+
+def join(cfg: Config, client, rank: int, generation: int, timeout_s: float,
+         world_size: int | None = None, device=None) -> comm.CommGroups:
     """Join generation ``generation`` of the world (every rank, same order): default group on
-    ``PrefixStore("gen<g>/", store)``, then the EPLB group."""
+    ``PrefixStore("gen<g>/", store)``, then the EPLB group. ``world_size``: the generation's
+    ranks (default ``--ep_size``; fewer after an elastic shrink); ``device``: the worker's (a
+    compact rank keeps its device)."""
     backend = comm.preflight(cfg)
     t0 = time.perf_counter()
     dist.init_process_group(backend, store=dist.PrefixStore(f"gen{generation}/", client),
-                            rank=rank, world_size=cfg.eplb.ep_size,
+                            rank=rank, world_size=world_size or cfg.eplb.ep_size,
                             timeout=timedelta(seconds=timeout_s))
-    groups = comm.groups_from_world(cfg)
+    groups = comm.groups_from_world(cfg, device=device)
     log.info(event("EPLB elastic joined", rank=rank, generation=generation,
+                   world_size=world_size or cfg.eplb.ep_size,
                    seconds=round(time.perf_counter() - t0, 3)))
     return groups
 

@@ -37,6 +37,7 @@ from xllm_eplb.ipc.messages import ForwardOutput
 from xllm_eplb.ipc.records import StepTimings, WorkerHeartbeat
 from xllm_eplb.ipc.ring import InputRing, OutputRing
 from xllm_eplb.model.decoder import build_model
+from xllm_eplb.model.reshard import canary, reshard
 from xllm_eplb.obs.logs import FILE_ONLY, console_handler, event, setup_logging
 from xllm_eplb.worker import affinity, comm, regroup
 from xllm_eplb.worker.executor import make_executor
@@ -79,6 +80,10 @@ class Worker:
 
     def __init__(self, cfg: Config, rank: int, events, parent_pid: int, generation: int = 0):
         self.cfg, self.rank, self.events, self.parent_pid = cfg, rank, events, parent_pid
+        #: this worker's EP rank and world size in the current generation: ``rank`` and
+        #: ``--ep_size`` until an elastic shrink compacts the survivors (``rank`` stays the
+        #: worker's identity: its rings, its log, its process name)
+        self.ep_rank, self.ep_size = rank, cfg.eplb.ep_size
         self.elastic = cfg.runtime.elastic_ep
         #: elastic: the process-group generation (1 at start; a replacement starts at > 1)
         self.generation = max(1, generation) if self.elastic else 0
@@ -168,37 +173,58 @@ class Worker:
             log.exception(event("worker step failed", rank=self.rank, step=msg.step),
                           extra=FILE_ONLY)
             # elastic: the worker stays up; the engine re-forms the groups or stops the run
-            return ForwardOutput(step=msg.step, rank=self.rank, peer_lost=self.elastic,
+            return ForwardOutput(step=msg.step, rank=self.ep_rank, peer_lost=self.elastic,
                                  error=f"rank {self.rank}: {type(e).__name__}: {e}")
 
     def regroup(self, msg):
-        """``--elastic_ep``: leave the broken generation, join ``msg.regroup`` (same rank),
-        replace every group handle (the model's EP group; the executor, rebuilt on the new
-        EPLB group). A replacement already in that generation only answers."""
+        """``--elastic_ep``: leave the broken generation, join ``msg.regroup`` at this worker's
+        rank among the generation's members (the engine's list in the store: same ranks after a
+        respawn, compact ranks after a shrink), replace every group handle (the model's EP
+        group; the executor, rebuilt on the new EPLB group). A shrink also re-shards the model
+        (``model/reshard.py``: the few orphan experts read from the checkpoint) and runs the
+        transfer canary. A replacement already in that generation only answers."""
         t0 = time.perf_counter()
         try:
             if msg.regroup != self.generation:
                 with contextlib.suppress(Exception):
                     self.executor.close()
                 left = regroup.leave()
-                g = regroup.join(self.cfg, self.store, self.rank, msg.regroup,
-                                 self.cfg.runtime.elastic_join_timeout_seconds)
+                members = regroup.get_members(self.store, msg.regroup)
+                rank, size = members.index(self.rank), len(members)
+                g = regroup.join(self.cfg, self.store, rank, msg.regroup,
+                                 self.cfg.runtime.elastic_join_timeout_seconds,
+                                 world_size=size, device=self.device)
                 self.model.ep_group = g.ep_group
+                if size != self.ep_size:
+                    self._reshard(rank, size, regroup.get_placement(self.store, msg.regroup))
                 self.executor = make_executor(self.model, g.eplb_group, self.cfg,
                                               faults=self.faults)
                 self.generation = msg.regroup
-                log.info(event("EPLB elastic re-formed", rank=self.rank, generation=msg.regroup,
+                log.info(event("EPLB elastic re-formed", rank=self.rank, ep_rank=self.ep_rank,
+                               ep_size=self.ep_size, generation=msg.regroup,
                                leave_s=round(left, 3),
                                seconds=round(time.perf_counter() - t0, 3)))
         except Exception as e:  # noqa: BLE001 - reported; the engine stops the run
             log.exception(event("EPLB elastic re-form failed", rank=self.rank), extra=FILE_ONLY)
-            return ForwardOutput(step=msg.step, rank=self.rank,
+            return ForwardOutput(step=msg.step, rank=self.ep_rank,
                                  error=f"rank {self.rank}: re-form failed: {type(e).__name__}: {e}")
-        return ForwardOutput(step=msg.step, rank=self.rank,
+        return ForwardOutput(step=msg.step, rank=self.ep_rank,
                              heartbeat=WorkerHeartbeat(time.time(), self.executor.stats()))
 
+    def _reshard(self, ep_rank: int, ep_size: int, table) -> None:
+        """Elastic shrink: compact rank, the new table, orphans read from the checkpoint; the
+        transfer canary must pass (else the re-form fails and the run stops)."""
+        got = reshard(self.model, ep_rank, ep_size, table)
+        bad = canary(self.model)
+        if bad:
+            raise RuntimeError(bad)
+        self.ep_rank, self.ep_size = ep_rank, ep_size
+        log.info(event("EPLB elastic resharded", rank=self.rank, ep_rank=ep_rank,
+                       ep_size=ep_size, checkpoint=got["checkpoint"], kept=got["kept"],
+                       canary="ok", seconds=round(got["seconds"], 3)))
+
     def _forward(self, msg):
-        batch, info = msg.batches[self.rank], msg.eplb_info
+        batch, info = msg.batches[self.ep_rank], msg.eplb_info
         c0, t0 = time.thread_time(), time.perf_counter()
         self.faults.step(msg.step)
         self.executor.before_forward(info)
@@ -212,7 +238,7 @@ class Worker:
         # eplb_s: main-thread CPU of the executor hooks (the EPLB cost of this step)
         timings = step_timings(res.timings, step_s=time.perf_counter() - t0, cpu_s=c3 - c0,
                                eplb_s=(c1 - c0) + (c3 - c2))
-        return ForwardOutput(step=msg.step, rank=self.rank, counters=res.counters,
+        return ForwardOutput(step=msg.step, rank=self.ep_rank, counters=res.counters,
                              prepared_token=ready,
                              activation_token=act, sampled=res.sampled, logprobs=res.logprobs,
                              timings=timings,

@@ -1,0 +1,124 @@
+"""Kill -> next token of every request in flight, elastic shrink vs respawn (issue #23).
+
+Each trial: an ``xllm-eplb serve --ep-size 4 --elastic_ep=true`` (generated deepseek_v3, 8
+experts, top-2, one redundant slot, float64), ``--streams`` concurrent streaming completions;
+once each has streamed a few tokens a random worker is SIGKILLed. Per request in flight: the
+seconds from the kill to its next token; every request must finish with the tokens of the same
+request run before the kill (a fault-free reference). ``shrink``: ``--elastic_restart=false``
+(one fresh server per kill: 4 -> 3); ``respawn``: the replacement path (one server, ``--kills``
+kills). Prints one JSON line per mode with p50 / p95 / max.
+
+    .venv/bin/python scripts/bench_elastic.py --kills 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import openai
+import psutil
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from soak import Server  # noqa: E402
+
+FLAGS = ["--dtype=float64", "--enable_eplb=false", "--elastic_ep=true",
+         "--redundant_experts_num=1", "--elastic_silence_seconds=2", "--max_batch_size=4"]
+PROMPTS = ["the engine", "a rank dies", "experts move", "no request is lost", "seeded",
+           "tokens stay", "x", "balance the load"]
+
+
+def _kw(i: int, n: int) -> dict:
+    return dict(model="xllm-eplb", prompt=PROMPTS[i % len(PROMPTS)], max_tokens=n,
+                temperature=0.8 if i % 2 else 0.0, seed=100 + i,
+                extra_body={"ignore_eos": True, "return_token_ids": True})
+
+
+def _kill_once(s: Server, client, ref, n_tokens: int, streams: int, rng) -> dict:
+    toks = [[] for _ in range(streams)]
+    times = [[] for _ in range(streams)]
+    errors: list[str] = []
+
+    def run(i):
+        try:
+            for ch in client.completions.create(stream=True, **_kw(i, n_tokens)):
+                ids = ch.choices[0].model_extra.get("token_ids") or []
+                toks[i] += ids
+                times[i] += [time.monotonic()] * len(ids)
+        except Exception as e:  # noqa: BLE001
+            errors.append(f"{i}: {e}")
+
+    th = [threading.Thread(target=run, args=(i,)) for i in range(streams)]
+    for t in th:
+        t.start()
+    deadline = time.monotonic() + 60
+    while min(map(len, toks)) < 4 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    workers = [p for p in psutil.Process(s.proc.pid).children()
+               if any(f"ep{r}" in " ".join(p.cmdline()) for r in range(4))]
+    victim = rng.choice(workers)
+    t_kill = time.monotonic()
+    victim.kill()
+    for t in th:
+        t.join(180)
+    gaps = [next((x - t_kill for x in ts if x > t_kill), float("nan")) for ts in times
+            if ts and len(ts) < n_tokens + 1]
+    return {"gaps": gaps, "errors": errors,
+            "mismatch": sum(t != r for t, r in zip(toks, ref, strict=True))}
+
+
+def trial_series(mode: str, model: Path, tmp: Path, kills: int, streams: int, n: int, rng):
+    gaps, bad, recov = [], 0, []
+    servers = kills if mode == "shrink" else 1
+    for k in range(servers):
+        extra = (["--elastic_restart=false"] if mode == "shrink"
+                 else ["--elastic_restart=true", f"--elastic_max_restarts={kills + 1}"])
+        s = Server(model, tmp / f"logs_{mode}{k}", FLAGS + extra)
+        try:
+            s.wait_ready(300)
+            client = openai.OpenAI(base_url=f"http://127.0.0.1:{s.port}/v1", api_key="none",
+                                   max_retries=0, timeout=180)
+            ref = [client.completions.create(**_kw(i, n)).choices[0].model_extra["token_ids"]
+                   for i in range(streams)]
+            for _ in range(kills if mode == "respawn" else 1):
+                got = _kill_once(s, client, ref, n, streams, rng)
+                gaps += got["gaps"]
+                bad += got["mismatch"] + len(got["errors"])
+                recov.append(s.get("/eplb/status")["membership"]["last_recovery"]["seconds"])
+        finally:
+            s.stop()
+    g = np.array(gaps, dtype=float)
+    return {"mode": mode, "kills": len(recov), "requests": int(g.size),
+            "p50_s": round(float(np.nanpercentile(g, 50)), 3),
+            "p95_s": round(float(np.nanpercentile(g, 95)), 3),
+            "max_s": round(float(np.nanmax(g)), 3),
+            "recovery_s": [round(x, 3) for x in recov], "mismatch_or_error": bad}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--kills", type=int, default=4)
+    ap.add_argument("--streams", type=int, default=8)
+    ap.add_argument("--tokens", type=int, default=48)
+    ap.add_argument("--modes", default="shrink,respawn")
+    a = ap.parse_args()
+    rng = random.Random(23)
+    with tempfile.TemporaryDirectory() as d:
+        tmp = Path(d)
+        from xllm_eplb.model.checkpoint import make_checkpoint
+
+        model = make_checkpoint("deepseek_v3", tmp / "ckpt", num_experts=8, top_k=2)
+        for mode in a.modes.split(","):
+            print(json.dumps(trial_series(mode, model, tmp, a.kills, a.streams, a.tokens, rng)),
+                  flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,124 @@
+"""Elastic shrink in the engine (``--elastic_ep``, a dead worker not replaced: issue #23 items
+5-6): the survivors re-form generation g+1 with compact ranks ``0..N-2`` and keep serving.
+
+Called by :class:`~xllm_eplb.engine.membership.Membership` after the fence (the step in flight
+is void, every running request back in the queue)::
+
+    re-plan  eplb/shrink_plan.plan_shrink: the survivors' rows in compact order, each orphan
+             expert (its only replica died) in the coldest extra replica's slot
+    re-form  placement + members of g+1 to the launcher's store; the dead worker's input-ring
+             reader retired; ForwardInput(regroup=g+1) to the survivors, which join the smaller
+             world, read their orphans from the checkpoint and run the transfer canary
+    resize   everything the engine sized by ep_size follows the new rank set: the output rings
+             read, the scheduler's DP ranks (requests re-prefilled on the least-loaded survivor),
+             the step watch, telemetry, recorder, metrics, the EPLB manager (rebuilt on the new
+             table when the layout is expressible, see :func:`_manager`)
+
+A shrink the rule refuses (``(N-1) x slots_per_rank >= num_experts``) raises a
+:class:`~xllm_eplb.engine.failures.WorkerFault` naming it: the run stops as without elasticity.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+
+from xllm_eplb.config import layout_error
+from xllm_eplb.engine.failures import WorkerFault
+from xllm_eplb.engine.telemetry import Telemetry
+from xllm_eplb.eplb.recorder import ExpertRecorder
+from xllm_eplb.eplb.shrink_plan import ShrinkError, plan_shrink
+from xllm_eplb.ipc.messages import ForwardInput
+from xllm_eplb.ipc.store import put_members, put_placement
+from xllm_eplb.model.batch import RankBatch
+from xllm_eplb.obs.logs import event
+
+log = logging.getLogger("xllm_eplb.engine.engine")
+
+
+def shrink(ms, rank: int, generation: int) -> dict:
+    """Re-plan, re-form and resize without rank ``rank`` (compact rank of the dead worker);
+    returns the numbers of the re-plan for ``last_recovery``."""
+    eng = ms.eng
+    D, cfg = eng.D, eng.cfg
+    t0 = time.monotonic()
+    load = eng.live.expert_total if eng.live.expert_total.sum() > 0 else None
+    try:
+        plan = plan_shrink(eng.active_placement, rank, D, cfg.model.num_experts, load)
+    except ShrinkError as e:
+        raise WorkerFault(f"EPLB elastic: worker ep{ms.workers[rank]} died and {e}: the run "
+                          "stops") from None
+    t_plan = time.monotonic() - t0
+    per = plan.reloads_per_rank()
+    log.warning(event("EPLB elastic re-plan", rank=rank, ep_size=f"{D}->{D - 1}",
+                      checkpoint=len(plan.reloads), replica=0, kept=plan.kept,
+                      per_rank=",".join(map(str, per)), seconds=round(t_plan, 4)))
+    workers = [ms.workers[r] for r in plan.survivors]
+    put_placement(ms.store, generation, plan.table)
+    put_members(ms.store, generation, workers)
+    eng.inp.retire_reader(ms.workers[rank])
+    eng.step_no += 1
+    eng.inp.put(ForwardInput(eng.step_no, [RankBatch() for _ in range(D - 1)],
+                             regroup=generation), timeout=ms.join_timeout)
+    deadline = time.monotonic() + ms.join_timeout
+    for r in plan.survivors:
+        ms._regroup_answer(r, eng.step_no, deadline)
+    resize(eng, plan.survivors, plan.table)
+    ms.workers = workers
+    m = eng.metrics
+    m.experts_reloaded.labels("checkpoint").inc(len(plan.reloads))
+    m.rank_active.labels(str(D - 1)).set(0)
+    m.worker_up.labels(str(D - 1)).set(0)
+    m.ep_size_g.set(D - 1)
+    return {"ep_size": D - 1, "workers": workers, "plan_s": round(t_plan, 4),
+            "experts_checkpoint": len(plan.reloads), "experts_replica": 0,
+            "slots_kept": plan.kept, "reloads_per_rank": per}
+
+
+def resize(eng, keep: list[int], table) -> None:
+    """Every ep_size-shaped piece of the engine for the ranks ``keep`` (old compact ranks, in
+    new rank order) and the deployed ``table`` [L, (D-1)*S]."""
+    cfg, D = eng.cfg, len(keep)
+    eng.D = D
+    eng.outs = [eng.outs[r] for r in keep]
+    eng.sched.resize(keep)
+    eng.watch.resize([eng.watch.readers[r] for r in keep])
+    old = eng.tele
+    eng.tele = Telemetry(eng.metrics, cfg.num_moe_layers, D, ranks_per_node=D)
+    for k in ("cp", "steps", "serving", "last_commit_at", "eplb"):
+        setattr(eng.tele, k, getattr(old, k))
+    eng.recorder = ExpertRecorder(cfg.num_moe_layers, D, cfg.slots_per_rank,
+                                  cfg.model.num_experts, cfg.eplb.eplb_record_trace_max_steps)
+    eng.rank_node = [0] * D
+    eng.live.kv_capacity = max(1, D * cfg.runtime.max_batch_size
+                               * cfg.model.max_position_embeddings)
+    eng.placement = table
+    eng.manager = _manager(eng, D, table)
+
+
+def _manager(eng, D: int, table):
+    """The EPLB manager of the smaller world, the new table deployed; None when EPLB is off
+    or the layout is not expressible by ``--ep_size`` / ``--redundant_experts_num``
+    (``num_experts`` not divisible by the ranks left: the survivors keep serving the re-planned
+    table without rebalancing, logged; a later shrink to an expressible size turns it on
+    again)."""
+    cfg, old = eng.cfg, eng.manager
+    if old is not None:
+        old.close()
+    if not cfg.eplb.enable_eplb:
+        return None
+    E, S = cfg.model.num_experts, cfg.slots_per_rank
+    redundant = S - E // D
+    err = layout_error(E, D, redundant)
+    if err:
+        log.warning(event("EPLB elastic rebalancing off", ep_size=D, slots_per_rank=S,
+                          num_experts=E, why=err))
+        eng.metrics.enabled.set(0)
+        return None
+    eng.metrics.enabled.set(1)
+    from xllm_eplb.eplb.manager import EplbManager
+
+    e = dataclasses.replace(cfg.eplb, ep_size=D, redundant_experts_num=redundant)
+    return EplbManager(e, cfg.num_moe_layers, E, runner="thread", initial=table,
+                       expect_timings=True)
