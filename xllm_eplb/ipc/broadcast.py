@@ -52,14 +52,11 @@ from xllm_eplb.ipc.errors import (
 )
 from xllm_eplb.ipc.liveness import CLOSED, peer_gone, self_identity
 from xllm_eplb.ipc.ring_layout import (
-    CRC_RESIDUE,
     FHDR,
     FHDR_CRC,
-    FHDR_FULL,
     FLAG_CHECKSUM,
     FRAME_HEADER,
     FRAME_MAGIC,
-    HCRC,
     PROD,
     READER,
     RHDR,
@@ -71,6 +68,7 @@ from xllm_eplb.ipc.ring_layout import (
     WSEQ_ABS,
     check_ring_header,
     frames_off,
+    parse_frame,
     ring_payload_size,
     sem_names,
 )
@@ -355,25 +353,8 @@ class Ring:
 
     def _read_frame(self, seq: int) -> bytes | str:
         """The body of frame ``seq``, or why it is rejected (a str)."""
-        mm, off = self._mm, self._frames_abs + (seq % self.slots) * self.frame_bytes
-        raw = mm[off:off + HCRC + 4]
-        # crc32 over (24 header bytes + their little-endian crc32) is a fixed residue
-        if zlib.crc32(raw) != CRC_RESIDUE:
-            return "frame header crc mismatch"
-        magic, n, fseq, csum, algo, _ = FHDR_FULL.unpack(raw)
-        if magic != FRAME_MAGIC:
-            return f"frame magic {magic!r} != {FRAME_MAGIC!r}"
-        if fseq != seq:
-            return f"frame seq {fseq} != expected {seq}"
-        if n > self._cap:
-            return f"frame length {n} > capacity {self._cap}"
-        body = mm[off + FRAME_HEADER:off + FRAME_HEADER + n]
-        if self.checksum:
-            if algo != algo_for(n):
-                return f"checksum kind {algo} != {algo_for(n)} for {n} bytes"
-            if checksum(body, algo) != csum:
-                return f"checksum mismatch on {n} bytes (kind {algo})"
-        return body
+        off = self._frames_abs + (seq % self.slots) * self.frame_bytes
+        return parse_frame(self._mm, off, seq, self._cap, self.checksum)
 
     def pending(self) -> int:
         """Frames written but not yet read by this reader (from the header; diagnostic)."""

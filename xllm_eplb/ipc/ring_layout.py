@@ -18,8 +18,10 @@ Payload layout (little endian, inside the segment payload)::
 from __future__ import annotations
 
 import struct
+import zlib
 
 from xllm_eplb.errors import LayoutError
+from xllm_eplb.ipc.checksum import algo_for, checksum
 from xllm_eplb.ipc.shm import HEADER_SIZE
 
 RING_MAGIC = b"RNG1"
@@ -79,3 +81,26 @@ def check_ring_header(seg, num_readers, slots, frame_bytes) -> tuple[int, int, i
                           "processes, check the shm_* settings match, run `xllm-eplb shm clean`")
     return s, fb, n, flags
 
+
+
+def parse_frame(mm, off: int, seq: int, cap: int, verify: bool) -> bytes | str:
+    """The body of the frame at byte ``off`` of ``mm`` expected to carry sequence ``seq``
+    (at most ``cap`` bytes; ``verify``: check its checksum), or why it is rejected (a str)."""
+    raw = mm[off:off + HCRC + 4]
+    # crc32 over (24 header bytes + their little-endian crc32) is a fixed residue
+    if zlib.crc32(raw) != CRC_RESIDUE:
+        return "frame header crc mismatch"
+    magic, n, fseq, csum, algo, _ = FHDR_FULL.unpack(raw)
+    if magic != FRAME_MAGIC:
+        return f"frame magic {magic!r} != {FRAME_MAGIC!r}"
+    if fseq != seq:
+        return f"frame seq {fseq} != expected {seq}"
+    if n > cap:
+        return f"frame length {n} > capacity {cap}"
+    body = mm[off + FRAME_HEADER:off + FRAME_HEADER + n]
+    if verify:
+        if algo != algo_for(n):
+            return f"checksum kind {algo} != {algo_for(n)} for {n} bytes"
+        if checksum(body, algo) != csum:
+            return f"checksum mismatch on {n} bytes (kind {algo})"
+    return body
