@@ -3,7 +3,8 @@
 of streams is NOT replaced; the survivors re-form with compact ranks, re-plan the experts (the
 dead rank's orphans read from the checkpoint, the transfer canary checked) and keep serving:
 every request in flight finishes with exactly the tokens of a fault-free run (float64, greedy
-and seeded sampling). Twice (4 -> 3 -> 2: 8 experts, 4 slots per rank); a third death breaks
+and seeded sampling), and the EPLB manager is rebuilt for the smaller world (3 ranks: a layout
+the flags cannot express, 8 experts on 3 x 4 slots). Twice (4 -> 3 -> 2: 8 experts, 4 slots per rank); a third death breaks
 the rule (1 x 4 < 8) and the run stops cleanly naming it, leaving nothing behind."""
 
 from __future__ import annotations
@@ -49,7 +50,8 @@ def _covers_all(placement, ep_size: int, num_experts: int = 8) -> None:
 @pytest.mark.timeout(420)
 def test_killed_workers_are_left_out_and_the_survivors_keep_serving(ckpt, start_server):
     s = start_server("--ep-size", "4", "--model", str(ckpt), "--dtype=float64",
-                     "--workload=none", "--enable_eplb=false", "--elastic_ep=true",
+                     "--workload=none", "--enable_eplb=true", "--eplb_canary=true",
+                     "--elastic_ep=true",
                      "--elastic_restart=false", "--redundant_experts_num=2",
                      "--elastic_silence_seconds=2", "--max_batch_size=4")
     s.wait_ready(240)
@@ -66,6 +68,7 @@ def test_killed_workers_are_left_out_and_the_survivors_keep_serving(ckpt, start_
         assert m["ranks_active"] == list(range(len(left))) and m["workers"] == left, m
         assert m["generation"] == gen and m["shrinks"] == gen - 1, m
         assert m["last_recovery"]["mode"] == "shrink" and m["requests_reprefilled"] >= 1, m
+        assert st["enabled"], st          # the EPLB manager rebuilt for the smaller world
         _covers_all(st["placement"], len(left))
         results[-1]["recovery"] = m["last_recovery"]
     fams = _metrics(s)

@@ -90,3 +90,25 @@ def test_rule_refused_with_its_numbers():
         plan_shrink(old, 0, 4, 8)
     with pytest.raises(ShrinkError, match="ep_size 1 -> 0"):
         plan_shrink(np.arange(4).reshape(1, 4), 0, 1, 4)
+
+
+@pytest.mark.parametrize("kind", ["incremental", "balanced", "greedy", "node_aware"])
+def test_the_policy_plans_the_shrunk_layout_the_flags_cannot_express(kind):
+    """8 experts on 3 ranks x 3 slots (8 % 3 != 0): the engine's rebuilt manager plans it."""
+    import dataclasses
+
+    from xllm_eplb.engine.shrink import _planner
+    from xllm_eplb.eplb.placement import validate_phy2log
+    from xllm_eplb.flags import load_config
+
+    cfg = load_config(["--ep-size", "4", "--num_experts", "8", "--num_experts_per_tok", "2",
+                       f"--eplb_policy_kind={kind}"])[0]
+    e = dataclasses.replace(cfg.eplb, ep_size=3, redundant_experts_num=1)
+    dep = plan_shrink(np.tile(initial_phy2log(8, 4, 1), (2, 1)), 1, 4, 8).table
+    load = np.random.default_rng(0).random((2, 8)) * 100
+    load[:, 0] *= 20                                  # one hot expert: worth a new replica
+    got = _planner(e, 8, 3)(load, None, dep)
+    assert got.table.shape == (2, 9) and got.update.all()
+    for row in got.table:
+        validate_phy2log(row, 8, 3)
+        assert (row == 0).sum() >= 2

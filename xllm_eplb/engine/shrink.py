@@ -11,8 +11,8 @@ is void, every running request back in the queue)::
              world, read their orphans from the checkpoint and run the transfer canary
     resize   everything the engine sized by ep_size follows the new rank set: the output rings
              read, the scheduler's DP ranks (requests re-prefilled on the least-loaded survivor),
-             the step watch, telemetry, recorder, metrics, the EPLB manager (rebuilt on the new
-             table when the layout is expressible, see :func:`_manager`)
+             the step watch, telemetry, recorder, metrics, the EPLB manager (rebuilt for
+             N-1 ranks on the new table, see :func:`_manager`)
 
 A shrink the rule refuses (``(N-1) x slots_per_rank >= num_experts``) raises a
 :class:`~xllm_eplb.engine.failures.WorkerFault` naming it: the run stops as without elasticity.
@@ -29,6 +29,7 @@ from xllm_eplb.engine.failures import WorkerFault
 from xllm_eplb.engine.telemetry import Telemetry
 from xllm_eplb.eplb.recorder import ExpertRecorder
 from xllm_eplb.eplb.shrink_plan import ShrinkError, plan_shrink
+from xllm_eplb.errors import ConfigError
 from xllm_eplb.ipc.messages import ForwardInput
 from xllm_eplb.ipc.store import put_members, put_placement
 from xllm_eplb.model.batch import RankBatch
@@ -98,27 +99,45 @@ def resize(eng, keep: list[int], table) -> None:
 
 
 def _manager(eng, D: int, table):
-    """The EPLB manager of the smaller world, the new table deployed; None when EPLB is off
-    or the layout is not expressible by ``--ep_size`` / ``--redundant_experts_num``
-    (``num_experts`` not divisible by the ranks left: the survivors keep serving the re-planned
-    table without rebalancing, logged; a later shrink to an expressible size turns it on
-    again)."""
+    """The EPLB manager of the smaller world with the new table deployed (None when EPLB is
+    off). ``num_experts`` need not divide by the ranks left: the manager then takes the slots
+    per rank as given and the policy plans that layout (``EplbPolicy(..., slots)``); a policy
+    that cannot leaves the survivors serving the re-planned table without rebalancing
+    (logged)."""
     cfg, old = eng.cfg, eng.manager
     if old is not None:
         old.close()
     if not cfg.eplb.enable_eplb:
         return None
+    from xllm_eplb.eplb.manager import EplbManager
+
     E, S = cfg.model.num_experts, cfg.slots_per_rank
-    redundant = S - E // D
-    err = layout_error(E, D, redundant)
-    if err:
+    e = dataclasses.replace(cfg.eplb, ep_size=D, redundant_experts_num=max(0, S - E // D))
+    try:
+        planner = _planner(e, E, S) if layout_error(E, D, S - E // D) else None
+        mgr = EplbManager(e, cfg.num_moe_layers, E, runner="thread", initial=table,
+                          expect_timings=True, slots=S, planner=planner)
+    except (ConfigError, ValueError) as err:
         log.warning(event("EPLB elastic rebalancing off", ep_size=D, slots_per_rank=S,
-                          num_experts=E, why=err))
+                          num_experts=E, why=str(err)))
         eng.metrics.enabled.set(0)
         return None
     eng.metrics.enabled.set(1)
-    from xllm_eplb.eplb.manager import EplbManager
+    return mgr
 
-    e = dataclasses.replace(cfg.eplb, ep_size=D, redundant_experts_num=redundant)
-    return EplbManager(e, cfg.num_moe_layers, E, runner="thread", initial=table,
-                       expect_timings=True)
+
+def _planner(e, num_experts: int, slots: int):
+    """``--eplb_policy_kind`` with its options (as ``policy_from_config``) for ``e.ep_size``
+    ranks of ``slots`` slots, a layout the flag rules cannot express (E % ep_size != 0)."""
+    from xllm_eplb.eplb.gate import Planner
+    from xllm_eplb.eplb.policy import normalize_kind, policy_class
+
+    k = normalize_kind(e.eplb_policy_kind)
+    opts = {"incremental": dict(budget_slots=int(e.eplb_migration_budget_slots),
+                                peak_z=float(e.eplb_peak_z),
+                                step_tokens=float(e.eplb_step_tokens)),
+            "node_aware": dict(num_nodes=int(e.eplb_num_nodes))}.get(k, {})
+    cls = policy_class(k)
+    opts = {n: v for n, v in opts.items() if n in cls.option_names()}
+    policy = cls(e.ep_size, num_experts, e.redundant_experts_num, slots, **opts)
+    return Planner(policy, e.eplb_min_peak_load_improvement, e.eplb_plan_on)

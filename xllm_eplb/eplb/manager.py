@@ -90,7 +90,8 @@ class EplbManager(RoundsMixin):
     def __init__(self, cfg: EplbConfig, num_layers: int, num_logical: int, *,
                  planner: PlannerFn | None = None,
                  clock: Callable[[], float] = time.monotonic, runner: str = "thread",
-                 initial: np.ndarray | None = None, expect_timings: bool = False):
+                 initial: np.ndarray | None = None, expect_timings: bool = False,
+                 slots: int | None = None):
         if not isinstance(cfg, EplbConfig):
             raise TypeError(f"EplbManager takes the EplbConfig (cfg.eplb), got "
                             f"{type(cfg).__name__}")
@@ -99,7 +100,8 @@ class EplbManager(RoundsMixin):
         if cfg.ep_size is None:
             raise ConfigError("ep_size: required by the EPLB manager")
         self.num_layers, self.ep_size, self.num_logical = num_layers, cfg.ep_size, num_logical
-        self.slots = slots_per_rank(num_logical, cfg.ep_size, cfg.redundant_experts_num)
+        # slots: an elastic shrink's layout (any ep_size x slots >= num_logical, engine/shrink.py)
+        self.slots = slots or slots_per_rank(num_logical, cfg.ep_size, cfg.redundant_experts_num)
         self.interval = float(cfg.eplb_update_interval)
         self.timeout = float(cfg.eplb_prepare_timeout_seconds)
         self.clock = clock
