@@ -9,6 +9,7 @@ request run before the kill (a fault-free reference). ``shrink``: ``--elastic_re
 kills). Prints one JSON line per mode with p50 / p95 / max.
 
     .venv/bin/python scripts/bench_elastic.py --kills 4
+    .venv/bin/python scripts/bench_elastic.py --ep 16 --experts 32 --kills 3   # EP16 -> 15
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from soak import Server  # noqa: E402
 
 FLAGS = ["--dtype=float64", "--enable_eplb=false", "--elastic_ep=true",
          "--redundant_experts_num=1", "--elastic_silence_seconds=2", "--max_batch_size=4"]
+EP = 4     # --ep (the Server's --ep-size 4 is overridden by a later flag)
 PROMPTS = ["the engine", "a rank dies", "experts move", "no request is lost", "seeded",
            "tokens stay", "x", "balance the load"]
 
@@ -62,7 +64,7 @@ def _kill_once(s: Server, client, ref, n_tokens: int, streams: int, rng) -> dict
     while min(map(len, toks)) < 4 and time.monotonic() < deadline:
         time.sleep(0.01)
     workers = [p for p in psutil.Process(s.proc.pid).children()
-               if any(f"ep{r}" in " ".join(p.cmdline()) for r in range(4))]
+               if "xllm-eplb:ep" in " ".join(p.cmdline())]
     victim = rng.choice(workers)
     t_kill = time.monotonic()
     victim.kill()
@@ -80,7 +82,7 @@ def trial_series(mode: str, model: Path, tmp: Path, kills: int, streams: int, n:
     for k in range(servers):
         extra = (["--elastic_restart=false"] if mode == "shrink"
                  else ["--elastic_restart=true", f"--elastic_max_restarts={kills + 1}"])
-        s = Server(model, tmp / f"logs_{mode}{k}", FLAGS + extra)
+        s = Server(model, tmp / f"logs_{mode}{k}", FLAGS + extra + ["--ep-size", str(EP)])
         try:
             s.wait_ready(300)
             client = openai.OpenAI(base_url=f"http://127.0.0.1:{s.port}/v1", api_key="none",
@@ -108,13 +110,17 @@ def main() -> None:
     ap.add_argument("--streams", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--modes", default="shrink,respawn")
+    ap.add_argument("--ep", type=int, default=4, help="EP ranks (each kill: ep -> ep-1)")
+    ap.add_argument("--experts", type=int, default=8)
     a = ap.parse_args()
+    global EP
+    EP = a.ep
     rng = random.Random(23)
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         from xllm_eplb.model.checkpoint import make_checkpoint
 
-        model = make_checkpoint("deepseek_v3", tmp / "ckpt", num_experts=8, top_k=2)
+        model = make_checkpoint("deepseek_v3", tmp / "ckpt", num_experts=a.experts, top_k=2)
         for mode in a.modes.split(","):
             print(json.dumps(trial_series(mode, model, tmp, a.kills, a.streams, a.tokens, rng)),
                   flush=True)
