@@ -69,7 +69,8 @@ def shrink(ms, rank: int, generation: int) -> dict:
     ms.workers = workers
     m = eng.metrics
     m.experts_reloaded.labels("checkpoint").inc(len(plan.reloads))
-    m.rank_active.labels(str(D - 1)).set(0)
+    for r in range(D):             # compact ranks 0..D-2 active, the last one gone
+        m.rank_active.labels(str(r)).set(int(r < D - 1))
     m.worker_up.labels(str(D - 1)).set(0)
     m.ep_size_g.set(D - 1)
     return {"ep_size": D - 1, "workers": workers, "plan_s": round(t_plan, 4),

@@ -15,7 +15,9 @@ NOTE: every rank must run every step (empty batch included) in the same order: t
 all-to-all and the EPLB P2P plan are collectives. A rank that fails reports the error in its
 output and exits non-zero; the launcher then stops the run. With ``--elastic_ep`` a failed step
 is reported as ``peer_lost`` and the worker stays up for the engine's regroup message
-(``worker/regroup.py``); a replacement (``generation`` > 1) joins that generation at start.
+(``worker/regroup.py``); a replacement (``generation`` > 1) joins that generation at start. After
+an elastic *shrink* the worker serves at its compact ``ep_rank`` (``rank`` stays its identity:
+rings, log, process name): it reads ``msg.batches[ep_rank]`` and answers as ``ep_rank``.
 """
 
 from __future__ import annotations
