@@ -31,7 +31,7 @@ from __future__ import annotations
 import logging
 import time
 
-from xllm_eplb.engine.failures import WorkerFault
+from xllm_eplb.engine.failures import WAIT_SLICE, WorkerFault
 from xllm_eplb.engine.shrink import shrink
 from xllm_eplb.ipc.errors import IpcError, RingTimeoutError
 from xllm_eplb.ipc.messages import ForwardInput
@@ -178,14 +178,25 @@ class Membership:
 
     def _regroup_answer(self, r: int, step: int, deadline: float) -> None:
         """Rank ``r``'s answer to the regroup step (a dead predecessor's stale frames are
-        skipped); an error or the deadline raises."""
+        skipped); an error, the deadline or a second death (the launcher's notice, checked
+        between ``WAIT_SLICE`` waits: the others would wait for the dead one until the
+        deadline) raises."""
+        fw = self.eng.failures
         while True:
+            left = deadline - time.monotonic()
             try:
-                out = self.eng.outs[r].get(timeout=max(0.0, deadline - time.monotonic()))
-            except (RingTimeoutError, IpcError) as e:
+                out = self.eng.outs[r].get(timeout=max(0.0, min(WAIT_SLICE, left)))
+            except RingTimeoutError as e:
+                if fw._poll(0.0):
+                    raise WorkerFault(f"EPLB elastic: a second death during the recovery: "
+                                      f"{fw.death}") from None
+                if left > WAIT_SLICE:
+                    continue
                 raise WorkerFault(f"EPLB elastic: rank {r} did not re-form within "
                                   f"--elastic_join_timeout_seconds={self.join_timeout:g} "
                                   f"({e})") from None
+            except IpcError as e:
+                raise WorkerFault(f"EPLB elastic: rank {r} did not re-form ({e})") from None
             if out.step != step:
                 continue
             if out.error:
