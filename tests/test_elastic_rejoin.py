@@ -56,7 +56,7 @@ def test_killed_worker_rejoins_while_the_survivors_serve(ckpt, start_server):
                      "--workload=none", "--enable_eplb=true", "--eplb_canary=true",
                      "--elastic_ep=true", "--redundant_experts_num=2",
                      "--elastic_silence_seconds=2", "--max_batch_size=4",
-                     "--elastic_join_timeout_seconds=40", "--enable_fault_injection=true",
+                     "--elastic_join_timeout_seconds=25", "--enable_fault_injection=true",
                      "--fault_inject=join_delay:rank=1,seconds=600")
     s.wait_ready(240)
     client = openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0, timeout=120)
@@ -101,7 +101,7 @@ def test_killed_worker_rejoins_while_the_survivors_serve(ckpt, start_server):
     assert st["ep_size"] == 3 and m["generation"] == 4 and m["workers"] == [0, 3, 2], m
     launcher_log = (s.log_dir / "launcher.log").read_text()
     assert "EPLB elastic rejoin dropped" in launcher_log, launcher_log[-3000:]
-    assert "--elastic_join_timeout_seconds=40" in launcher_log
+    assert "--elastic_join_timeout_seconds=25" in launcher_log
     _streams_match(client, ref, "after the dropped joiner")
     _covers_all(_status(s)["placement"], 3)
     s.note_children()
