@@ -4,8 +4,9 @@ a worker SIGKILLed in the middle of streams -> the survivors shrink to 3 ranks a
 serving while the replacement loads in the background -> it joins at a step boundary as compact
 rank 3 (EP4 again, the EPLB manager rebuilt, every expert covered, the canary passed); every
 stream, before, during and after the switch, has exactly the tokens of a fault-free run
-(float64). Then a joiner that is not ready within `--elastic_join_timeout_seconds` (an injected
-`join_delay`) is dropped: no rank changes generation, 3 ranks keep serving. Nothing is left."""
+(float64). Then a serving rank's death while a joiner loads drops that joiner and shrinks again,
+and a joiner that is not ready within `--elastic_join_timeout_seconds` (an injected
+`join_delay`) is dropped: no rank changes generation, 2 ranks keep serving. Nothing is left."""
 
 from __future__ import annotations
 
@@ -57,7 +58,8 @@ def test_killed_worker_rejoins_while_the_survivors_serve(ckpt, start_server):
                      "--elastic_ep=true", "--redundant_experts_num=2",
                      "--elastic_silence_seconds=2", "--max_batch_size=4",
                      "--elastic_join_timeout_seconds=25", "--enable_fault_injection=true",
-                     "--fault_inject=join_delay:rank=1,seconds=600")
+                     "--fault_inject=join_delay:rank=1,seconds=600",
+                     "--fault_inject=join_delay:rank=3,seconds=600")
     s.wait_ready(240)
     client = openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0, timeout=120)
     ref = [client.completions.create(**_kw(i)).choices[0].model_extra["token_ids"]
@@ -93,17 +95,22 @@ def test_killed_worker_rejoins_while_the_survivors_serve(ckpt, start_server):
     assert "canary=ok" in (s.log_dir / "rank2.log").read_text()
     print("ELASTIC_REJOIN", json.dumps({"kill": got, "join": j, "rounds": rounds}))
 
-    # a joiner not ready in time (join_delay on worker 1) is dropped; 3 ranks keep serving
+    # a serving rank dies while a joiner loads (join_delay on workers 1 and 3): the joiner is
+    # dropped, the survivors shrink again (3 -> 2); the next joiner is not ready in time and
+    # is dropped too: no rank changes generation, 2 ranks keep serving
     _fault(s, client, ref, _worker(s, 1).kill, "kill ep1")
-    st = _until(s, lambda m: m["joins_dropped"] >= 1, 90)
+    st = _until(s, lambda m: m["joining"] == ["ep1"], 30)
+    assert st["ep_size"] == 3 and st["membership"]["workers"] == [0, 3, 2], st["membership"]
+    _fault(s, client, ref, _worker(s, 3).kill, "kill ep3 while ep1 loads")
+    st = _until(s, lambda m: m["joins_dropped"] >= 2, 90)
     m = st["membership"]
-    assert m["joins_dropped"] == 1 and m["joins"] == 1 and m["joining"] == [], m
-    assert st["ep_size"] == 3 and m["generation"] == 4 and m["workers"] == [0, 3, 2], m
+    assert m["joins_dropped"] == 2 and m["joins"] == 1 and m["joining"] == [], m
+    assert st["ep_size"] == 2 and m["generation"] == 5 and m["workers"] == [0, 2], m
     launcher_log = (s.log_dir / "launcher.log").read_text()
-    assert "EPLB elastic rejoin dropped" in launcher_log, launcher_log[-3000:]
-    assert "--elastic_join_timeout_seconds=25" in launcher_log
+    assert "EPLB elastic rejoin dropped proc=ep1 why=\"serving worker ep3 died" in launcher_log
+    assert "--elastic_join_timeout_seconds=25" in launcher_log, launcher_log[-3000:]
     _streams_match(client, ref, "after the dropped joiner")
-    _covers_all(_status(s)["placement"], 3)
+    _covers_all(_status(s)["placement"], 2)
     s.note_children()
     s.proc.send_signal(signal.SIGTERM)                  # a clean stop, nothing left
     assert s.proc.wait(60) == 0, s.err.read_text()[-3000:]

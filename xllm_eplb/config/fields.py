@@ -199,8 +199,9 @@ class RuntimeConfig:
         unit="s", lo=0, lo_open=True)
     # --- elastic EP (#23) ---
     elastic_ep: bool = opt(False, "fault-tolerant EP: a worker that dies (or is silent for "
-                           "--elastic_silence_seconds) is replaced in place (or left out: "
-                           "--elastic_restart), the ranks re-form "
+                           "--elastic_silence_seconds) is left out at once and a replacement "
+                           "rejoins once loaded (--elastic_restart, --elastic_rejoin), the "
+                           "ranks re-form "
                            "their process groups (next generation) and every request in flight "
                            "is re-prefilled from prompt + output; off: a death stops the run")
     elastic_silence_seconds: float = opt(5.0, "with --elastic_ep: a worker that has not read a "
