@@ -4,7 +4,8 @@ a worker SIGKILLed in the middle of streams -> the survivors shrink to 3 ranks a
 serving while the replacement loads in the background -> it joins at a step boundary as compact
 rank 3 (EP4 again, the EPLB manager rebuilt, every expert covered, the canary passed); every
 stream, before, during and after the switch, has exactly the tokens of a fault-free run
-(float64). Then a serving rank's death while a joiner loads drops that joiner and shrinks again,
+(float64). Then a joiner killed while loading is replaced by another joiner; a serving rank's
+death while a joiner loads drops that joiner and shrinks again,
 and a joiner that is not ready within `--elastic_join_timeout_seconds` (an injected
 `join_delay`) is dropped: no rank changes generation, 2 ranks keep serving. Nothing is left."""
 
@@ -43,6 +44,18 @@ def _until(s, pred, timeout: float) -> dict:
         time.sleep(0.1)
 
 
+def _joiner(s, worker: int, timeout: float = 30) -> psutil.Process:
+    """The joiner of ``worker`` once it has its process title (it is set after the imports)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return _worker(s, worker)
+        except (StopIteration, psutil.Error):
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+
+
 def _streams_match(client, ref, what: str) -> None:
     st = Streams(client)
     st.join()
@@ -57,7 +70,8 @@ def test_killed_worker_rejoins_while_the_survivors_serve(ckpt, start_server):
                      "--workload=none", "--enable_eplb=true", "--eplb_canary=true",
                      "--elastic_ep=true", "--redundant_experts_num=2",
                      "--elastic_silence_seconds=2", "--max_batch_size=4",
-                     "--elastic_join_timeout_seconds=25", "--enable_fault_injection=true",
+                     "--elastic_join_timeout_seconds=25", "--elastic_max_restarts=5",
+                     "--enable_fault_injection=true",
                      "--fault_inject=join_delay:rank=1,seconds=600",
                      "--fault_inject=join_delay:rank=3,seconds=600")
     s.wait_ready(240)
@@ -101,6 +115,13 @@ def test_killed_worker_rejoins_while_the_survivors_serve(ckpt, start_server):
     _fault(s, client, ref, _worker(s, 1).kill, "kill ep1")
     st = _until(s, lambda m: m["joining"] == ["ep1"], 30)
     assert st["ep_size"] == 3 and st["membership"]["workers"] == [0, 3, 2], st["membership"]
+    _joiner(s, 1).kill()                 # the joiner dies while loading: another one starts
+    deadline = time.monotonic() + 30
+    while ("EPLB elastic rejoin restart proc=ep1"
+           not in (s.log_dir / "launcher.log").read_text()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    m = _status(s)["membership"]
+    assert m["joining"] == ["ep1"] and m["joins_dropped"] == 0 and m["ep_size"] == 3, m
     _fault(s, client, ref, _worker(s, 3).kill, "kill ep3 while ep1 loads")
     st = _until(s, lambda m: m["joins_dropped"] >= 2, 90)
     m = st["membership"]

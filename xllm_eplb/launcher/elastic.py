@@ -114,15 +114,26 @@ class ElasticSupervision:
         return True
 
     def _joiner_gone(self, who: str) -> bool:
-        """A joiner exited (dropped, or it failed while loading): the serving ranks are not
-        touched; the engine is told (``join_dropped``: during a switch to it, the engine stops
-        the run cleanly)."""
-        self.joining.pop(who, None)
+        """A joiner exited: dropped (reaped here), or it died while loading (another joiner
+        starts, restarts permitting; the engine keeps waiting for ``join_ready``), or after
+        ``join_ready`` (the engine is told: ``join_dropped``; during a switch to it, the engine
+        stops the run cleanly). The serving ranks are not touched."""
+        info = self.joining.pop(who, None)
         p = self.procs[who]
         msg = "" if who in self.dropped else self.death_message(who, during="its rejoin")
         self.retired[f"{who}@{p.pid}"] = self.procs.pop(who)
         if who in self.dropped:
             self.dropped.discard(who)
+            return True
+        rt = self.cfg.runtime
+        if (info is not None and not info["ready"] and rt.elastic_restart
+                and self.restarts < rt.elastic_max_restarts):
+            self.restarts += 1
+            self._spawn(who, worker_main, self.cfg, int(who[2:]), self.events, os.getpid(), 0,
+                        join=True)
+            self.joining[who] = {"t0": time.monotonic(), "wall": time.time(), "ready": False}
+            log.warning(event("EPLB elastic rejoin restart", proc=who, why=msg,
+                              pid=self.procs[who].pid, restart=self.restarts))
             return True
         self.events.notify("engine", ("join_dropped", who, msg))
         log.warning(event("EPLB elastic rejoin dropped", proc=who, why=msg,
