@@ -1,15 +1,19 @@
-"""Kill -> next token of every request in flight, elastic shrink vs respawn (issue #23).
+"""Kill -> next token of every request in flight, elastic shrink / rejoin / respawn (#23).
 
 Each trial: an ``xllm-eplb serve --ep-size 4 --elastic_ep=true`` (generated deepseek_v3, 8
 experts, top-2, one redundant slot, float64), ``--streams`` concurrent streaming completions;
 once each has streamed a few tokens a random worker is SIGKILLed. Per request in flight: the
 seconds from the kill to its next token; every request must finish with the tokens of the same
 request run before the kill (a fault-free reference). ``shrink``: ``--elastic_restart=false``
-(one fresh server per kill: 4 -> 3); ``respawn``: the replacement path (one server, ``--kills``
-kills). Prints one JSON line per mode with p50 / p95 / max.
+(one fresh server per kill: 4 -> 3); ``rejoin``: the default ``--elastic_restart=true`` (one
+server, ``--kills`` kills: 4 -> 3 at once, the replacement loads in the background and joins,
+4 again before the next kill; also reports the joiner's start -> serving seconds and the pause
+at the switch); ``respawn``: ``--elastic_rejoin=false``, the in-place replacement (one server,
+``--kills`` kills). Prints one JSON line per mode with p50 / p95 / max.
 
     .venv/bin/python scripts/bench_elastic.py --kills 4
     .venv/bin/python scripts/bench_elastic.py --ep 16 --experts 32 --kills 3   # EP16 -> 15
+    .venv/bin/python scripts/bench_elastic.py --modes rejoin --kills 4
 """
 
 from __future__ import annotations
@@ -76,12 +80,25 @@ def _kill_once(s: Server, client, ref, n_tokens: int, streams: int, rng) -> dict
             "mismatch": sum(t != r for t, r in zip(toks, ref, strict=True))}
 
 
+def _wait_join(s: Server, n: int, timeout: float = 120) -> dict:
+    """The ``n``-th join's numbers (``/eplb/status`` membership ``last_join``), once back at
+    ``EP`` ranks."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        m = s.get("/eplb/status")["membership"]
+        if m["joins"] >= n and m["ep_size"] == EP:
+            return m["last_join"]
+        time.sleep(0.1)
+    raise RuntimeError(f"no rejoin within {timeout} s: {m}")
+
+
 def trial_series(mode: str, model: Path, tmp: Path, kills: int, streams: int, n: int, rng):
-    gaps, bad, recov = [], 0, []
+    gaps, bad, recov, joins = [], 0, [], []
     servers = kills if mode == "shrink" else 1
     for k in range(servers):
         extra = (["--elastic_restart=false"] if mode == "shrink"
-                 else ["--elastic_restart=true", f"--elastic_max_restarts={kills + 1}"])
+                 else ["--elastic_restart=true", f"--elastic_max_restarts={kills + 1}",
+                       f"--elastic_rejoin={str(mode == 'rejoin').lower()}"])
         s = Server(model, tmp / f"logs_{mode}{k}", FLAGS + extra + ["--ep-size", str(EP)])
         try:
             s.wait_ready(300)
@@ -89,15 +106,22 @@ def trial_series(mode: str, model: Path, tmp: Path, kills: int, streams: int, n:
                                    max_retries=0, timeout=180)
             ref = [client.completions.create(**_kw(i, n)).choices[0].model_extra["token_ids"]
                    for i in range(streams)]
-            for _ in range(kills if mode == "respawn" else 1):
+            for _ in range(1 if mode == "shrink" else kills):
                 got = _kill_once(s, client, ref, n, streams, rng)
                 gaps += got["gaps"]
                 bad += got["mismatch"] + len(got["errors"])
                 recov.append(s.get("/eplb/status")["membership"]["last_recovery"]["seconds"])
+                if mode == "rejoin":
+                    joins.append(_wait_join(s, len(joins) + 1))
         finally:
             s.stop()
     g = np.array(gaps, dtype=float)
-    return {"mode": mode, "kills": len(recov), "requests": int(g.size),
+    more = {}
+    if joins:
+        more = {"start_to_serving_s": [j["start_to_serving_s"] for j in joins],
+                "start_to_ready_s": [j["start_to_ready_s"] for j in joins],
+                "switch_pause_s": [j["pause_s"] for j in joins]}
+    return {"mode": mode, "kills": len(recov), "requests": int(g.size), **more,
             "p50_s": round(float(np.nanpercentile(g, 50)), 3),
             "p95_s": round(float(np.nanpercentile(g, 95)), 3),
             "max_s": round(float(np.nanmax(g)), 3),
@@ -109,7 +133,7 @@ def main() -> None:
     ap.add_argument("--kills", type=int, default=4)
     ap.add_argument("--streams", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=48)
-    ap.add_argument("--modes", default="shrink,respawn")
+    ap.add_argument("--modes", default="shrink,rejoin,respawn")
     ap.add_argument("--ep", type=int, default=4, help="EP ranks (each kill: ep -> ep-1)")
     ap.add_argument("--experts", type=int, default=8)
     a = ap.parse_args()
