@@ -130,6 +130,8 @@ def _manager(eng, D: int, table):
                           num_experts=E, why=str(err)))
         eng.metrics.enabled.set(0)
         return None
+    if old is not None:
+        mgr.inherit_counters(old)
     eng.metrics.enabled.set(1)
     return mgr
 
