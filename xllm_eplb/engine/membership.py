@@ -45,6 +45,10 @@ from xllm_eplb.obs.logs import event
 
 log = logging.getLogger("xllm_eplb.engine.engine")
 
+#: a survivor's answer to the void step is awaited at least this long (seconds): on a loaded
+#: machine failing a collective and writing ``peer_lost`` can take longer than a short
+#: ``--elastic_silence_seconds``; a survivor that stays silent is a second death (clean stop)
+FENCE_MIN_S = 10.0
 #: how long a failed step waits for the launcher's death notice (seconds)
 NOTICE_WAIT = 3.0
 
@@ -190,7 +194,7 @@ class Membership:
             if r == dead or r in got:
                 continue
             try:
-                got[r] = eng.outs[r].get(timeout=self.silence)
+                got[r] = eng.outs[r].get(timeout=max(self.silence, FENCE_MIN_S))
             except (RingTimeoutError, IpcError) as e:
                 raise WorkerFault(f"EPLB elastic: rank {r} did not finish step {step} after "
                                   f"rank {dead} died ({e})") from None

@@ -37,10 +37,9 @@ from xllm_eplb.engine.failures import WAIT_SLICE, WorkerFault
 from xllm_eplb.engine.shrink import resize_rest
 from xllm_eplb.eplb.join_plan import JoinError, plan_join
 from xllm_eplb.ipc.messages import ForwardInput
-from xllm_eplb.ipc.store import put_members, put_placement
+from xllm_eplb.ipc.store import join_key, joined_key, put_members, put_placement
 from xllm_eplb.model.batch import RankBatch
 from xllm_eplb.obs.logs import event
-from xllm_eplb.worker.regroup import join_key, joined_key
 
 log = logging.getLogger("xllm_eplb.engine.engine")
 

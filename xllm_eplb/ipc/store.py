@@ -61,3 +61,13 @@ def put_members(store, generation: int, workers: list[int]) -> None:
 def get_members(store, generation: int) -> list[int]:
     """The workers of ``generation`` (waits until the engine has set them)."""
     return [int(x) for x in bytes(store.get(members_key(generation))).decode().split(",")]
+
+
+# --- rejoin (``engine/rejoin.py`` <-> ``worker/regroup.py``): the engine's go and the joiner's
+# answer, per joiner pid
+def join_key(worker: int, pid: int) -> str:
+    return f"join/ep{worker}/pid{pid}"
+
+
+def joined_key(worker: int, pid: int) -> str:
+    return f"joined/ep{worker}/pid{pid}"

@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from xllm_eplb.config import Config
 from xllm_eplb.ipc import store
+from xllm_eplb.ipc.store import join_key, joined_key
 from xllm_eplb.obs.logs import event
 from xllm_eplb.worker import comm
 
@@ -75,14 +76,6 @@ def leave() -> float:
 
 
 # --- rejoin (``engine/rejoin.py``): the engine's go and the joiner's answer, per joiner pid ---
-def join_key(worker: int, pid: int) -> str:
-    return f"join/ep{worker}/pid{pid}"
-
-
-def joined_key(worker: int, pid: int) -> str:
-    return f"joined/ep{worker}/pid{pid}"
-
-
 def wait_join(client, worker: int, timeout_s: float, alive) -> int:
     """A loaded joiner waits for the engine's go (the generation it joins, set at a step
     boundary); ``alive()`` False (the launcher gone) or ``timeout_s`` raise."""

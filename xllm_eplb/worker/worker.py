@@ -208,7 +208,12 @@ class Worker:
             # NOTE: after one rank crashes every survivor fails its collective: file only
             log.exception(event("worker step failed", rank=self.rank, step=msg.step),
                           extra=FILE_ONLY)
-            # elastic: the worker stays up; the engine re-forms the groups or stops the run
+            # elastic: the worker stays up; the engine re-forms the groups or stops the run.
+            # Drop the broken groups now: a survivor still blocked in this step's collective
+            # on *this* rank (not on the dead one) then fails at once instead of at the group
+            # timeout (gloo pairs: the closed sockets end its wait).
+            if self.elastic:
+                regroup.leave()
             return ForwardOutput(step=msg.step, rank=self.ep_rank, peer_lost=self.elastic,
                                  error=f"rank {self.rank}: {type(e).__name__}: {e}")
 
