@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import shutil
 import sys
 import tempfile
 import time
@@ -91,10 +92,8 @@ def kills_series(mode: str, a, model: Path, tmp: Path, bodies, ref, rng) -> dict
             for kind in kinds:
                 got = L.kill_trial(s, bodies, kind, rng)
                 for t_kill, label in got["kills"]:
-                    g = L.gaps(got["recs"], t_kill)
                     kill_times.append(t_kill)
-                    rows.append({"label": label, "in_flight": len(g), "gaps": g})
-                    requests += len(g)
+                    rows.append({"label": label, "recs": got["recs"]})
                 for i, r in enumerate(got["recs"]):
                     why = r["error"] or ("" if r["done"] else "no [DONE]")
                     why = why or M.token_faults(r["ids"], ref[i])
@@ -109,6 +108,12 @@ def kills_series(mode: str, a, model: Path, tmp: Path, bodies, ref, rng) -> dict
             for row, k in zip(rows[-len(kill_times):], M.per_kill(lines, kill_times),
                               strict=True):
                 row.update(k)
+                # tokens between the kill and the resume were committed before the kill (in
+                # transit): the pause ends at the first token after the resume
+                after = row["kill"] + (row["resume_s"] or 0.0) - 0.001
+                row["gaps"] = [x + after - row["kill"] for x in L.gaps(row.pop("recs"), after)]
+                row["in_flight"] = len(row["gaps"])
+                requests += len(row["gaps"])
             cover[-1].update(canary_ok=len(lines["resharded"]),
                              canary_failed=len(lines["canary_failed"]), rounds_aborted=aborted)
         finally:
@@ -190,7 +195,7 @@ def overhead(a, model: Path, tmp: Path, bodies) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true",
-                    help="< 1 min: one decode kill per mode, 4 streams, no throughput/overhead")
+                    help="< 1 min: one kill (prefill) per mode, 4 streams, no throughput/overhead")
     ap.add_argument("--json", type=Path, help="write the results here")
     ap.add_argument("--kills", type=int, default=20, help="kills per mode")
     ap.add_argument("--streams", type=int, default=12, help="concurrent streams per trial")
@@ -200,7 +205,9 @@ def main() -> None:
     ap.add_argument("--experts", type=int, default=8)
     ap.add_argument("--dtype", default="float64")
     ap.add_argument("--before-s", type=float, default=8.0, help="throughput: seconds before")
-    ap.add_argument("--overhead-rounds", type=int, default=4)
+    ap.add_argument("--overhead-rounds", type=int, default=8)
+    ap.add_argument("--overhead-tokens", type=int, default=96, help="per request (16 requests)")
+    ap.add_argument("--keep-logs", type=Path, help="copy every server's logs here")
     ap.add_argument("--skip", default="", help="comma list of: kills, throughput, overhead")
     a = ap.parse_args()
     skip = set(filter(None, a.skip.split(",")))
@@ -229,8 +236,12 @@ def main() -> None:
                 out["throughput"].append(throughput(mode, a, model, tmp, bodies, ref, rng))
                 print(json.dumps(out["throughput"][-1]), flush=True)
         if "overhead" not in skip:
-            out["overhead"] = overhead(a, model, tmp, [L.body(i, a.tokens) for i in range(16)])
+            out["overhead"] = overhead(a, model, tmp,
+                                       [L.body(i, a.overhead_tokens) for i in range(16)])
             print(json.dumps(out["overhead"]), flush=True)
+        if a.keep_logs:
+            for p in (x for x in tmp.glob("logs_*") if x.is_dir()):
+                shutil.copytree(p, a.keep_logs / p.name, dirs_exist_ok=True, symlinks=True)
     out["wall_s"] = round(time.monotonic() - t0, 1)
     if a.json:
         a.json.write_text(json.dumps(out, indent=1))

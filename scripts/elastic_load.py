@@ -100,7 +100,8 @@ def _wait(cond, timeout: float, step: float = 0.01) -> bool:
 
 def kill_trial(server, bodies: list[dict], kind: str, rng) -> dict:
     """``len(bodies)`` concurrent streams and one or two SIGKILLs at the moment ``kind`` names:
-    ``prefill`` (0-0.15 s after the requests are sent, before their first token),
+    ``prefill`` (0-0.04 s after the requests are sent: labelled so when no stream has a
+    token yet),
     ``decode`` (every stream has 2-12 tokens), ``migration`` (``/eplb/status``
     ``round_in_progress``: an EPLB round in flight; decode when none starts within 15 s),
     ``reprefill`` (a decode kill, then a second one 0-0.3 s after its recovery resumed: the
@@ -113,7 +114,7 @@ def kill_trial(server, bodies: list[dict], kind: str, rng) -> dict:
     ntok = lambda: min(len(r.get("ids", ())) for r in recs)  # noqa: E731
     kills: list[tuple[float, str]] = []
     if kind == "prefill":
-        time.sleep(rng.uniform(0.0, 0.15))
+        time.sleep(rng.uniform(0.0, 0.04))
         first = max(len(r.get("ids", ())) for r in recs) == 0
         label = "prefill" if first else "decode"
         kills.append((_kill(server, rng), label))
