@@ -88,24 +88,32 @@ def kills_series(mode: str, a, model: Path, tmp: Path, bodies, ref, rng) -> dict
             s.wait_ready(300)
             if not ref:
                 ref += [L.complete(s.port, b) for b in bodies]
-            kill_times = []
-            for kind in kinds:
-                got = L.kill_trial(s, bodies, kind, rng)
-                for t_kill, label in got["kills"]:
-                    kill_times.append(t_kill)
-                    rows.append({"label": label, "recs": got["recs"]})
-                for i, r in enumerate(got["recs"]):
-                    why = r["error"] or ("" if r["done"] else "no [DONE]")
-                    why = why or M.token_faults(r["ids"], ref[i])
-                    if why or r["status"] >= 500:
-                        bad.append(f"{kind} stream {i}: status {r['status']} {why}")
-                st = s.get("/eplb/status")
-                cover.append({"ep_size": st["ep_size"],
-                              "layers_missing": M.coverage_gaps(st["placement"], a.experts)})
+            kill_times: list[float] = []
+            try:
+                for kind in kinds:
+                    got = L.kill_trial(s, bodies, kind, rng)
+                    for t_kill, label in got["kills"]:
+                        kill_times.append(t_kill)
+                        rows.append({"label": label, "recs": got["recs"]})
+                    for i, r in enumerate(got["recs"]):
+                        why = r["error"] or ("" if r["done"] else "no [DONE]")
+                        why = why or M.token_faults(r["ids"], ref[i])
+                        if why or r["status"] >= 500:
+                            bad.append(f"{kind} stream {i}: status {r['status']} {why}")
+                    st = s.get("/eplb/status")
+                    cover.append({"ep_size": st["ep_size"],
+                                  "layers_missing": M.coverage_gaps(st["placement"], a.experts)})
+                for _ in range(a.idle_kills if mode == "respawn" else 0):
+                    kill_times.append(L.idle_kill(s, rng))
+                    rows.append({"label": "idle", "recs": []})
+            except (OSError, KeyError, RuntimeError) as e:     # the server stopped
+                bad.append(f"server {si} stopped: {type(e).__name__}: {e}; "
+                           f"{_last_error(s)}")
             lines = M.elastic_lines(logs)
             aborted = sum("EPLB elastic round aborted" in ln for ln in
                           (logs / "latest" / "engine.log").read_text().splitlines())
-            for row, k in zip(rows[-len(kill_times):], M.per_kill(lines, kill_times),
+            mine = rows[len(rows) - len(kill_times):]
+            for row, k in zip(mine, M.per_kill(lines, kill_times),
                               strict=True):
                 row.update(k)
                 # tokens between the kill and the resume were committed before the kill (in
@@ -120,17 +128,22 @@ def kills_series(mode: str, a, model: Path, tmp: Path, bodies, ref, rng) -> dict
             s.stop()
     gaps = [x for r in rows for x in r["gaps"]]
     by = {lab: M.pct([x for r in rows if r["label"] == lab for x in r["gaps"]], 50, 95)
-          for lab in sorted({r["label"] for r in rows})}
+          for lab in sorted({r["label"] for r in rows}) if lab != "idle"}
     for r in rows:
         r["gaps"] = [round(x, 3) for x in r["gaps"]]
     return {"mode": mode, "ep": a.ep, "experts": a.experts, "dtype": a.dtype,
-            "servers": len(servers), "kills": len(rows), "in_flight_requests": requests,
+            "servers": len(servers), "kills": sum(r["label"] != "idle" for r in rows),
+            "idle_kills": sum(r["label"] == "idle" for r in rows), "in_flight_requests": requests,
             "distinct_requests": len(bodies) * sum(len(k) for k in servers),
-            "labels": {lab: sum(r["label"] == lab for r in rows) for lab in by},
+            "labels": {lab: sum(r["label"] == lab for r in rows)
+                       for lab in {r["label"] for r in rows}},
             "bad_streams": len(bad), "bad": bad[:10],
             "kill_to_next_token": M.pct(gaps, 50, 95), "kill_to_next_token_by_label": by,
             "kill_to_launcher": M.pct([r.get("launcher_s") for r in rows], 50, 99),
             "detect": M.pct([r.get("detect_s") for r in rows], 50, 99),
+            "detect_by_label": {lab: M.pct([r.get("detect_s") for r in rows
+                                            if r["label"] == lab], 50, 99)
+                                for lab in sorted({r["label"] for r in rows})},
             "kill_to_resume": M.pct([r.get("resume_s") for r in rows], 50, 95),
             "fence": M.pct([r.get("fence_s") for r in rows], 50, 95),
             "reform": M.pct([r.get("reform_s") for r in rows], 50, 95),
@@ -204,6 +217,8 @@ def main() -> None:
     ap.add_argument("--ep", type=int, default=4, help="EP ranks (each kill: ep -> ep-1)")
     ap.add_argument("--experts", type=int, default=8)
     ap.add_argument("--dtype", default="float64")
+    ap.add_argument("--idle-kills", type=int, default=5,
+                    help="respawn: kills of an idle server (no request), detection only")
     ap.add_argument("--before-s", type=float, default=8.0, help="throughput: seconds before")
     ap.add_argument("--overhead-rounds", type=int, default=8)
     ap.add_argument("--overhead-tokens", type=int, default=96, help="per request (16 requests)")
@@ -212,39 +227,51 @@ def main() -> None:
     a = ap.parse_args()
     skip = set(filter(None, a.skip.split(",")))
     if a.quick:
-        a.kills, a.streams, a.tokens = 1, 4, 12
+        a.kills, a.streams, a.tokens, a.idle_kills = 1, 4, 12, 0
         skip |= {"throughput", "overhead"}
     rng = random.Random(23)
     t0 = time.monotonic()
     out: dict = {"command": " ".join(sys.argv), "kills": [], "throughput": []}
     with tempfile.TemporaryDirectory(prefix="bench_elastic_") as d:
         tmp = Path(d)
-        from xllm_eplb.model.checkpoint import make_checkpoint
-
-        model = make_checkpoint("deepseek_v3", tmp / "ckpt", num_experts=a.experts, top_k=2)
-        bodies = [L.body(i, a.tokens) for i in range(a.streams)]
-        ref: list = []
-        for mode in a.modes.split(","):
-            if "kills" not in skip:
-                r = kills_series(mode, a, model, tmp, bodies, ref, rng)
-                out["kills"].append(r)
-                print(json.dumps({k: v for k, v in r.items()
-                                  if k not in ("per_kill", "coverage")}), flush=True)
-            if "throughput" not in skip:
-                if not ref:
-                    ref += _reference(model, tmp, a, bodies)
-                out["throughput"].append(throughput(mode, a, model, tmp, bodies, ref, rng))
-                print(json.dumps(out["throughput"][-1]), flush=True)
-        if "overhead" not in skip:
-            out["overhead"] = overhead(a, model, tmp,
-                                       [L.body(i, a.overhead_tokens) for i in range(16)])
-            print(json.dumps(out["overhead"]), flush=True)
-        if a.keep_logs:
-            for p in (x for x in tmp.glob("logs_*") if x.is_dir()):
-                shutil.copytree(p, a.keep_logs / p.name, dirs_exist_ok=True, symlinks=True)
+        try:
+            _run(a, skip, tmp, out, rng)
+        finally:
+            if a.keep_logs:
+                shutil.copytree(tmp, a.keep_logs, dirs_exist_ok=True, symlinks=True,
+                                ignore=shutil.ignore_patterns("ckpt"))
     out["wall_s"] = round(time.monotonic() - t0, 1)
     if a.json:
         a.json.write_text(json.dumps(out, indent=1))
+
+
+def _run(a, skip: set, tmp: Path, out: dict, rng) -> None:
+    from xllm_eplb.model.checkpoint import make_checkpoint
+
+    model = make_checkpoint("deepseek_v3", tmp / "ckpt", num_experts=a.experts, top_k=2)
+    bodies = [L.body(i, a.tokens) for i in range(a.streams)]
+    ref: list = []
+    for mode in a.modes.split(","):
+        if "kills" not in skip:
+            r = kills_series(mode, a, model, tmp, bodies, ref, rng)
+            out["kills"].append(r)
+            print(json.dumps({k: v for k, v in r.items()
+                              if k not in ("per_kill", "coverage")}), flush=True)
+        if "throughput" not in skip:
+            if not ref:
+                ref += _reference(model, tmp, a, bodies)
+            out["throughput"].append(throughput(mode, a, model, tmp, bodies, ref, rng))
+            print(json.dumps(out["throughput"][-1]), flush=True)
+    if "overhead" not in skip:
+        out["overhead"] = overhead(a, model, tmp,
+                                   [L.body(i, a.overhead_tokens) for i in range(16)])
+        print(json.dumps(out["overhead"]), flush=True)
+
+
+def _last_error(s) -> str:
+    """The launcher's error line (why the run stopped), from the server's console output."""
+    errs = [ln for ln in s.out.read_text().splitlines() if "error" in ln.lower()]
+    return errs[-1][:400] if errs else "(no error line)"
 
 
 def _reference(model: Path, tmp: Path, a, bodies) -> list:

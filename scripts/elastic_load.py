@@ -137,6 +137,17 @@ def kill_trial(server, bodies: list[dict], kind: str, rng) -> dict:
     return {"recs": recs, "kills": kills}
 
 
+def idle_kill(server, rng) -> float:
+    """SIGKILL a worker of an idle server (no request) 0.3-1 s after it went idle; wait for
+    its recovery. Returns the kill time."""
+    before = server.get("/eplb/status")["membership"].get("recoveries", 0)
+    time.sleep(rng.uniform(0.3, 1.0))
+    t = _kill(server, rng)
+    _wait(lambda: server.get("/eplb/status")["membership"].get("recoveries", 0) > before, 60,
+          0.05)
+    return t
+
+
 def gaps(recs: list[dict], t_kill: float) -> list[float]:
     """Per request in flight at ``t_kill`` (not finished before it): kill -> its next token."""
     out = []
