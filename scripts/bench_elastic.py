@@ -10,7 +10,10 @@ one at a time, on the first server before any kill (float64: every server, rank 
 batch gives the same tokens). ``--kills`` per mode, cycling the moments ``prefill``,
 ``decode``, ``migration`` (an EPLB round in flight), ``reprefill`` (two kills: the second
 0-0.3 s after the first recovery resumed). ``shrink`` (``--elastic_restart=false``): a server
-takes two kills (4 -> 3 -> 2), then a fresh one; ``respawn``: one server, every kill.
+takes two kills (4 -> 3 -> 2), then a fresh one; ``rejoin`` (the default
+``--elastic_restart=true``: shrink at once, the replacement loads and joins; each trial waits
+for 4 ranks again; also the joiner's start -> serving and the pause at the switch) and
+``respawn`` (``--elastic_rejoin=false``: in place): one server, every kill.
 
 Per kill (from the launcher's and the engine's logs against the kill's time): kill -> launcher
 saw the exit, -> ``EPLB elastic detect`` (recovery starts), -> ``EPLB elastic resume``, the
@@ -53,7 +56,8 @@ def flags(a, mode: str) -> list[str]:
          "--elastic_silence_seconds=2", "--max_batch_size=8", "--ep-size", str(a.ep)]
     if mode == "shrink":
         return f + ["--elastic_restart=false"]
-    return f + ["--elastic_restart=true", f"--elastic_max_restarts={a.kills + 10}"]
+    return f + ["--elastic_restart=true", f"--elastic_max_restarts={2 * a.kills + 10}",
+                f"--elastic_rejoin={str(mode == 'rejoin').lower()}"]
 
 
 EPLB = ["--enable_eplb=true", "--eplb_update_interval=1", "--eplb_min_peak_load_improvement=0",
@@ -79,8 +83,9 @@ def plan(kills: int, per_server: int) -> list[list[str]]:
 
 
 def kills_series(mode: str, a, model: Path, tmp: Path, bodies, ref, rng) -> dict:
-    per = 2 if mode == "shrink" else a.kills
+    per = 2 if mode == "shrink" else 2 * a.kills
     rows, requests, bad, cover, servers = [], 0, [], [], plan(a.kills, per)
+    joins: list[dict] = []
     for si, kinds in enumerate(servers):
         logs = tmp / f"logs_{mode}{si}"
         s = Server(model, logs, flags(a, mode) + EPLB)
@@ -91,6 +96,8 @@ def kills_series(mode: str, a, model: Path, tmp: Path, bodies, ref, rng) -> dict
             kill_times: list[float] = []
             try:
                 for kind in kinds:
+                    if mode == "rejoin":      # back at N ranks (the replacement joined)
+                        joins.append(L.wait_join(s, a.ep))
                     got = L.kill_trial(s, bodies, kind, rng)
                     for t_kill, label in got["kills"]:
                         kill_times.append(t_kill)
@@ -103,7 +110,9 @@ def kills_series(mode: str, a, model: Path, tmp: Path, bodies, ref, rng) -> dict
                     st = s.get("/eplb/status")
                     cover.append({"ep_size": st["ep_size"],
                                   "layers_missing": M.coverage_gaps(st["placement"], a.experts)})
-                for _ in range(a.idle_kills if mode == "respawn" else 0):
+                if mode == "rejoin":
+                    joins.append(L.wait_join(s, a.ep))
+                for _ in range(a.idle_kills if mode != "shrink" else 0):
                     kill_times.append(L.idle_kill(s, rng))
                     rows.append({"label": "idle", "recs": []})
             except (OSError, KeyError, RuntimeError) as e:     # the server stopped
@@ -147,6 +156,8 @@ def kills_series(mode: str, a, model: Path, tmp: Path, bodies, ref, rng) -> dict
             "kill_to_resume": M.pct([r.get("resume_s") for r in rows], 50, 95),
             "fence": M.pct([r.get("fence_s") for r in rows], 50, 95),
             "reform": M.pct([r.get("reform_s") for r in rows], 50, 95),
+            "join_start_to_serving": M.pct([j.get("start_to_serving_s") for j in joins[1:]], 50, 95),
+            "join_switch_pause": M.pct([j.get("pause_s") for j in joins[1:]], 50, 95),
             "coverage": cover, "layers_uncovered": sum(len(c["layers_missing"]) for c in cover),
             "per_kill": rows}
 
@@ -213,12 +224,14 @@ def main() -> None:
     ap.add_argument("--kills", type=int, default=20, help="kills per mode")
     ap.add_argument("--streams", type=int, default=12, help="concurrent streams per trial")
     ap.add_argument("--tokens", type=int, default=32)
-    ap.add_argument("--modes", default="shrink,respawn")
+    ap.add_argument("--modes", default="shrink,rejoin,respawn",
+                    help="shrink (--elastic_restart=false), rejoin (the default: shrink, then "
+                         "the replacement joins), respawn (--elastic_rejoin=false: in place)")
     ap.add_argument("--ep", type=int, default=4, help="EP ranks (each kill: ep -> ep-1)")
     ap.add_argument("--experts", type=int, default=8)
     ap.add_argument("--dtype", default="float64")
     ap.add_argument("--idle-kills", type=int, default=5,
-                    help="respawn: kills of an idle server (no request), detection only")
+                    help="rejoin / respawn: kills of an idle server, detection only")
     ap.add_argument("--before-s", type=float, default=8.0, help="throughput: seconds before")
     ap.add_argument("--overhead-rounds", type=int, default=8)
     ap.add_argument("--overhead-tokens", type=int, default=96, help="per request (16 requests)")

@@ -148,6 +148,19 @@ def idle_kill(server, rng) -> float:
     return t
 
 
+def wait_join(server, ep: int, timeout: float = 120.0) -> dict:
+    """``--elastic_rejoin``: wait until the server is back at ``ep`` ranks; its ``last_join``
+    (``{}`` before any)."""
+    m: dict = {}
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        m = server.get("/eplb/status")["membership"]
+        if m["ep_size"] == ep and not m.get("joining"):
+            return dict(m.get("last_join") or {})
+        time.sleep(0.1)
+    raise RuntimeError(f"not back at {ep} ranks within {timeout:g} s: {m}")
+
+
 def gaps(recs: list[dict], t_kill: float) -> list[float]:
     """Per request in flight at ``t_kill`` (not finished before it): kill -> its next token."""
     out = []

@@ -23,8 +23,8 @@ Targets over 10 minutes (docs/benchmarks.md): 0 failed requests, 0 mismatches, R
     python scripts/soak.py --quick --json /tmp/soak.json        # 1 minute
 
 ``--chaos`` (issue #23): the soak server runs ``--elastic_ep=true`` and a random worker is
-SIGKILLed every ``--kill-every`` seconds (default 60; 20 with ``--quick``); the launcher
-replaces it and the ranks re-form. Targets: 0 failed requests, 0 token mismatches, every kill
+SIGKILLed every ``--kill-every`` seconds (default 60; 20 with ``--quick``); the survivors shrink
+and the launcher's replacement rejoins once loaded (the default ``--elastic_rejoin``). Targets: 0 failed requests, 0 token mismatches, every kill
 recovered (``/eplb/status`` ``membership``), the recovery seconds of each kill reported.
 
     python scripts/soak.py --chaos --minutes 10 --json /tmp/chaos.json

@@ -1,6 +1,6 @@
 """Elastic EP (issue #23) black-box on a real `xllm-eplb serve --elastic_ep=true` at EP4
 (real processes, shm, gloo; the launcher hosts the store): a worker SIGKILLed in the middle of
-streams is replaced in place, the ranks re-form the next generation and every request in flight
+streams is replaced in place (``--elastic_rejoin=false``), the ranks re-form the next generation and every request in flight
 finishes with exactly the tokens of a fault-free run (float64, greedy and seeded sampling), with
 no token repeated or skipped; twice in a row, and a SIGSTOPped worker is fenced (SIGKILLed) after
 ``--elastic_silence_seconds`` and recovered the same way. Nothing is left behind."""
@@ -110,6 +110,7 @@ def _fault(s, client, ref, hit, what: str) -> dict:
 def test_killed_and_frozen_workers_are_replaced_and_no_request_is_lost(ckpt, start_server):
     s = start_server("--ep-size", "4", "--model", str(ckpt), "--dtype=float64",
                      "--workload=none", "--enable_eplb=false", "--elastic_ep=true",
+                     "--elastic_rejoin=false",       # respawn in place (the default rejoins)
                      "--redundant_experts_num=1", "--elastic_silence_seconds=2",
                      "--max_batch_size=4")
     s.wait_ready(240)

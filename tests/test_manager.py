@@ -250,3 +250,22 @@ def test_policy_gets_the_estimate_and_the_gate_the_raw_window():
     logical, physical, _ = pol.calls[0]
     assert logical.tolist() == [[0, 40]]                   # last 2 batches: mean 20 x 2
     assert physical.tolist() == [[[100], [40]]]            # raw measured window
+
+
+def test_a_replacing_manager_continues_the_cumulative_counters():
+    """An elastic shrink or rejoin rebuilds the manager: /eplb/status and the metrics (deltas
+    of these totals) must not go back to 0."""
+    pol = RecordingPlanner([SWAP])
+    old, _ = make(pol)
+    out(old, [[[10]], [[0]]])
+    old.tick()
+    before = old.stats()
+    assert before["rounds"] == 1 and before["samples"] >= 1
+    new, _ = make(RecordingPlanner([SWAP]))
+    new.inherit_counters(old)
+    after = new.stats()
+    assert {k: after[k] for k in ("rounds", "samples", "layers_published")} == \
+        {k: before[k] for k in ("rounds", "samples", "layers_published")}
+    out(new, [[[10]], [[0]]])
+    new.tick()
+    assert new.stats()["rounds"] == 2

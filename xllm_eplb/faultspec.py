@@ -14,6 +14,8 @@ kind               keys (required in bold)                   what happens on the
 ``crash``          rank, layer, round, **phase**             the worker process exits at once
 ``slow_step``      rank, step, **seconds**                   the forward of that step sleeps
 ``corrupt_output`` rank, step                                the output frame's checksum is wrong
+``join_delay``     rank, **seconds**                         an elastic joiner, loaded, sleeps
+                                                             before it signals ``join_ready``
 =================  ========================================  ======================================
 
 ``layer`` is the MoE-local layer id; ``round`` counts, per rank and layer, the prepares
@@ -38,6 +40,7 @@ KINDS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "crash": (("rank", "layer", "round", "phase"), ("phase",)),
     "slow_step": (("rank", "step", "seconds"), ("seconds",)),
     "corrupt_output": (("rank", "step"), ()),
+    "join_delay": (("rank", "seconds"), ("seconds",)),
 }
 PHASES = ("before_activate", "mid_transfer", "after_activate")
 P2P_MODES = ("raise", "hang")

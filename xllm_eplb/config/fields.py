@@ -199,25 +199,34 @@ class RuntimeConfig:
         unit="s", lo=0, lo_open=True)
     # --- elastic EP (#23) ---
     elastic_ep: bool = opt(False, "fault-tolerant EP: a worker that dies (or is silent for "
-                           "--elastic_silence_seconds) is replaced in place (or left out: "
-                           "--elastic_restart), the ranks re-form "
+                           "--elastic_silence_seconds) is left out at once and a replacement "
+                           "rejoins once loaded (--elastic_restart, --elastic_rejoin), the "
+                           "ranks re-form "
                            "their process groups (next generation) and every request in flight "
                            "is re-prefilled from prompt + output; off: a death stops the run")
     elastic_silence_seconds: float = opt(5.0, "with --elastic_ep: a worker that has not read a "
                                          "step's input for this long is SIGKILLed (a hang "
                                          "becomes a death)", unit="s", lo=0, lo_open=True)
     elastic_join_timeout_seconds: float = opt(120.0, "with --elastic_ep: the ranks must re-form "
-                                              "(the replacement loaded and joined) within "
-                                              "this, else the run stops", unit="s", lo=0,
-                                              lo_open=True)
+                                              "(a respawned replacement loaded and joined) "
+                                              "within this, else the run stops; a rejoining "
+                                              "replacement not ready within this is dropped",
+                                              unit="s", lo=0, lo_open=True)
     elastic_max_restarts: int = opt(3, "with --elastic_ep: worker replacements per run; a "
                                     "death after them shrinks the run (a crash loop ends)",
                                     lo=0)
-    elastic_restart: bool = opt(True, "with --elastic_ep: respawn a dead worker in place (up "
-                                "to --elastic_max_restarts); false (or the restarts used up): "
-                                "shrink instead: the survivors re-form with compact ranks "
+    elastic_restart: bool = opt(True, "with --elastic_ep: replace a dead worker (up to "
+                                "--elastic_max_restarts): the survivors shrink at once and "
+                                "serve on N-1 ranks while the replacement loads, then it "
+                                "rejoins (--elastic_rejoin); false (or the restarts used up): "
+                                "shrink only: the survivors re-form with compact ranks "
                                 "0..N-2, re-plan the experts (orphans read from the checkpoint) "
                                 "and keep serving on N-1 ranks")
+    elastic_rejoin: bool = opt(True, "with --elastic_restart: shrink, then the replacement "
+                               "joins at a step boundary once loaded (within "
+                               "--elastic_join_timeout_seconds, else it is dropped and N-1 "
+                               "ranks keep serving); false, or when the N-1 survivors could "
+                               "not hold every expert: respawn in place, the service waits")
 
 
 @dataclass(frozen=True)
@@ -275,7 +284,8 @@ class FaultConfig:
     enable_fault_injection: bool = opt(False, "allow --fault_inject (never in production)")
     fault_inject: tuple = opt((), "repeatable: inject one fault KIND:k=v,k=v (kinds "
                               "prepare_delay, prepare_fail, p2p_delay, p2p_fail, crash, "
-                              "slow_step, corrupt_output; see xllm_eplb/faultspec.py)")
+                              "slow_step, corrupt_output, join_delay; see "
+                              "xllm_eplb/faultspec.py)")
 
 
 @dataclass(frozen=True)

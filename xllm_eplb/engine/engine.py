@@ -252,6 +252,8 @@ class Engine:
                 if self.membership is not None:      # a death while idle: recover now
                     self.membership.when_idle()
                 continue
+            if self.membership is not None and self.membership.joining:
+                self.membership.at_boundary()       # --elastic_ep rejoin: grow between steps
             batches = self.sched.schedule()
             self.live.on_scheduled(batches, self.sched.running, time.monotonic())
             outs = self.step(batches)

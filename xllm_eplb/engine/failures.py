@@ -56,6 +56,10 @@ class FailureWatch:
         self.death: str = ""          # the launcher's message for a dead child, once known
         self.died: tuple | None = None    # that notice: ("died", who, message[, gen, seen])
         self.attached: list[tuple] = []   # elastic: ("attached", who, generation) notices
+        #: rejoin: ("join_ready", who, started_at, ready_at, pid) / ("join_dropped", who, why)
+        self.joins: list[tuple] = []
+        #: rejoin: the joiner a switch waits for (its drop is then a death: the run stops)
+        self.switching = ""
         #: elastic: ``kill(who)`` asks the launcher to SIGKILL a silent worker (None: off)
         self.kill = None
         self.silence_seconds = 0.0
@@ -84,15 +88,23 @@ class FailureWatch:
     def _poll(self, timeout: float) -> bool:
         if self.notices is None or self.death:
             return bool(self.death)
-        notice = self.notices(timeout)
+        self._handle(self.notices(timeout))
+        return bool(self.death)
+
+    def _handle(self, notice) -> None:
         if notice and notice[0] == "attached":
             self.attached.append(notice)
+        if notice and notice[0] in ("join_ready", "join_dropped"):
+            if notice[0] == "join_dropped" and notice[1] == self.switching:
+                notice = ("died", notice[1], f"the joiner {notice[1]} died during the "
+                          f"switch ({notice[2]})")
+            else:
+                self.joins.append(notice)
         if notice and notice[0] == "died":
             self.died, self.death = tuple(notice), str(notice[2])
             # NOTE: file only: the launcher's console line says it once
             log.error(event("engine notice worker died", proc=notice[1], message=self.death),
                       extra=FILE_ONLY)
-        return bool(self.death)
 
     def _fence_silent(self, step: int, inp) -> None:
         """``--elastic_ep``: ranks that have not read this step's input for
@@ -110,6 +122,17 @@ class FailureWatch:
             for r in silent:
                 self.kill(f"ep{r}")
 
+    def poll_joins(self) -> list[tuple]:
+        """Rejoin, at a step boundary: every notice waiting now (a death is kept for the next
+        step), then the join notices read so far (taken)."""
+        while not self.death and self.notices is not None:
+            notice = self.notices(0.0)
+            if notice is None:
+                break
+            self._handle(notice)
+        got, self.joins = self.joins, []
+        return got
+
     def clear_death(self) -> None:
         """After a recovery: the next death is a new one."""
         self.death, self.died = "", None
@@ -124,6 +147,8 @@ class FailureWatch:
             notice = self.notices(min(0.1, max(0.0, deadline - time.monotonic())))
             if notice and notice[0] == "attached":
                 self.attached.append(notice)
+            elif notice and notice[0] in ("join_ready", "join_dropped"):
+                self.joins.append(notice)
             elif notice and notice[0] == "died":
                 self.died, self.death = tuple(notice), str(notice[2])
         return self.attached.pop(0) if self.attached else None

@@ -16,7 +16,10 @@ or its restarts used up leaves it out, and sends the engine a notice saying whic
 
 A death the launcher does not replace is a *shrink* (``engine/shrink.py``): the re-form is with
 the survivors only, at compact ranks ``0..N-2``, after a re-plan of the experts; the engine's
-rank set follows. Ranks are compact; :attr:`Membership.workers` maps each to its worker.
+rank set follows. Ranks are compact; :attr:`Membership.workers` maps each to its worker. A
+*rejoin* (mode ``rejoin``) is a shrink now and a grow later: the replacement loads while N-1
+ranks serve; its ``join_ready`` is taken at a step boundary (:meth:`Membership.at_boundary`,
+``engine/rejoin.py``).
 
 An EPLB round in flight is dropped (``EplbManager.abort_round``: committed layers stay, the
 rest is re-planned by a later round). A death the engine cannot recover from stops the run as
@@ -32,6 +35,7 @@ import logging
 import time
 
 from xllm_eplb.engine.failures import WAIT_SLICE, WorkerFault
+from xllm_eplb.engine.rejoin import grow
 from xllm_eplb.engine.shrink import shrink
 from xllm_eplb.ipc.errors import IpcError, RingTimeoutError
 from xllm_eplb.ipc.messages import ForwardInput
@@ -60,18 +64,50 @@ class Membership:
         #: the survivors take compact ranks
         self.workers = list(range(engine.D))
         self.shrinks = 0
+        # --- rejoin: the initial table (what a joiner loads), the output rings of workers
+        # left out (a joiner takes its worker's), the joiners loading, what the joins did
+        self.initial = engine.placement.copy()
+        self.parked: dict[int, object] = {}
+        self.joining: dict[str, float] = {}      # ep<w> -> wall time of the death
+        self.joins = self.joins_dropped = 0
+        self.last_join: dict = {}
 
     def status(self) -> dict:
         return {"elastic": True, "generation": self.generation, "ep_size": self.eng.D,
                 "ranks_active": list(range(self.eng.D)), "workers": list(self.workers),
                 "recoveries": self.recoveries, "shrinks": self.shrinks,
-                "requests_reprefilled": self.reprefilled, "last_recovery": dict(self.last)}
+                "requests_reprefilled": self.reprefilled, "last_recovery": dict(self.last),
+                "joins": self.joins, "joining": sorted(self.joining),
+                "joins_dropped": self.joins_dropped, "last_join": dict(self.last_join)}
 
     def when_idle(self) -> None:
         """A death notice while no step runs: an empty step now meets the dead rank (and
         recovers, or stops the run), instead of the next request's."""
+        if self.joining:
+            self.at_boundary()
         if self.eng.failures._poll(0.0):
             self.eng.step([RankBatch() for _ in range(self.eng.D)])
+
+    def at_boundary(self) -> None:
+        """Rejoin, between steps: a dropped joiner is forgotten (N-1 keep serving); a ready one
+        joins now (``engine/rejoin.py``)."""
+        for n in self.eng.failures.poll_joins():
+            if n[0] == "join_dropped":
+                if self.joining.pop(n[1], None) is not None:
+                    self.joins_dropped += 1
+                    self.eng.metrics.rejoins.labels("dropped").inc()
+                continue
+            if n[1] not in self.joining or self.eng.failures.death:
+                continue        # a death first: the next step recovers (the launcher drops it)
+            got = grow(self, n)
+            if not got:
+                continue
+            self.joining.pop(n[1])
+            self.joins += 1
+            self.last_join = got
+            self.eng.metrics.rejoins.labels("joined").inc()
+            self.eng.metrics.rejoin_seconds.observe(got["start_to_serving_s"])
+            log.warning(event("EPLB elastic rejoin", **got))
 
     # --- recovery --------------------------------------------------------------------------
     def recover(self, fault: WorkerFault, got: dict) -> None:
@@ -84,7 +120,7 @@ class Membership:
         if fw.died is None or len(fw.died) < 5:
             raise fault
         _, who, msg, generation, seen, *mode = fw.died
-        shrinking = mode == ["shrink"]
+        shrinking = bool(mode) and mode[0] in ("shrink", "rejoin")
         fw.clear_death()                  # from here on, a death notice is a second death
         if int(who[2:]) not in self.workers:
             raise fault
@@ -103,8 +139,12 @@ class Membership:
                        seconds=round(t_fence - t0, 3)))
         extra = {}
         if shrinking:
+            if mode[0] == "rejoin":      # its worker's output ring waits for the joiner
+                self.parked[int(who[2:])] = eng.outs[rank]
             extra = shrink(self, rank, generation)
             self.shrinks += 1
+            if mode[0] == "rejoin":
+                self.joining[who] = seen
             log.info(event("EPLB elastic re-form", generation=generation, rank=rank,
                            ep_size=eng.D, seconds=round(time.monotonic() - t_fence, 3)))
         else:
@@ -114,7 +154,7 @@ class Membership:
         self.reprefilled += len(back)
         self._metrics(t_done - t0, len(back), respawn=not shrinking)
         self.last = {"rank": rank, "worker": who, "step": step, "generation": generation,
-                     "mode": "shrink" if shrinking else "respawn",
+                     "mode": mode[0] if mode else "respawn",
                      "fence_s": round(t_fence - t0, 3), "reform_s": round(t_done - t_fence, 3),
                      "seconds": round(t_done - t0, 3), "requests_reprefilled": len(back),
                      **extra}

@@ -302,6 +302,12 @@ class Scheduler:
         self._release = [self._release[r] for r in keep]
         self.dp_size = len(keep)
 
+    def grow(self) -> None:
+        """``--elastic_ep`` rejoin: one more DP rank (the last, empty); the running requests
+        keep their ranks and KV caches."""
+        self._release.append([])
+        self.dp_size += 1
+
     def fail_in_flight(self, error: str) -> list[Request]:
         """Finish every running and waiting request with ``error`` (a stalled step,
         ``engine/failures.py``) while the engine keeps running: the running ones' KV caches are

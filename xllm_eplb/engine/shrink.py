@@ -81,11 +81,18 @@ def shrink(ms, rank: int, generation: int) -> dict:
 def resize(eng, keep: list[int], table) -> None:
     """Every ep_size-shaped piece of the engine for the ranks ``keep`` (old compact ranks, in
     new rank order) and the deployed ``table`` [L, (D-1)*S]."""
-    cfg, D = eng.cfg, len(keep)
-    eng.D = D
     eng.outs = [eng.outs[r] for r in keep]
     eng.sched.resize(keep)
     eng.watch.resize([eng.watch.readers[r] for r in keep])
+    resize_rest(eng, len(keep), table)
+
+
+def resize_rest(eng, D: int, table) -> None:
+    """What follows the rank count ``D`` once the rings, the scheduler and the step watch do
+    (a shrink above, a rejoin in ``engine/rejoin.py``): telemetry, recorder, KV capacity, the
+    deployed table, the EPLB manager (rebuilt)."""
+    cfg = eng.cfg
+    eng.D = D
     old = eng.tele
     eng.tele = Telemetry(eng.metrics, cfg.num_moe_layers, D, ranks_per_node=D)
     for k in ("cp", "steps", "serving", "last_commit_at", "eplb"):
@@ -123,6 +130,8 @@ def _manager(eng, D: int, table):
                           num_experts=E, why=str(err)))
         eng.metrics.enabled.set(0)
         return None
+    if old is not None:
+        mgr.inherit_counters(old)
     eng.metrics.enabled.set(1)
     return mgr
 

@@ -224,6 +224,15 @@ class EplbManager(RoundsMixin):
                 next_prepare_token=self.pipe.next_token, policy=self.policy_name,
                 timer_deadline=self._deadline).as_dict()
 
+    def inherit_counters(self, old: "EplbManager") -> None:
+        """Continue ``old``'s cumulative counters and policy CPU (an elastic shrink or rejoin
+        replaces the manager: ``/eplb/status`` and the metrics, which take deltas of these
+        totals, must stay monotonic)."""
+        with self._lock:
+            for k, v in vars(old._counters).items():
+                setattr(self._counters, k, v)      # in place: the cost guard holds the object
+            self.hb.cpu_s += old.hb.cpu_s
+
     def cost_status(self) -> dict:
         """The cost model for /eplb/status: the fit per layer and the modelled step critical
         path (seconds, summed over layers) under the deployed and the initial placement."""

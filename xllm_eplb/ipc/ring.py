@@ -141,6 +141,12 @@ class InputRing(_MessageRing):
         self.retired = getattr(self, "retired", set()) | {int(index)}
         self._sink(index)
 
+    def unretire_reader(self, index: int) -> None:
+        """Producer, elastic rejoin: reader ``index`` reads again (a joiner claimed it at the
+        newest frame, ``claim_reader(skip=True)``, while the producer put nothing)."""
+        self._sink(index)
+        self.retired = getattr(self, "retired", set()) - {int(index)}
+
     def _sink(self, index: int) -> None:
         data, space = self.ring._data[index], self.ring._space[index]
         while data.value > 0:        # frames pending for that reader: give their slots back

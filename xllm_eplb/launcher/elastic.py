@@ -1,12 +1,25 @@
 """Elastic EP supervision (``--elastic_ep``, #23): the launcher hosts the run's TCPStore (not
-worker 0: any worker may die), replaces a dead worker in place for the next generation (up to
-``--elastic_max_restarts``) or, with ``--elastic_restart=false`` or the restarts used up, leaves
-it out (the survivors shrink to N-1 ranks: ``engine/shrink.py``), tells the engine, and SIGKILLs a worker the engine found silent
-(``--elastic_silence_seconds``): a hang becomes a death.
+worker 0: any worker may die) and decides, on a worker's death, how it is replaced (up to
+``--elastic_max_restarts``; the mode travels in the engine's notice):
+
+    rejoin   (``--elastic_restart``, ``--elastic_rejoin``, and the N-1 survivors can hold every
+             expert) the survivors shrink at once (``engine/shrink.py``); a replacement worker
+             starts in the background, loads its model and signals ``join_ready``; the engine
+             grows back at a step boundary (``engine/rejoin.py``). One not ready within
+             ``--elastic_join_timeout_seconds`` is SIGKILLed and dropped: N-1 ranks keep serving
+    respawn  (``--elastic_rejoin=false``, or the rule fails for N-1; only at full size) the
+             worker is respawned in place; the service waits for it
+    shrink   (``--elastic_restart=false``, or the restarts used up) it is left out
+
+A serving rank's death while a joiner loads drops the joiner first, then is handled as above.
+The launcher also SIGKILLs a worker the engine found silent (``--elastic_silence_seconds``): a
+hang becomes a death. Generations are numbered by one counter in the store (``generation``),
+shared by the launcher's deaths and the engine's grows.
 
 :class:`ElasticSupervision` is mixed into :class:`~xllm_eplb.launcher.launcher.Launcher`; it
 uses the launcher's ``cfg``, ``procs``, ``events``, ``errors``, ``stop_signal``, ``store``,
-``generation``, ``restarts``, ``retired``, ``death_message`` and ``_spawn``.
+``generation``, ``restarts``, ``retired``, ``joining``, ``dropped``, ``death_message`` and
+``_spawn``.
 """
 
 from __future__ import annotations
@@ -17,6 +30,7 @@ import os
 import signal
 import time
 
+from xllm_eplb.eplb.shrink_plan import ShrinkError, check_rule
 from xllm_eplb.ipc.store import host_store
 from xllm_eplb.launcher.exits import describe_exit
 from xllm_eplb.obs.logs import event
@@ -24,53 +38,150 @@ from xllm_eplb.worker.worker import worker_main
 
 log = logging.getLogger(__name__)
 
+#: the store key of the generation counter (``store.add`` returns the next generation)
+GENERATION_KEY = "generation"
+
 
 class ElasticSupervision:
-    """The launcher's ``--elastic_ep`` part: store hosting, in-place replacement, fencing."""
+    """The launcher's ``--elastic_ep`` part: store hosting, replacement, joiners, fencing."""
 
     def _host_store(self) -> None:
         """Host the run's TCPStore (``--master_addr:--master_port``) in the launcher."""
         rt = self.cfg.runtime
         self.store = host_store(rt.master_addr, rt.master_port,
                                 rt.elastic_join_timeout_seconds)
+        self.store.add(GENERATION_KEY, 1)          # generation 1: the start
+
+    def _next_generation(self) -> int:
+        return int(self.store.add(GENERATION_KEY, 1))
+
+    def _serving(self) -> int:
+        """EP ranks serving now (joiners not counted)."""
+        return sum(1 for w in self.procs if w.startswith("ep") and w not in self.joining
+                   and w not in self.dropped)
+
+    def _rule_holds(self, size: int) -> bool:
+        try:
+            check_rule(size, self.cfg.slots_per_rank, self.cfg.model.num_experts)
+        except ShrinkError:
+            return False
+        return True
 
     def _replace(self, who: str) -> bool:
-        """``--elastic_ep``: respawn dead worker ``who`` in place for the next generation, or
-        (``--elastic_restart=false``, or the restarts used up) leave it out: the survivors
-        shrink. Tells the engine ``("died", who, message, generation, seen_at, mode)``; False
-        when this death stops the run (elasticity off, the engine, a stop)."""
+        """``--elastic_ep``: replace dead worker ``who`` (see the module docstring). Tells the
+        engine ``("died", who, message, generation, seen_at, mode)``; False when this death
+        stops the run (elasticity off, the engine, a stop)."""
         rt = self.cfg.runtime
         if (not rt.elastic_ep or not who.startswith("ep") or self.stop_signal
                 or self.procs["engine"].exitcode is not None):
             return False
         p = self.procs[who]
         p.join(2.0)
+        if who in self.joining or who in self.dropped:
+            return self._joiner_gone(who)
         # NOTE: exit 0 is the engine's shutdown message reaching the worker: a stop, no death
         if p.exitcode in (None, 0):
             return False
+        self._drop_joiners(f"serving worker {who} died")
+        size = self._serving()
         respawn = rt.elastic_restart and self.restarts < rt.elastic_max_restarts
+        rejoin = respawn and rt.elastic_rejoin and self._rule_holds(size)
+        # NOTE: a respawn in place takes the worker's own rank in a full world: a shrunk one
+        # (a joiner dropped earlier) shrinks again, or stops cleanly naming the rule
+        respawn = respawn and (rejoin or size == self.cfg.eplb.ep_size)
         self.restarts += respawn
-        self.generation += 1
+        self.generation = self._next_generation()
         msg = self.death_message(who)
         seen = time.time()
-        mode = "respawn" if respawn else "shrink"
+        mode = "rejoin" if rejoin else ("respawn" if respawn else "shrink")
         log.warning(event("EPLB elastic detect", proc=who, pid=p.pid,
                           cause=describe_exit(p.exitcode), generation=self.generation,
                           mode=mode, restart=self.restarts, message=msg))
         self.events.notify("engine", ("died", who, msg, self.generation, seen, mode))
         self.errors.pop(who, None)
-        if respawn:
+        if mode == "respawn":
             self._spawn(who, worker_main, self.cfg, int(who[2:]), self.events, os.getpid(),
                         self.generation)
-        else:         # the survivors go on without it (the engine stops if they cannot)
-            self.retired[who] = self.procs.pop(who)
+            return True
+        self.retired[f"{who}@{p.pid}"] = self.procs.pop(who)   # the survivors go on without it
+        if mode == "rejoin":     # the replacement loads in the background, then joins
+            self._spawn(who, worker_main, self.cfg, int(who[2:]), self.events, os.getpid(), 0,
+                        join=True)
+            self.joining[who] = {"t0": time.monotonic(), "wall": time.time(), "ready": False}
+            log.warning(event("EPLB elastic rejoin start", proc=who,
+                              pid=self.procs[who].pid, ep_size=f"{size - 1}->{size}",
+                              timeout_s=rt.elastic_join_timeout_seconds))
         return True
 
+    def _joiner_gone(self, who: str) -> bool:
+        """A joiner exited: dropped (reaped here), or it died while loading (another joiner
+        starts, restarts permitting; the engine keeps waiting for ``join_ready``), or after
+        ``join_ready`` (the engine is told: ``join_dropped``; during a switch to it, the engine
+        stops the run cleanly). The serving ranks are not touched."""
+        info = self.joining.pop(who, None)
+        p = self.procs[who]
+        msg = "" if who in self.dropped else self.death_message(who, during="its rejoin")
+        self.retired[f"{who}@{p.pid}"] = self.procs.pop(who)
+        if who in self.dropped:
+            self.dropped.discard(who)
+            return True
+        rt = self.cfg.runtime
+        if (info is not None and not info["ready"] and rt.elastic_restart
+                and self.restarts < rt.elastic_max_restarts):
+            self.restarts += 1
+            self._spawn(who, worker_main, self.cfg, int(who[2:]), self.events, os.getpid(), 0,
+                        join=True)
+            self.joining[who] = {"t0": time.monotonic(), "wall": time.time(), "ready": False}
+            log.warning(event("EPLB elastic rejoin restart", proc=who, why=msg,
+                              pid=self.procs[who].pid, restart=self.restarts))
+            return True
+        self.events.notify("engine", ("join_dropped", who, msg))
+        log.warning(event("EPLB elastic rejoin dropped", proc=who, why=msg,
+                          serving=self._serving()))
+        return True
+
+    def _drop_joiners(self, why: str) -> None:
+        """SIGKILL every joiner (a serving rank died, or one timed out); the engine is told."""
+        for who in list(self.joining):
+            info = self.joining.pop(who)
+            self.dropped.add(who)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.procs[who].pid, signal.SIGKILL)
+            self.events.notify("engine", ("join_dropped", who, why))
+            log.warning(event("EPLB elastic rejoin dropped", proc=who, why=why,
+                              after_s=round(time.monotonic() - info["t0"], 3),
+                              serving=self._serving()))
+
+    def _check_joiners(self) -> None:
+        """A joiner not ready within ``--elastic_join_timeout_seconds`` is dropped."""
+        limit = self.cfg.runtime.elastic_join_timeout_seconds
+        late = [w for w, i in self.joining.items()
+                if not i["ready"] and time.monotonic() - i["t0"] > limit]
+        for who in late:
+            info = self.joining.pop(who)
+            self.dropped.add(who)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.procs[who].pid, signal.SIGKILL)
+            self.events.notify("engine", ("join_dropped", who, "timeout"))
+            log.warning(event("EPLB elastic rejoin dropped", proc=who,
+                              why=f"not ready within --elastic_join_timeout_seconds={limit:g}",
+                              after_s=round(time.monotonic() - info["t0"], 3),
+                              serving=self._serving(), generation="unchanged"))
+
     def _elastic_event(self, who: str, stage: str, detail: str) -> None:
-        """A replacement attached its rings (-> the engine may send the regroup), or the
+        """A replacement attached its rings (-> the engine may send the regroup); a joiner is
+        loaded (``join_ready``: the engine grows at its next step boundary) or joined; or the
         engine asks for a silent worker to be SIGKILLed (a hang becomes a death)."""
         if stage == "attached":
             self.events.notify("engine", ("attached", who, int(detail or 0)))
+        elif stage == "join_ready" and who in self.joining:
+            info = self.joining[who]
+            info["ready"] = True
+            ready_at, pid = detail.split(",")
+            self.events.notify("engine", ("join_ready", who, info["wall"], float(ready_at),
+                                          int(pid)))
+        elif stage == "joined":
+            self.joining.pop(who, None)
         elif who == "engine" and detail in self.procs and detail.startswith("ep"):
             p = self.procs[detail]
             log.warning(event("EPLB elastic fence silent worker", proc=detail, pid=p.pid,

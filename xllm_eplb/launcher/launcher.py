@@ -69,7 +69,9 @@ class Launcher(ElasticSupervision):
         self.store = None
         self.generation = 1
         self.restarts = 0
-        self.retired: dict[str, mp.Process] = {}   # dead workers left out by a shrink
+        self.retired: dict[str, mp.Process] = {}   # dead workers left out (who@pid)
+        self.joining: dict[str, dict] = {}         # rejoin: replacements loading / switching
+        self.dropped: set[str] = set()             # joiners SIGKILLed, not yet reaped
 
     # --- signals ---------------------------------------------------------------------------
     def _on_signal(self, signum, frame) -> None:
@@ -95,7 +97,7 @@ class Launcher(ElasticSupervision):
             return self.affinity.workers[int(who[2:]) - node_ranks(self.cfg).start]
         return None
 
-    def _spawn(self, who: str, target, *args) -> None:
+    def _spawn(self, who: str, target, *args, **extra) -> None:
         """Start child ``who``; an argument that is ``self.events`` becomes the child's own
         :class:`EventSender` (one pipe per child). An EP worker or the engine starts on its
         pinned cores (the worker also gets them as ``cores=``: it sizes its torch threads to
@@ -103,7 +105,7 @@ class Launcher(ElasticSupervision):
         sender = self.events.sender(who)
         args = tuple(sender if a is self.events else a for a in args)
         cores = self._cores(who)
-        kwargs = {"cores": cores} if target is worker_main else {}
+        kwargs = {"cores": cores, **extra} if target is worker_main else {}
         with _child_env(), affinity.pinned(cores):
             p = self.ctx.Process(target=target, name=who, args=args, kwargs=kwargs,
                                  daemon=False)
@@ -155,7 +157,7 @@ class Launcher(ElasticSupervision):
     def _report_stage(self, who: str, stage: str, detail: str) -> None:
         if stage == "error" and detail and who not in self.errors:
             self.errors[who] = detail            # named in the death message
-        if stage in ("attached", "kill"):
+        if stage in ("attached", "kill", "join_ready", "joined"):
             self._elastic_event(who, stage, detail)
         if self.progress is not None:
             self.progress.update(who, stage)
@@ -187,6 +189,8 @@ class Launcher(ElasticSupervision):
         while not self.stop_signal:
             ready = mpc.wait(list(sentinels), timeout=0.5)
             self._drain_events()
+            if self.joining:
+                self._check_joiners()
             if ready and self._replace(sentinels[ready[0]]):
                 sentinels = {p.sentinel: who for who, p in self.procs.items()}
                 continue
@@ -246,6 +250,9 @@ class Launcher(ElasticSupervision):
         """Stop every child; returns the names of those that had to be killed."""
         timeout = self.cfg.serve.shutdown_timeout_seconds if graceful else min(
             3.0, self.cfg.serve.shutdown_timeout_seconds)
+        for who in list(self.joining) + list(self.dropped):   # rejoin: not on the input ring
+            with contextlib.suppress(ProcessLookupError, KeyError):
+                os.kill(self.procs[who].pid, signal.SIGKILL)
         eng = self.procs.get("engine")
         if eng is not None and eng.exitcode is None:
             with contextlib.suppress(ProcessLookupError):

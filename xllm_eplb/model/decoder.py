@@ -56,12 +56,14 @@ class Decoder(RankModel):
     [L_moe, D*S] initial placement (default: xLLM's initial layout)."""
 
     def __init__(self, cfg: Config, ep_rank: int, ep_group=None, phy2log: np.ndarray | None = None,
-                 *, device: str | torch.device | None = None, _reference: bool = False):
+                 *, device: str | torch.device | None = None, _reference: bool = False,
+                 _joining: bool = False):
         self.spec = spec = parse_spec(cfg.model.model)
         cfg = resolve_config(cfg, spec)
         validate_model_config(cfg)
         self.cfg, self.ep_rank, self.ep_group = cfg, int(ep_rank), ep_group
         self.reference_mode = _reference
+        self._joining = _joining      # an elastic joiner: loads before its group exists
         self.device = torch.device(device or ("cpu" if cfg.runtime.device == "cpu"
                                               else cfg.runtime.device))
         self.dtype = torch_dtype(cfg)
@@ -132,7 +134,7 @@ class Decoder(RankModel):
                                    cfg.eplb.redundant_experts_num)
             phy2log = np.tile(base, (self.num_moe_layers, 1))
         phy2log = validate_phy2log(cfg, phy2log)
-        if not dist.is_initialized():
+        if not dist.is_initialized() and not self._joining:
             raise RuntimeError("a sharded Decoder needs an initialised EP process group "
                                "(worker.comm.init_groups); for one process use "
                                "Decoder.reference(cfg)")
@@ -287,14 +289,15 @@ class Decoder(RankModel):
 
 
 def build_model(cfg: Config, ep_rank: int, ep_group=None, *, device=None,
-                phy2log: np.ndarray | None = None) -> Decoder:
+                phy2log: np.ndarray | None = None, joining: bool = False) -> Decoder:
     """The worker's model: a :class:`Decoder` of ``cfg.model.model`` (the launcher has filled
     it with the generated default checkpoint when ``--model`` was empty), starting from
     ``initial_placement(cfg)`` (``--eplb_init_placement`` or xLLM's layout) and loading only this
-    rank's slots of it."""
+    rank's slots of it. ``joining``: an elastic joiner builds before its process group exists
+    (``worker.Worker._start_joiner``; the group is set at its regroup)."""
     if not cfg.model.model:
         raise ValueError("build_model: cfg.model.model is empty; the launcher resolves it "
                          "with model.default_checkpoint.with_default_checkpoint first")
     if phy2log is None:       # an elastic replacement passes the deployed table instead
         phy2log = initial_placement(resolve_config(cfg))
-    return Decoder(cfg, ep_rank, ep_group, phy2log, device=device)
+    return Decoder(cfg, ep_rank, ep_group, phy2log, device=device, _joining=joining)

@@ -214,7 +214,7 @@ class EngineMetrics:
         self.rank_active = self._g("rank_active", "1 while the EP rank is a member of the "
                                    "current process-group generation", ("rank",))
         self.pg_generation = self._g("generation", "process-group generation (1 at start, "
-                                     "+1 per elastic recovery)")
+                                     "+1 per elastic recovery or rejoin)")
         self.recovery_seconds = self._h("recovery_seconds", "elastic recovery: death detected "
                                         "-> ranks re-formed", (0.1, 0.25, 0.5, 1, 2, 3, 5, 10,
                                                               30, 60))
@@ -222,11 +222,18 @@ class EngineMetrics:
                                    "+ output after a rank died")
         self.experts_reloaded = self._c("experts_reloaded", "expert slots loaded again after a "
                                         "rank died, by source", ("source",))
+        self.rejoins = self._c("rejoins", "elastic rejoins: replacement workers that joined "
+                               "or were dropped (not ready in time, or dead while loading)",
+                               ("outcome",))
+        self.rejoin_seconds = self._h("rejoin_seconds", "elastic rejoin: joiner start -> "
+                                      "serving", (1, 2, 5, 10, 20, 30, 60, 120))
         self.pg_generation.set(1)
         for r in range(self.ep_size):
             self.rank_active.labels(str(r)).set(1)
         for source in ("replica", "checkpoint"):
             self.experts_reloaded.labels(source)
+        for outcome in ("joined", "dropped"):
+            self.rejoins.labels(outcome)
 
     def _zero_series(self) -> None:
         """Create every labelled series whose label values are known up front, so a counter

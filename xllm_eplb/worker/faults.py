@@ -12,7 +12,9 @@ the config enables fault injection and names a fault for this rank. Hook points,
 - ``after_activate(layer)``: the layer switched, the step's output not yet written (``crash``
   phase ``after_activate``);
 - ``step(step)``: before the forward of engine step ``step`` (``slow_step``);
-- ``corrupt(step)``: True when the output frame of that step must carry a bad checksum.
+- ``corrupt(step)``: True when the output frame of that step must carry a bad checksum;
+- ``join()``: an elastic joiner, its model loaded, before it signals ``join_ready``
+  (``join_delay``).
 
 NOTE: faults are deterministic per rank; rounds are counted on each rank from the commands it
 receives, which every rank receives alike.
@@ -60,6 +62,9 @@ class NoFaults:
 
     def corrupt(self, step: int) -> bool:
         return False
+
+    def join(self) -> None:
+        pass
 
 
 NO_FAULTS = NoFaults()
@@ -129,6 +134,10 @@ class Faults(NoFaults):
 
     def corrupt(self, step: int) -> bool:
         return bool(self._fire(("corrupt_output",), step=step))
+
+    def join(self) -> None:
+        for f in self._fire(("join_delay",)):
+            self._sleep(f.seconds)
 
 
 def make_faults(cfg, rank: int, crash: Callable[[str], None]) -> NoFaults:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import time
 from datetime import timedelta
 
@@ -71,3 +72,33 @@ def leave() -> float:
         if dist.is_initialized():
             dist.destroy_process_group()
     return time.perf_counter() - t0
+
+
+# --- rejoin (``engine/rejoin.py``): the engine's go and the joiner's answer, per joiner pid ---
+def join_key(worker: int, pid: int) -> str:
+    return f"join/ep{worker}/pid{pid}"
+
+
+def joined_key(worker: int, pid: int) -> str:
+    return f"joined/ep{worker}/pid{pid}"
+
+
+def wait_join(client, worker: int, timeout_s: float, alive) -> int:
+    """A loaded joiner waits for the engine's go (the generation it joins, set at a step
+    boundary); ``alive()`` False (the launcher gone) or ``timeout_s`` raise."""
+    key, deadline = join_key(worker, os.getpid()), time.monotonic() + timeout_s
+    while True:
+        try:
+            client.wait([key], timedelta(seconds=1.0))
+            return int(bytes(client.get(key)).decode())
+        except Exception:  # noqa: BLE001 - the store's wait timeout: check, then again
+            if not alive():
+                raise RuntimeError("rejoin: the launcher is gone") from None
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"rejoin: no go from the engine within {timeout_s:g} s "
+                                   "(--elastic_join_timeout_seconds)") from None
+
+
+def announce_joined(client, worker: int) -> None:
+    """The joiner reads the input ring from the newest frame on: the engine may send."""
+    client.set(joined_key(worker, os.getpid()), b"1")

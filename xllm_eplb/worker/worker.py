@@ -15,7 +15,9 @@ NOTE: every rank must run every step (empty batch included) in the same order: t
 all-to-all and the EPLB P2P plan are collectives. A rank that fails reports the error in its
 output and exits non-zero; the launcher then stops the run. With ``--elastic_ep`` a failed step
 is reported as ``peer_lost`` and the worker stays up for the engine's regroup message
-(``worker/regroup.py``); a replacement (``generation`` > 1) joins that generation at start. After
+(``worker/regroup.py``); a replacement (``generation`` > 1) joins that generation at start; a
+*joiner* (``join=True``, ``--elastic_rejoin``) loads its model first while the others serve,
+signals ``join_ready`` and joins the generation the engine names (``_start_joiner``). After
 an elastic *shrink* the worker serves at its compact ``ep_rank`` (``rank`` stays its identity:
 rings, log, process name): it reads ``msg.batches[ep_rank]`` and answers as ``ep_rank``.
 """
@@ -80,7 +82,8 @@ def step_timings(model_timings: dict, *, step_s: float, cpu_s: float,
 class Worker:
     """One EP rank's resources: rings, process groups, model shard, executor."""
 
-    def __init__(self, cfg: Config, rank: int, events, parent_pid: int, generation: int = 0):
+    def __init__(self, cfg: Config, rank: int, events, parent_pid: int, generation: int = 0,
+                 join: bool = False):
         self.cfg, self.rank, self.events, self.parent_pid = cfg, rank, events, parent_pid
         #: this worker's EP rank and world size in the current generation: ``rank`` and
         #: ``--ep_size`` until an elastic shrink compacts the survivors (``rank`` stays the
@@ -89,6 +92,10 @@ class Worker:
         self.elastic = cfg.runtime.elastic_ep
         #: elastic: the process-group generation (1 at start; a replacement starts at > 1)
         self.generation = max(1, generation) if self.elastic else 0
+        #: rejoin: loads first, joins the generation the engine names (``_start_joiner``)
+        self.joining = bool(join) and self.elastic
+        if self.joining:
+            self.generation = 0
         self.store = None
         self.inp = self.out = self.model = self.executor = None
         self.device = None
@@ -104,6 +111,8 @@ class Worker:
 
     def start(self) -> None:
         torch.set_num_threads(self.threads)
+        if self.joining:
+            return self._start_joiner()
         rid, who = self.cfg.runtime.run_id, f"ep{self.rank}"
         # NOTE: a node's input ring has one reader per rank from the node's first rank on
         # (node 0: every rank, the bridges read the remote ones); single node: index = rank
@@ -118,6 +127,31 @@ class Worker:
         send_event(self.events, who, "dist_init")
         self._build(ep_group, eplb_group)
         send_event(self.events, who, "model")
+
+    def _start_joiner(self) -> None:
+        """Rejoin: output ring, store client, the model (this worker's initial shard, read
+        from the checkpoint while the others serve), ``join_ready``; then wait for the engine's
+        go (a step boundary), read the input ring from its newest frame and say so. The first
+        message is the regroup: :meth:`regroup` joins and re-shards to the planned row."""
+        cfg, rid, who = self.cfg, self.cfg.runtime.run_id, f"ep{self.rank}"
+        t0 = time.perf_counter()
+        self.out = OutputRing.attach(rid, self.rank, timeout=ATTACH_TIMEOUT)
+        self.store = regroup.store_client(cfg, max(120.0, cfg.runtime.worker_timeout_seconds))
+        self.device = comm.device_for_rank(cfg.runtime.device, self.rank)
+        self.model = build_model(cfg, self.rank, None, device=self.device, joining=True)
+        send_event(self.events, who, "model")
+        self.faults.join()
+        load_s = time.perf_counter() - t0
+        log.info(event("EPLB elastic rejoin loaded", rank=self.rank, seconds=round(load_s, 3)))
+        send_event(self.events, who, "join_ready", f"{time.time()},{os.getpid()}")
+        g = regroup.wait_join(self.store, self.rank, cfg.runtime.elastic_join_timeout_seconds,
+                              lambda: parent_alive(self.parent_pid))
+        self.inp = InputRing.attach(rid, reader_index=self.rank - node_ranks(cfg).start,
+                                    timeout=ATTACH_TIMEOUT, skip=True)
+        regroup.announce_joined(self.store, self.rank)
+        self.ep_size = 0            # the regroup re-shards to the engine's row for it
+        log.info(event("EPLB elastic rejoin go", rank=self.rank, generation=g,
+                       wait_s=round(time.perf_counter() - t0 - load_s, 3)))
 
     def _init_dist(self):
         # NOTE: rendezvous waits for all ranks; 17 processes start slowly on 2 cores.
@@ -202,6 +236,9 @@ class Worker:
                 self.executor = make_executor(self.model, g.eplb_group, self.cfg,
                                               faults=self.faults)
                 self.generation = msg.regroup
+                if self.joining:
+                    self.joining = False
+                    send_event(self.events, f"ep{self.rank}", "joined", str(msg.regroup))
                 log.info(event("EPLB elastic re-formed", rank=self.rank, ep_rank=self.ep_rank,
                                ep_size=self.ep_size, generation=msg.regroup,
                                leave_s=round(left, 3),
@@ -268,15 +305,15 @@ class Worker:
 
 
 def worker_main(cfg: Config, rank: int, events, parent_pid: int, generation: int = 0,
-                cores: tuple[int, ...] | None = None) -> None:
+                cores: tuple[int, ...] | None = None, join: bool = False) -> None:
     """Process entry point (spawned by the launcher; ``generation`` > 1: an elastic
-    replacement); ``cores``: this rank's pinned cores (``--worker_cpu_affinity``; None: not
-    pinned, one torch thread)."""
+    replacement; ``join``: a rejoining one); ``cores``: this rank's pinned cores
+    (``--worker_cpu_affinity``; None: not pinned, one torch thread)."""
     threads = affinity.apply(cores)
     child_setup(f"xllm-eplb:ep{rank}", parent_pid)
     _setup_logs(cfg, rank)
     send_event(events, f"ep{rank}", "spawned")
-    w = Worker(cfg, rank, events, parent_pid, generation)
+    w = Worker(cfg, rank, events, parent_pid, generation, join)
     w.threads = threads
     code = 1
     try:

@@ -1,0 +1,94 @@
+"""Elastic rejoin pieces in one process (issue #23 item 8): a joiner's input-ring reader claimed
+at the newest frame and un-retired reads exactly the frames put after it; the scheduler grows
+by one empty DP rank with the running requests in place; the engine's failure watch keeps
+join notices for the step boundary, and a joiner dropped during its switch is a death; the
+store handshake (go / joined) per joiner pid."""
+
+from __future__ import annotations
+
+import os
+import uuid
+
+import pytest
+
+from xllm_eplb.engine.failures import FailureWatch
+from xllm_eplb.engine.scheduler import Request, Scheduler
+
+
+@pytest.fixture
+def run_id():
+    from xllm_eplb.ipc import objects
+    from xllm_eplb.ipc.shm import run_prefix
+
+    rid = "t" + uuid.uuid4().hex[:10]
+    yield rid
+    objects.clean(rid, force=True)
+    assert not [f for f in os.listdir("/dev/shm") if run_prefix(rid) in f]
+
+
+def test_a_joiner_reads_from_the_frame_after_its_claim(run_id):
+    from xllm_eplb.ipc.messages import ForwardInput
+    from xllm_eplb.ipc.ring import InputRing
+
+    with InputRing.create(run_id, 2, slots=2, frame_bytes=1024) as eng, \
+            InputRing.attach(run_id, 0) as w0:
+        eng.retire_reader(1)                       # worker 1 died: N-1 serve
+        for step in range(5):                      # more than the slots: never blocks
+            eng.put(ForwardInput(step, []), timeout=1)
+            assert w0.get(timeout=1).step == step
+        with InputRing.attach(run_id, 1, skip=True) as joiner:   # the go, nothing put
+            eng.unretire_reader(1)
+            eng.put(ForwardInput(5, [], regroup=3), timeout=1)
+            got = joiner.get(timeout=1)
+            assert got.step == 5 and got.regroup == 3
+            assert w0.get(timeout=1).step == 5
+            eng.put(ForwardInput(6, []), timeout=1)
+            assert joiner.get(timeout=1).step == 6 and w0.get(timeout=1).step == 6
+
+
+def test_scheduler_grows_by_one_empty_rank_and_keeps_the_running_requests():
+    s = Scheduler(dp_size=2, max_batch_size=4, max_prefill_tokens=8)
+    reqs = [s.submit(Request(prompt=[1, 2, 3], max_tokens=9)) for _ in range(2)]
+    s.pull()
+    s.update({r.req_id: 7 for x in s.schedule() for r in x.rows})
+    ranks = {r.req_id: r.dp_rank for r in reqs}
+    s.grow()
+    assert s.dp_size == 3
+    nxt = s.schedule()
+    assert len(nxt) == 3 and nxt[2].rows == []                  # decodes stay on their ranks
+    assert {r.req_id: r.dp_rank for r in reqs} == ranks
+    new = s.submit(Request(prompt=[4, 5], max_tokens=3))
+    s.pull()
+    s.update({r.req_id: 7 for x in nxt for r in x.rows})
+    nxt = s.schedule()
+    assert new.dp_rank == 2 and [r.req_id for r in nxt[2].rows] == [new.req_id]
+
+
+def test_failure_watch_keeps_join_notices_and_a_switch_drop_is_a_death():
+    q = [("join_ready", "ep2", 1.0, 2.0, 123), ("join_dropped", "ep1", "timeout")]
+    fw = FailureWatch(None, None, 10.0, notices=lambda t: q.pop(0) if q else None)
+    assert fw.poll_joins() == [("join_ready", "ep2", 1.0, 2.0, 123),
+                               ("join_dropped", "ep1", "timeout")]
+    assert fw.poll_joins() == [] and not fw.death
+    fw.switching = "ep2"
+    q.append(("join_dropped", "ep2", "rank 2 died during its rejoin"))
+    assert fw._poll(0.0)
+    assert "the joiner ep2 died during the switch" in fw.death
+
+
+def test_store_go_and_joined_keys_are_per_joiner():
+    from xllm_eplb.ipc.store import host_store, store_client
+    from xllm_eplb.testing.dist import free_port
+    from xllm_eplb.worker import regroup
+
+    port = free_port()
+    host = host_store("127.0.0.1", port, 10)
+    client = store_client("127.0.0.1", port, 10)
+    host.set(regroup.join_key(2, os.getpid()), b"7")
+    assert regroup.wait_join(client, 2, 5, lambda: True) == 7
+    regroup.announce_joined(client, 2)
+    host.wait([regroup.joined_key(2, os.getpid())])
+    with pytest.raises(TimeoutError, match="elastic_join_timeout_seconds"):
+        regroup.wait_join(client, 3, 0.5, lambda: True)
+    with pytest.raises(RuntimeError, match="launcher is gone"):
+        regroup.wait_join(client, 3, 5, lambda: False)
