@@ -24,7 +24,7 @@ and 10 s after, target 0.9 x (N-1)/N (shrink) or 0.9 (respawn) of the rate befor
 EPLB off, servers A (elastic off), B (on), C (off, A's twin: the noise) load the same workload
 in turn; process CPU (launcher + engine + workers) and wall clock per engine step.
 
-    .venv/bin/python scripts/bench_elastic.py --json /tmp/elastic.json        # ~15 min
+    .venv/bin/python scripts/bench_elastic.py --json /tmp/elastic.json        # ~12 min
     .venv/bin/python scripts/bench_elastic.py --quick                         # < 1 min
     .venv/bin/python scripts/bench_elastic.py --ep 16 --experts 32 --kills 4 --skip throughput,overhead
 """
