@@ -1,19 +1,32 @@
-"""Kill -> next token of every request in flight, elastic shrink / rejoin / respawn (#23).
+"""Elastic EP acceptance (issue #23): kills at chosen moments with every stream compared to a
+fault-free reference, detection, kill -> next token, coverage and canary after each recovery,
+throughput after recovery, and the steady-state overhead of ``--elastic_ep`` (no fault).
 
-Each trial: an ``xllm-eplb serve --ep-size 4 --elastic_ep=true`` (generated deepseek_v3, 8
-experts, top-2, one redundant slot, float64), ``--streams`` concurrent streaming completions;
-once each has streamed a few tokens a random worker is SIGKILLed. Per request in flight: the
-seconds from the kill to its next token; every request must finish with the tokens of the same
-request run before the kill (a fault-free reference). ``shrink``: ``--elastic_restart=false``
-(one fresh server per kill: 4 -> 3); ``rejoin``: the default ``--elastic_restart=true`` (one
-server, ``--kills`` kills: 4 -> 3 at once, the replacement loads in the background and joins,
-4 again before the next kill; also reports the joiner's start -> serving seconds and the pause
-at the switch); ``respawn``: ``--elastic_rejoin=false``, the in-place replacement (one server,
-``--kills`` kills). Prints one JSON line per mode with p50 / p95 / max.
+Set-up: ``xllm-eplb serve --ep-size 4 --elastic_ep=true`` on a generated deepseek_v3 (8
+experts, top-2, ``--redundant_experts_num=2``: 4 slots per rank, enough for two shrinks),
+``--dtype=float64``, EPLB on (a round every second, canary on), ``--streams`` concurrent
+streams of ``--tokens`` tokens, greedy and seeded-sampled. The reference: the same requests,
+one at a time, on the first server before any kill (float64: every server, rank count and
+batch gives the same tokens). ``--kills`` per mode, cycling the moments ``prefill``,
+``decode``, ``migration`` (an EPLB round in flight), ``reprefill`` (two kills: the second
+0-0.3 s after the first recovery resumed). ``shrink`` (``--elastic_restart=false``): a server
+takes two kills (4 -> 3 -> 2), then a fresh one; ``rejoin`` (the default
+``--elastic_restart=true``: shrink at once, the replacement loads and joins; each trial waits
+for 4 ranks again; also the joiner's start -> serving and the pause at the switch) and
+``respawn`` (``--elastic_rejoin=false``: in place): one server, every kill.
 
-    .venv/bin/python scripts/bench_elastic.py --kills 4
-    .venv/bin/python scripts/bench_elastic.py --ep 16 --experts 32 --kills 3   # EP16 -> 15
-    .venv/bin/python scripts/bench_elastic.py --modes rejoin --kills 4
+Per kill (from the launcher's and the engine's logs against the kill's time): kill -> launcher
+saw the exit, -> ``EPLB elastic detect`` (recovery starts), -> ``EPLB elastic resume``, the
+fence and re-form seconds; per request in flight: kill -> its next token. After every trial:
+``/eplb/status`` ``placement`` covers every expert in every layer; no ``EPLB canary:`` line,
+one ``canary=ok`` per re-sharded survivor. Throughput: closed-loop streams, 8 s before a kill
+and 10 s after, target 0.9 x (N-1)/N (shrink) or 0.9 (respawn) of the rate before. Overhead:
+EPLB off, servers A (elastic off), B (on), C (off, A's twin: the noise) load the same workload
+in turn; process CPU (launcher + engine + workers) and wall clock per engine step.
+
+    .venv/bin/python scripts/bench_elastic.py --json /tmp/elastic.json        # ~12 min
+    .venv/bin/python scripts/bench_elastic.py --quick                         # < 1 min
+    .venv/bin/python scripts/bench_elastic.py --ep 16 --experts 32 --kills 4 --skip throughput,overhead
 """
 
 from __future__ import annotations
@@ -21,133 +34,266 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import shutil
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 import numpy as np
-import openai
-import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import elastic_load as L  # noqa: E402
+import elastic_measure as M  # noqa: E402
 from soak import Server  # noqa: E402
 
-FLAGS = ["--dtype=float64", "--enable_eplb=false", "--elastic_ep=true",
-         "--redundant_experts_num=1", "--elastic_silence_seconds=2", "--max_batch_size=4"]
-EP = 4     # --ep (the Server's --ep-size 4 is overridden by a later flag)
-PROMPTS = ["the engine", "a rank dies", "experts move", "no request is lost", "seeded",
-           "tokens stay", "x", "balance the load"]
+KINDS = {"prefill": 1, "decode": 1, "migration": 1, "reprefill": 2}
 
 
-def _kw(i: int, n: int) -> dict:
-    return dict(model="xllm-eplb", prompt=PROMPTS[i % len(PROMPTS)], max_tokens=n,
-                temperature=0.8 if i % 2 else 0.0, seed=100 + i,
-                extra_body={"ignore_eos": True, "return_token_ids": True})
+def flags(a, mode: str) -> list[str]:
+    need = max(1, -(-a.experts // max(a.ep - 2, 1)) - a.experts // a.ep)
+    f = [f"--dtype={a.dtype}", "--elastic_ep=true", f"--redundant_experts_num={need}",
+         "--elastic_silence_seconds=2", "--max_batch_size=8", "--ep-size", str(a.ep)]
+    if mode == "shrink":
+        return f + ["--elastic_restart=false"]
+    return f + ["--elastic_restart=true", f"--elastic_max_restarts={2 * a.kills + 10}",
+                f"--elastic_rejoin={str(mode == 'rejoin').lower()}"]
 
 
-def _kill_once(s: Server, client, ref, n_tokens: int, streams: int, rng) -> dict:
-    toks = [[] for _ in range(streams)]
-    times = [[] for _ in range(streams)]
-    errors: list[str] = []
-
-    def run(i):
-        try:
-            for ch in client.completions.create(stream=True, **_kw(i, n_tokens)):
-                ids = ch.choices[0].model_extra.get("token_ids") or []
-                toks[i] += ids
-                times[i] += [time.monotonic()] * len(ids)
-        except Exception as e:  # noqa: BLE001
-            errors.append(f"{i}: {e}")
-
-    th = [threading.Thread(target=run, args=(i,)) for i in range(streams)]
-    for t in th:
-        t.start()
-    deadline = time.monotonic() + 60
-    while min(map(len, toks)) < 4 and time.monotonic() < deadline:
-        time.sleep(0.01)
-    workers = [p for p in psutil.Process(s.proc.pid).children()
-               if "xllm-eplb:ep" in " ".join(p.cmdline())]
-    victim = rng.choice(workers)
-    t_kill = time.monotonic()
-    victim.kill()
-    for t in th:
-        t.join(180)
-    gaps = [next((x - t_kill for x in ts if x > t_kill), float("nan")) for ts in times
-            if ts and len(ts) < n_tokens + 1]
-    return {"gaps": gaps, "errors": errors,
-            "mismatch": sum(t != r for t, r in zip(toks, ref, strict=True))}
+EPLB = ["--enable_eplb=true", "--eplb_update_interval=1", "--eplb_min_peak_load_improvement=0",
+        "--eplb_canary=true"]
 
 
-def _wait_join(s: Server, n: int, timeout: float = 120) -> dict:
-    """The ``n``-th join's numbers (``/eplb/status`` membership ``last_join``), once back at
-    ``EP`` ranks."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        m = s.get("/eplb/status")["membership"]
-        if m["joins"] >= n and m["ep_size"] == EP:
-            return m["last_join"]
-        time.sleep(0.1)
-    raise RuntimeError(f"no rejoin within {timeout} s: {m}")
+def plan(kills: int, per_server: int) -> list[list[str]]:
+    """Trial kinds, cycling KINDS, grouped into servers of at most ``per_server`` kills."""
+    kinds, n, i = [], 0, 0
+    while n < kills:
+        k = list(KINDS)[i % len(KINDS)]
+        k = k if n + KINDS[k] <= kills else "decode"
+        kinds.append(k)
+        n, i = n + KINDS[k], i + 1
+    servers, cur, used = [], [], 0
+    for k in kinds:
+        if used + KINDS[k] > per_server:
+            servers.append(cur)
+            cur, used = [], 0
+        cur.append(k)
+        used += KINDS[k]
+    return servers + [cur]
 
 
-def trial_series(mode: str, model: Path, tmp: Path, kills: int, streams: int, n: int, rng):
-    gaps, bad, recov, joins = [], 0, [], []
-    servers = kills if mode == "shrink" else 1
-    for k in range(servers):
-        extra = (["--elastic_restart=false"] if mode == "shrink"
-                 else ["--elastic_restart=true", f"--elastic_max_restarts={kills + 1}",
-                       f"--elastic_rejoin={str(mode == 'rejoin').lower()}"])
-        s = Server(model, tmp / f"logs_{mode}{k}", FLAGS + extra + ["--ep-size", str(EP)])
+def kills_series(mode: str, a, model: Path, tmp: Path, bodies, ref, rng) -> dict:
+    per = 2 if mode == "shrink" else 2 * a.kills
+    rows, requests, bad, cover, servers = [], 0, [], [], plan(a.kills, per)
+    joins: list[dict] = []
+    for si, kinds in enumerate(servers):
+        logs = tmp / f"logs_{mode}{si}"
+        s = Server(model, logs, flags(a, mode) + EPLB)
         try:
             s.wait_ready(300)
-            client = openai.OpenAI(base_url=f"http://127.0.0.1:{s.port}/v1", api_key="none",
-                                   max_retries=0, timeout=180)
-            ref = [client.completions.create(**_kw(i, n)).choices[0].model_extra["token_ids"]
-                   for i in range(streams)]
-            for _ in range(1 if mode == "shrink" else kills):
-                got = _kill_once(s, client, ref, n, streams, rng)
-                gaps += got["gaps"]
-                bad += got["mismatch"] + len(got["errors"])
-                recov.append(s.get("/eplb/status")["membership"]["last_recovery"]["seconds"])
+            if not ref:
+                ref += [L.complete(s.port, b) for b in bodies]
+            kill_times: list[float] = []
+            try:
+                for kind in kinds:
+                    if mode == "rejoin":      # back at N ranks (the replacement joined)
+                        joins.append(L.wait_join(s, a.ep))
+                    got = L.kill_trial(s, bodies, kind, rng)
+                    for t_kill, label in got["kills"]:
+                        kill_times.append(t_kill)
+                        rows.append({"label": label, "recs": got["recs"]})
+                    for i, r in enumerate(got["recs"]):
+                        why = r["error"] or ("" if r["done"] else "no [DONE]")
+                        why = why or M.token_faults(r["ids"], ref[i])
+                        if why or r["status"] >= 500:
+                            bad.append(f"{kind} stream {i}: status {r['status']} {why}")
+                    st = s.get("/eplb/status")
+                    cover.append({"ep_size": st["ep_size"],
+                                  "layers_missing": M.coverage_gaps(st["placement"], a.experts)})
                 if mode == "rejoin":
-                    joins.append(_wait_join(s, len(joins) + 1))
+                    joins.append(L.wait_join(s, a.ep))
+                for _ in range(a.idle_kills if mode != "shrink" else 0):
+                    kill_times.append(L.idle_kill(s, rng))
+                    rows.append({"label": "idle", "recs": []})
+            except (OSError, KeyError, RuntimeError) as e:     # the server stopped
+                bad.append(f"server {si} stopped: {type(e).__name__}: {e}; "
+                           f"{_last_error(s)}")
+            lines = M.elastic_lines(logs)
+            aborted = sum("EPLB elastic round aborted" in ln for ln in
+                          (logs / "latest" / "engine.log").read_text().splitlines())
+            mine = rows[len(rows) - len(kill_times):]
+            for row, k in zip(mine, M.per_kill(lines, kill_times),
+                              strict=True):
+                row.update(k)
+                # tokens between the kill and the resume were committed before the kill (in
+                # transit): the pause ends at the first token after the resume
+                after = row["kill"] + (row["resume_s"] or 0.0) - 0.001
+                row["gaps"] = [x + after - row["kill"] for x in L.gaps(row.pop("recs"), after)]
+                row["in_flight"] = len(row["gaps"])
+                requests += len(row["gaps"])
+            cover[-1].update(canary_ok=len(lines["resharded"]),
+                             canary_failed=len(lines["canary_failed"]), rounds_aborted=aborted)
         finally:
             s.stop()
-    g = np.array(gaps, dtype=float)
-    more = {}
-    if joins:
-        more = {"start_to_serving_s": [j["start_to_serving_s"] for j in joins],
-                "start_to_ready_s": [j["start_to_ready_s"] for j in joins],
-                "switch_pause_s": [j["pause_s"] for j in joins]}
-    return {"mode": mode, "kills": len(recov), "requests": int(g.size), **more,
-            "p50_s": round(float(np.nanpercentile(g, 50)), 3),
-            "p95_s": round(float(np.nanpercentile(g, 95)), 3),
-            "max_s": round(float(np.nanmax(g)), 3),
-            "recovery_s": [round(x, 3) for x in recov], "mismatch_or_error": bad}
+    gaps = [x for r in rows for x in r["gaps"]]
+    by = {lab: M.pct([x for r in rows if r["label"] == lab for x in r["gaps"]], 50, 95)
+          for lab in sorted({r["label"] for r in rows}) if lab != "idle"}
+    for r in rows:
+        r["gaps"] = [round(x, 3) for x in r["gaps"]]
+    return {"mode": mode, "ep": a.ep, "experts": a.experts, "dtype": a.dtype,
+            "servers": len(servers), "kills": sum(r["label"] != "idle" for r in rows),
+            "idle_kills": sum(r["label"] == "idle" for r in rows), "in_flight_requests": requests,
+            "distinct_requests": len(bodies) * sum(len(k) for k in servers),
+            "labels": {lab: sum(r["label"] == lab for r in rows)
+                       for lab in {r["label"] for r in rows}},
+            "bad_streams": len(bad), "bad": bad[:10],
+            "kill_to_next_token": M.pct(gaps, 50, 95), "kill_to_next_token_by_label": by,
+            "kill_to_launcher": M.pct([r.get("launcher_s") for r in rows], 50, 99),
+            "detect": M.pct([r.get("detect_s") for r in rows], 50, 99),
+            "detect_by_label": {lab: M.pct([r.get("detect_s") for r in rows
+                                            if r["label"] == lab], 50, 99)
+                                for lab in sorted({r["label"] for r in rows})},
+            "kill_to_resume": M.pct([r.get("resume_s") for r in rows], 50, 95),
+            "fence": M.pct([r.get("fence_s") for r in rows], 50, 95),
+            "reform": M.pct([r.get("reform_s") for r in rows], 50, 95),
+            "join_start_to_serving": M.pct([j.get("start_to_serving_s") for j in joins[1:]], 50, 95),
+            "join_switch_pause": M.pct([j.get("pause_s") for j in joins[1:]], 50, 95),
+            "coverage": cover, "layers_uncovered": sum(len(c["layers_missing"]) for c in cover),
+            "per_kill": rows}
+
+
+def throughput(mode: str, a, model: Path, tmp: Path, bodies, ref, rng) -> dict:
+    s = Server(model, tmp / f"logs_tput_{mode}", flags(a, mode))
+    try:
+        s.wait_ready(300)
+        load = L.ClosedLoop(s.port, bodies, ref, a.streams)
+        time.sleep(3.0 + a.before_s)
+        t_kill = L._kill(s, rng)
+        time.sleep(10.5)
+        load.close()
+    finally:
+        s.stop()
+    target = 0.9 * (a.ep - 1) / a.ep if mode == "shrink" else 0.9
+    res = M.after_kill(load.times, t_kill, a.before_s, target)
+    return {"mode": mode, **res, "requests_ok": load.ok, "errors": load.errors,
+            "mismatches": load.mismatches}
+
+
+def overhead(a, model: Path, tmp: Path, bodies) -> dict:
+    base = [f"--dtype={a.dtype}", "--redundant_experts_num=2", "--max_batch_size=8",
+            "--enable_eplb=false", "--ep-size", str(a.ep)]
+    names = {"A_off": base, "B_elastic": base + ["--elastic_ep=true"], "C_off": base}
+    srv = {k: Server(model, tmp / f"logs_ovh_{k}", f) for k, f in names.items()}
+    got = {k: [] for k in srv}
+    try:
+        for s in srv.values():
+            s.wait_ready(300)
+        for s in srv.values():
+            L.workload_cost(s, bodies)              # warm-up
+        order = list(srv)
+        for r in range(a.overhead_rounds):
+            for k in order[r % 3:] + order[:r % 3]:
+                got[k].append(L.workload_cost(srv[k], bodies))
+    finally:
+        for s in srv.values():
+            s.stop()
+
+    def ratio(k: str, what: str) -> list[float]:
+        return [round((x[what] / x["steps"]) / (y[what] / y["steps"]), 4)
+                for x, y in zip(got[k], got["A_off"], strict=True)]
+
+    return {"rounds": a.overhead_rounds, "requests": len(bodies),
+            "steps_per_round": {k: [x["steps"] for x in v] for k, v in got.items()},
+            "cpu_ms_per_step": {k: [round(1e3 * x["cpu_s"] / x["steps"], 3) for x in v]
+                                for k, v in got.items()},
+            "elastic_cpu_ratio": ratio("B_elastic", "cpu_s"),
+            "noise_cpu_ratio": ratio("C_off", "cpu_s"),
+            "elastic_wall_ratio": ratio("B_elastic", "wall_s"),
+            "noise_wall_ratio": ratio("C_off", "wall_s"),
+            "elastic_cpu_ratio_median": float(np.median(ratio("B_elastic", "cpu_s"))),
+            "noise_cpu_ratio_median": float(np.median(ratio("C_off", "cpu_s"))),
+            "elastic_wall_ratio_median": float(np.median(ratio("B_elastic", "wall_s"))),
+            "noise_wall_ratio_median": float(np.median(ratio("C_off", "wall_s")))}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--kills", type=int, default=4)
-    ap.add_argument("--streams", type=int, default=8)
-    ap.add_argument("--tokens", type=int, default=48)
-    ap.add_argument("--modes", default="shrink,rejoin,respawn")
+    ap.add_argument("--quick", action="store_true",
+                    help="< 1 min: one kill (prefill) per mode, 4 streams, no throughput/overhead")
+    ap.add_argument("--json", type=Path, help="write the results here")
+    ap.add_argument("--kills", type=int, default=20, help="kills per mode")
+    ap.add_argument("--streams", type=int, default=12, help="concurrent streams per trial")
+    ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--modes", default="shrink,rejoin,respawn",
+                    help="shrink (--elastic_restart=false), rejoin (the default: shrink, then "
+                         "the replacement joins), respawn (--elastic_rejoin=false: in place)")
     ap.add_argument("--ep", type=int, default=4, help="EP ranks (each kill: ep -> ep-1)")
     ap.add_argument("--experts", type=int, default=8)
+    ap.add_argument("--dtype", default="float64")
+    ap.add_argument("--idle-kills", type=int, default=5,
+                    help="rejoin / respawn: kills of an idle server, detection only")
+    ap.add_argument("--before-s", type=float, default=8.0, help="throughput: seconds before")
+    ap.add_argument("--overhead-rounds", type=int, default=8)
+    ap.add_argument("--overhead-tokens", type=int, default=96, help="per request (16 requests)")
+    ap.add_argument("--keep-logs", type=Path, help="copy every server's logs here")
+    ap.add_argument("--skip", default="", help="comma list of: kills, throughput, overhead")
     a = ap.parse_args()
-    global EP
-    EP = a.ep
+    skip = set(filter(None, a.skip.split(",")))
+    if a.quick:
+        a.kills, a.streams, a.tokens, a.idle_kills = 1, 4, 12, 0
+        skip |= {"throughput", "overhead"}
     rng = random.Random(23)
-    with tempfile.TemporaryDirectory() as d:
+    t0 = time.monotonic()
+    out: dict = {"command": " ".join(sys.argv), "kills": [], "throughput": []}
+    with tempfile.TemporaryDirectory(prefix="bench_elastic_") as d:
         tmp = Path(d)
-        from xllm_eplb.model.checkpoint import make_checkpoint
+        try:
+            _run(a, skip, tmp, out, rng)
+        finally:
+            if a.keep_logs:
+                shutil.copytree(tmp, a.keep_logs, dirs_exist_ok=True, symlinks=True,
+                                ignore=shutil.ignore_patterns("ckpt"))
+    out["wall_s"] = round(time.monotonic() - t0, 1)
+    if a.json:
+        a.json.write_text(json.dumps(out, indent=1))
 
-        model = make_checkpoint("deepseek_v3", tmp / "ckpt", num_experts=a.experts, top_k=2)
-        for mode in a.modes.split(","):
-            print(json.dumps(trial_series(mode, model, tmp, a.kills, a.streams, a.tokens, rng)),
-                  flush=True)
+
+def _run(a, skip: set, tmp: Path, out: dict, rng) -> None:
+    from xllm_eplb.model.checkpoint import make_checkpoint
+
+    model = make_checkpoint("deepseek_v3", tmp / "ckpt", num_experts=a.experts, top_k=2)
+    bodies = [L.body(i, a.tokens) for i in range(a.streams)]
+    ref: list = []
+    for mode in a.modes.split(","):
+        if "kills" not in skip:
+            r = kills_series(mode, a, model, tmp, bodies, ref, rng)
+            out["kills"].append(r)
+            print(json.dumps({k: v for k, v in r.items()
+                              if k not in ("per_kill", "coverage")}), flush=True)
+        if "throughput" not in skip:
+            if not ref:
+                ref += _reference(model, tmp, a, bodies)
+            out["throughput"].append(throughput(mode, a, model, tmp, bodies, ref, rng))
+            print(json.dumps(out["throughput"][-1]), flush=True)
+    if "overhead" not in skip:
+        out["overhead"] = overhead(a, model, tmp,
+                                   [L.body(i, a.overhead_tokens) for i in range(16)])
+        print(json.dumps(out["overhead"]), flush=True)
+
+
+def _last_error(s) -> str:
+    """The launcher's error line (why the run stopped), from the server's console output."""
+    errs = [ln for ln in s.out.read_text().splitlines() if "error" in ln.lower()]
+    return errs[-1][:400] if errs else "(no error line)"
+
+
+def _reference(model: Path, tmp: Path, a, bodies) -> list:
+    s = Server(model, tmp / "logs_ref", flags(a, "respawn"))
+    try:
+        s.wait_ready(300)
+        return [L.complete(s.port, b) for b in bodies]
+    finally:
+        s.stop()
 
 
 if __name__ == "__main__":

@@ -5,7 +5,6 @@ back from the engine log."""
 from __future__ import annotations
 
 import contextlib
-import datetime
 import json
 import random
 import threading
@@ -13,6 +12,7 @@ import time
 from pathlib import Path
 
 import psutil
+from elastic_measure import elastic_lines, per_kill
 
 
 def elastic_flags(model: Path) -> list[str]:
@@ -57,25 +57,15 @@ def _cmdline(p: psutil.Process) -> list[str]:
 
 
 def recoveries(log_dir: Path, kills: list[tuple[float, str]]) -> dict:
-    """From the engine log: per recovery, the engine's detect latency (launcher saw the exit
-    -> engine detects, ``detect_s``), detect -> re-formed (``seconds``) and kill -> resumed
-    (the kill times of the chaos thread against the ``EPLB elastic resume`` stamps)."""
-    path = log_dir / "latest" / "engine.log"      # the run's own folder (--log_dir/latest)
-    path = path if path.exists() else log_dir / "engine.log"
-    lines = path.read_text().splitlines() if path.exists() else []
-
-    def field(ln: str, key: str) -> float:
-        return float(ln.split(f" {key}=")[1].split()[0])
-
-    def stamp(ln: str) -> float:
-        return datetime.datetime.fromisoformat(ln.split()[0]).timestamp()
-
-    detect = [field(ln, "detect_s") for ln in lines if "EPLB elastic detect " in ln]
-    resume = [ln for ln in lines if "EPLB elastic resume " in ln]
-    kill_to_resume = []
-    for t_kill, _ in kills:
-        after = [stamp(ln) - t_kill for ln in resume if stamp(ln) > t_kill]
-        if after:
-            kill_to_resume.append(round(min(after), 3))
-    return {"detect_s": detect, "reform_s": [field(ln, "seconds") for ln in resume],
-            "kill_to_resume_s": kill_to_resume}
+    """From the launcher's and the engine's logs, per kill of the chaos thread: kill -> the
+    launcher saw the exit, -> the engine's ``EPLB elastic detect`` (recovery starts), ->
+    ``EPLB elastic resume``; and the engine's own ``detect_s`` (launcher notice -> engine) and
+    re-form seconds (``scripts/elastic_measure.py``)."""
+    lines = elastic_lines(log_dir)
+    rows = per_kill(lines, sorted(t for t, _ in kills))
+    return {"detect_s": [float(f["detect_s"]) for _, f in lines["detect"]],
+            "recovery_s": [float(f["seconds"]) for _, f in lines["resume"]],
+            "reform_s": [float(f["reform_s"]) for _, f in lines["resume"]],
+            "kill_to_launcher_s": [r["launcher_s"] for r in rows],
+            "kill_to_detect_s": [r["detect_s"] for r in rows],
+            "kill_to_resume_s": [r["resume_s"] for r in rows]}
