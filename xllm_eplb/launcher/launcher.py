@@ -69,7 +69,6 @@ class Launcher(ElasticSupervision):
         self.store = None
         self.generation = 1
         self.restarts = 0
-        self.retired: dict[str, mp.Process] = {}   # dead workers left out (who@pid)
         self.joining: dict[str, dict] = {}         # rejoin: replacements loading / switching
         self.dropped: set[str] = set()             # joiners SIGKILLed, not yet reaped
 
