@@ -16,6 +16,22 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture
+def run_id():
+    """A fresh run id for tests that create shm objects; afterwards every object of it is
+    removed and none may be left."""
+    import os
+    import uuid
+
+    from xllm_eplb.ipc import objects
+    from xllm_eplb.ipc.shm import run_prefix
+
+    rid = "t" + uuid.uuid4().hex[:10]
+    yield rid
+    objects.clean(rid, force=True)
+    assert not [f for f in os.listdir("/dev/shm") if run_prefix(rid) in f]
+
+
+@pytest.fixture
 def repo_root() -> Path:
     """The repository root (the directory holding pyproject.toml)."""
     return REPO_ROOT

@@ -167,20 +167,6 @@ def test_shrink_resizes_the_scheduler_and_the_step_watch():
     assert w.D == 3 and w.readers == [0, 1, 3] and w.answered == [False, False, True]
 
 
-@pytest.fixture
-def run_id():
-    import os
-    import uuid
-
-    from xllm_eplb.ipc import objects
-    from xllm_eplb.ipc.shm import run_prefix
-
-    rid = "t" + uuid.uuid4().hex[:10]
-    yield rid
-    objects.clean(rid, force=True)
-    assert not [f for f in os.listdir("/dev/shm") if run_prefix(rid) in f]
-
-
 def test_a_retired_reader_never_holds_the_producer_back(run_id):
     from xllm_eplb.ipc.messages import ForwardInput
     from xllm_eplb.ipc.ring import InputRing

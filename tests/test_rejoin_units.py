@@ -7,23 +7,11 @@ store handshake (go / joined) per joiner pid."""
 from __future__ import annotations
 
 import os
-import uuid
 
 import pytest
 
 from xllm_eplb.engine.failures import FailureWatch
 from xllm_eplb.engine.scheduler import Request, Scheduler
-
-
-@pytest.fixture
-def run_id():
-    from xllm_eplb.ipc import objects
-    from xllm_eplb.ipc.shm import run_prefix
-
-    rid = "t" + uuid.uuid4().hex[:10]
-    yield rid
-    objects.clean(rid, force=True)
-    assert not [f for f in os.listdir("/dev/shm") if run_prefix(rid) in f]
 
 
 def test_a_joiner_reads_from_the_frame_after_its_claim(run_id):

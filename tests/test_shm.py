@@ -6,13 +6,11 @@ import multiprocessing as mp
 import os
 import random
 import signal
-import uuid
 
 import pytest
 from click.testing import CliRunner
 
 from xllm_eplb.errors import LayoutError
-from xllm_eplb.ipc import objects
 from xllm_eplb.ipc.errors import SegmentBusyError, SegmentMissingError
 from xllm_eplb.ipc.shm import (
     HEADER_SIZE,
@@ -22,20 +20,11 @@ from xllm_eplb.ipc.shm import (
     object_name,
     pack_header,
     resolve_run_id,
-    run_prefix,
     shm_path,
     unpack_header,
 )
 
 CTX = mp.get_context("fork")
-
-
-@pytest.fixture
-def run_id():
-    rid = "t" + uuid.uuid4().hex[:10]
-    yield rid
-    objects.clean(rid, force=True)
-    assert not [f for f in os.listdir("/dev/shm") if run_prefix(rid) in f]
 
 
 def _raw(name: str) -> bytes:
