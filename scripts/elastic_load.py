@@ -13,6 +13,7 @@ import threading
 import time
 
 import psutil
+from soak import complete as soak_complete
 
 PROMPTS = ["the engine", "a rank dies", "experts move", "no request is lost", "seeded",
            "tokens stay", "x", "balance the load"]
@@ -26,17 +27,11 @@ def body(i: int, n: int) -> dict:
 
 
 def complete(port: int, b: dict) -> list[int]:
-    c = http.client.HTTPConnection("127.0.0.1", port, timeout=300)
-    try:
-        c.request("POST", "/v1/completions", body=json.dumps(b).encode(),
-                  headers={"Content-Type": "application/json"})
-        r = c.getresponse()
-        raw = r.read()
-        if r.status != 200:
-            raise RuntimeError(f"reference request: HTTP {r.status}: {raw[:200]!r}")
-        return json.loads(raw)["choices"][0]["token_ids"]
-    finally:
-        c.close()
+    """Token ids of one non-streaming completion (the reference run); raises on an error."""
+    got = soak_complete(port, b, stream=False)
+    if isinstance(got, str):
+        raise RuntimeError(f"reference request: {got}")
+    return got
 
 
 def stream(port: int, b: dict, rec: dict) -> None:

@@ -31,6 +31,16 @@ def run_id():
     assert not [f for f in os.listdir("/dev/shm") if run_prefix(rid) in f]
 
 
+@pytest.fixture(scope="session")
+def ds8_ckpt(tmp_path_factory) -> Path:
+    """A generated deepseek_v3 checkpoint with 8 experts, top-2 (the serve-level fault and
+    elastic tests); built once per session, read only."""
+    from xllm_eplb.model.checkpoint import make_checkpoint
+
+    return make_checkpoint("deepseek_v3", tmp_path_factory.mktemp("ds8_ckpt") / "c",
+                           num_experts=8, top_k=2)
+
+
 @pytest.fixture
 def repo_root() -> Path:
     """The repository root (the directory holding pyproject.toml)."""

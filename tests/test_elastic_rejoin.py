@@ -27,14 +27,6 @@ pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="needs POSIX shm")]
 
 
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    from xllm_eplb.model.checkpoint import make_checkpoint
-
-    return make_checkpoint("deepseek_v3", tmp_path_factory.mktemp("rejoin_ckpt") / "c",
-                           num_experts=8, top_k=2)
-
-
 def _until(s, pred, timeout: float) -> dict:
     deadline = time.monotonic() + timeout
     while True:
@@ -65,8 +57,8 @@ def _streams_match(client, ref, what: str) -> None:
 
 
 @pytest.mark.timeout(420)
-def test_killed_worker_rejoins_while_the_survivors_serve(ckpt, start_server):
-    s = start_server("--ep-size", "4", "--model", str(ckpt), "--dtype=float64",
+def test_killed_worker_rejoins_while_the_survivors_serve(ds8_ckpt, start_server):
+    s = start_server("--ep-size", "4", "--model", str(ds8_ckpt), "--dtype=float64",
                      "--workload=none", "--enable_eplb=true", "--eplb_canary=true",
                      "--elastic_ep=true", "--redundant_experts_num=2",
                      "--elastic_silence_seconds=2", "--max_batch_size=4",

@@ -29,14 +29,6 @@ PROMPTS = ["the engine", "a rank dies", "experts move", "no request is lost", "s
            "tokens stay", "x", "balance the load"]
 
 
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    from xllm_eplb.model.checkpoint import make_checkpoint
-
-    return make_checkpoint("deepseek_v3", tmp_path_factory.mktemp("elastic_ckpt") / "c",
-                           num_experts=8, top_k=2)
-
-
 def _kw(i: int) -> dict:
     sampled = i % 2 == 1
     return dict(model="xllm-eplb", prompt=PROMPTS[i], max_tokens=N_TOKENS,
@@ -107,8 +99,8 @@ def _fault(s, client, ref, hit, what: str) -> dict:
 
 
 @pytest.mark.timeout(420)
-def test_killed_and_frozen_workers_are_replaced_and_no_request_is_lost(ckpt, start_server):
-    s = start_server("--ep-size", "4", "--model", str(ckpt), "--dtype=float64",
+def test_killed_and_frozen_workers_are_replaced_and_no_request_is_lost(ds8_ckpt, start_server):
+    s = start_server("--ep-size", "4", "--model", str(ds8_ckpt), "--dtype=float64",
                      "--workload=none", "--enable_eplb=false", "--elastic_ep=true",
                      "--elastic_rejoin=false",       # respawn in place (the default rejoins)
                      "--redundant_experts_num=1", "--elastic_silence_seconds=2",

@@ -25,14 +25,6 @@ pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="needs POSIX shm")]
 
 
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    from xllm_eplb.model.checkpoint import make_checkpoint
-
-    return make_checkpoint("deepseek_v3", tmp_path_factory.mktemp("shrink_ckpt") / "c",
-                           num_experts=8, top_k=2)
-
-
 def _metrics(s) -> dict:
     from prometheus_client.parser import text_string_to_metric_families
 
@@ -48,8 +40,8 @@ def _covers_all(placement, ep_size: int, num_experts: int = 8) -> None:
 
 
 @pytest.mark.timeout(420)
-def test_killed_workers_are_left_out_and_the_survivors_keep_serving(ckpt, start_server):
-    s = start_server("--ep-size", "4", "--model", str(ckpt), "--dtype=float64",
+def test_killed_workers_are_left_out_and_the_survivors_keep_serving(ds8_ckpt, start_server):
+    s = start_server("--ep-size", "4", "--model", str(ds8_ckpt), "--dtype=float64",
                      "--workload=none", "--enable_eplb=true", "--eplb_canary=true",
                      "--elastic_ep=true",
                      "--elastic_restart=false", "--redundant_experts_num=2",

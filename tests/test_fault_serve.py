@@ -37,16 +37,8 @@ pytestmark = [pytest.mark.slow,
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    from xllm_eplb.model.checkpoint import make_checkpoint
-
-    return make_checkpoint("deepseek_v3", tmp_path_factory.mktemp("fault_ckpt") / "c",
-                           num_experts=8, top_k=2)
-
-
-@pytest.fixture(scope="module")
-def ref(ckpt):
-    return reference_tokens(ckpt)
+def ref(ds8_ckpt):
+    return reference_tokens(ds8_ckpt)
 
 
 def _first(path: Path, needle: str, after: float = 0.0) -> float | None:
@@ -63,7 +55,7 @@ def _stop_clean(s) -> None:
 
 
 @pytest.mark.timeout(400)
-def test_survivable_faults_roll_back_and_serving_continues(start_server, ckpt, ref):
+def test_survivable_faults_roll_back_and_serving_continues(start_server, ds8_ckpt, ref):
     # NOTE: the delay (5 s) exceeds the budget (1.5 s) even when the 1.5 s slow step below lands
     # in the same window and stalls the engine's timeout check (seen on CI with 3 s)
     specs = ["prepare_delay:rank=1,layer=0,round=1,seconds=5",
@@ -71,7 +63,7 @@ def test_survivable_faults_roll_back_and_serving_continues(start_server, ckpt, r
              "prepare_fail:rank=0,layer=1,round=1",
              "p2p_delay:rank=1,layer=2,round=1,seconds=1",
              "slow_step:rank=0,step=40,seconds=1.5"]
-    s = start_server(*flags(ckpt, "--eplb_prepare_timeout_seconds=1.5",
+    s = start_server(*flags(ds8_ckpt, "--eplb_prepare_timeout_seconds=1.5",
                             "--eplb_heartbeat_seconds=1",
                             *[f"--fault_inject={x}" for x in specs]))
     s.wait_ready(240)
@@ -179,10 +171,10 @@ FATAL = {
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("case", list(FATAL))
-def test_fatal_fault_stops_the_run_cleanly_naming_the_rank(case, start_server, ckpt, ref):
+def test_fatal_fault_stops_the_run_cleanly_naming_the_rank(case, start_server, ds8_ckpt, ref):
     specs, words = FATAL[case]
     extra = [x if x.startswith("--") else f"--fault_inject={x}" for x in specs]
-    s = start_server(*flags(ckpt, *extra))
+    s = start_server(*flags(ds8_ckpt, *extra))
     s.wait_ready(240)
     traffic = Traffic(s.url)
     fired = s.log_dir / "rank1.log"

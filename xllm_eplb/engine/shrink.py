@@ -137,17 +137,10 @@ def _manager(eng, D: int, table):
 
 
 def _planner(e, num_experts: int, slots: int):
-    """``--eplb_policy_kind`` with its options (as ``policy_from_config``) for ``e.ep_size``
-    ranks of ``slots`` slots, a layout the flag rules cannot express (E % ep_size != 0)."""
+    """``--eplb_policy_kind`` with its options for ``e.ep_size`` ranks of ``slots`` slots, a
+    layout the flag rules cannot express (E % ep_size != 0)."""
     from xllm_eplb.eplb.gate import Planner
-    from xllm_eplb.eplb.policy import normalize_kind, policy_class
+    from xllm_eplb.eplb.policy import policy_from_config
 
-    k = normalize_kind(e.eplb_policy_kind)
-    opts = {"incremental": dict(budget_slots=int(e.eplb_migration_budget_slots),
-                                peak_z=float(e.eplb_peak_z),
-                                step_tokens=float(e.eplb_step_tokens)),
-            "node_aware": dict(num_nodes=int(e.eplb_num_nodes))}.get(k, {})
-    cls = policy_class(k)
-    opts = {n: v for n, v in opts.items() if n in cls.option_names()}
-    policy = cls(e.ep_size, num_experts, e.redundant_experts_num, slots, **opts)
+    policy = policy_from_config(e, num_experts, slots=slots)
     return Planner(policy, e.eplb_min_peak_load_improvement, e.eplb_plan_on)

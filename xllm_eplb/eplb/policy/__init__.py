@@ -76,13 +76,19 @@ def make_policy(kind: str, ep_size: int, num_logical: int, redundant: int,
     return cls(ep_size, num_logical, redundant, **opts)
 
 
-def policy_from_config(cfg: EplbConfig, num_logical: int) -> EplbPolicy:
+def policy_from_config(cfg: EplbConfig, num_logical: int,
+                       slots: int | None = None) -> EplbPolicy:
     """The policy ``cfg.eplb_policy_kind`` names, with the config options that kind takes
     (incremental: ``eplb_migration_budget_slots``, ``eplb_peak_z``, ``eplb_step_tokens``;
-    node_aware: ``eplb_num_nodes``)."""
+    node_aware: ``eplb_num_nodes``). ``slots``: plan ``ep_size x slots`` as given, a layout the
+    flag rules cannot express (an elastic shrink's ``E % (N-1) != 0``; ``EplbPolicy``)."""
     k = normalize_kind(cfg.eplb_policy_kind)
     opts = {"incremental": dict(budget_slots=int(cfg.eplb_migration_budget_slots),
                                 peak_z=float(cfg.eplb_peak_z),
                                 step_tokens=float(cfg.eplb_step_tokens)),
             "node_aware": dict(num_nodes=int(cfg.eplb_num_nodes))}.get(k, {})
-    return make_policy(k, int(cfg.ep_size), num_logical, int(cfg.redundant_experts_num), **opts)
+    if slots is None:
+        return make_policy(k, int(cfg.ep_size), num_logical, int(cfg.redundant_experts_num),
+                           **opts)
+    return policy_class(k)(int(cfg.ep_size), num_logical, int(cfg.redundant_experts_num),
+                           int(slots), **opts)
