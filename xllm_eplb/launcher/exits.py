@@ -26,6 +26,15 @@ def describe_exit(code: int | None) -> str:
     return f"exit code {code}"
 
 
+#: how a survivor's failed collective reads when a peer is gone (gloo: the peer's sockets closed)
+PEER_GONE = ("Connection reset by peer", "Connection closed by peer", "Broken pipe")
+
+
+def peer_gone(error: str) -> bool:
+    """True when ``error`` is only the consequence of another process's death (its peer)."""
+    return any(s in error for s in PEER_GONE)
+
+
 def log_name(who: str) -> str:
     """Log file of a process: ``engine.log``, ``rank3.log``, ``launcher.log``."""
     return f"rank{who[2:]}.log" if who.startswith("ep") else f"{who}.log"

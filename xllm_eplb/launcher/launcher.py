@@ -21,7 +21,7 @@ from xllm_eplb.engine.process import engine_main
 from xllm_eplb.ipc.objects import sweep_run
 from xllm_eplb.launcher.elastic import ElasticSupervision
 from xllm_eplb.launcher.events import EventHub
-from xllm_eplb.launcher.exits import describe_exit, log_name, wall_clock
+from xllm_eplb.launcher.exits import describe_exit, log_name, peer_gone, wall_clock
 from xllm_eplb.launcher.rings import RunShm
 from xllm_eplb.obs.logs import FILE_ONLY, event
 from xllm_eplb.preflight import StartupError
@@ -33,6 +33,9 @@ log = logging.getLogger(__name__)
 #: environment of every child (one intra-op thread per rank; 2 cores serve 17 processes)
 CHILD_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1",
              "TORCH_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+#: how long the launcher waits for the cause of a failure when the exits seen so far are only
+#: survivors whose peer went away (seconds; ``_first_failed``)
+CAUSE_WAIT = 1.0
 
 
 @contextlib.contextmanager
@@ -216,13 +219,26 @@ class Launcher(ElasticSupervision):
     def _first_failed(self, who: str) -> str:
         """The child that caused the failure: one killed by a signal (it could report nothing;
         the survivors' errors are only its consequence), else the first dead one that reported
-        an error (a worker's injected crash names its phase; the engine's fault names the
-        rank), else ``who``."""
-        self._drain_events()
-        dead = {w: p.exitcode for w, p in self.procs.items() if p.exitcode is not None}
-        killed = [w for w, code in dead.items() if code < 0]
-        if killed:
-            return who if who in killed else killed[0]
+        an error other than a lost peer (a worker's injected crash names its phase; the
+        engine's fault names the rank), else ``who``.
+
+        NOTE: when the exits seen so far are all survivors whose collective failed ("Connection
+        reset by peer"), the cause may not be reaped yet (two exits ms apart, read in either
+        order): wait up to ``CAUSE_WAIT`` s for it.
+        """
+        deadline = time.monotonic() + CAUSE_WAIT
+        while True:
+            self._drain_events()
+            dead = {w: p.exitcode for w, p in self.procs.items() if p.exitcode is not None}
+            killed = [w for w, code in dead.items() if code < 0]
+            if killed:
+                return who if who in killed else killed[0]
+            causes = [w for w in self.errors if w in dead and not peer_gone(self.errors[w])]
+            if causes or time.monotonic() >= deadline or len(dead) == len(self.procs):
+                break
+            time.sleep(0.05)
+        if causes:
+            return causes[0]
         # NOTE: a worker that exits 0 after the engine's shutdown message (the engine stops on
         # a fault it found, e.g. a bad frame) is no cause: the reporter still in its teardown is.
         return next((w for w in self.errors if w in dead),
