@@ -25,7 +25,8 @@ def elastic_flags(model: Path) -> list[str]:
 
 
 class Chaos:
-    """SIGKILL a random worker every ``every`` seconds (seeded); kill times are recorded."""
+    """SIGKILL a random worker of ``server`` (its ``proc``: the serve process) every ``every``
+    seconds (seeded); kill times are recorded."""
 
     def __init__(self, server, every: float, seed: int = 23):
         self.s, self.every, self.rng = server, every, random.Random(seed)
@@ -36,8 +37,8 @@ class Chaos:
 
     def _run(self) -> None:
         while not self.stop.wait(self.every):
-            workers = [p for p in self.s.procs() if p.pid != self.s.proc.pid
-                       and "xllm-eplb:ep" in " ".join(_cmdline(p))]
+            workers = [p for p in _children(self.s.proc.pid)
+                       if "xllm-eplb:ep" in " ".join(_cmdline(p))]
             if workers:
                 p = self.rng.choice(workers)
                 self.kills.append((time.time(), " ".join(_cmdline(p))))
@@ -47,6 +48,14 @@ class Chaos:
     def close(self) -> None:
         self.stop.set()
         self.thread.join(10)
+
+
+def _children(pid: int) -> list[psutil.Process]:
+    """Every process under the server's (a test's or the soak's ``Server``)."""
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.Error:
+        return []
 
 
 def _cmdline(p: psutil.Process) -> list[str]:

@@ -3,7 +3,9 @@
 streams is replaced in place (``--elastic_rejoin=false``), the ranks re-form the next generation and every request in flight
 finishes with exactly the tokens of a fault-free run (float64, greedy and seeded sampling), with
 no token repeated or skipped; twice in a row, and a SIGSTOPped worker is fenced (SIGKILLed) after
-``--elastic_silence_seconds`` and recovered the same way. Nothing is left behind."""
+``--elastic_silence_seconds`` and recovered the same way. Then the chaos soak's short run in CI
+(``scripts/soak.py --chaos``'s clients and kill thread): closed-loop clients while a random
+worker is SIGKILLed every few seconds; 0 failed, 0 mismatches. Nothing is left behind."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import json
 import os
 import re
 import signal
+import sys
 import threading
 import time
 from pathlib import Path
@@ -20,6 +23,11 @@ import openai
 import psutil
 import pytest
 from serve_util import shm_objects
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+import soak  # noqa: E402  (scripts/soak.py: the chaos soak's clients)
+from soak_chaos import Chaos  # noqa: E402
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="needs POSIX shm")]
@@ -104,7 +112,7 @@ def test_killed_and_frozen_workers_are_replaced_and_no_request_is_lost(ds8_ckpt,
                      "--workload=none", "--enable_eplb=false", "--elastic_ep=true",
                      "--elastic_rejoin=false",       # respawn in place (the default rejoins)
                      "--redundant_experts_num=1", "--elastic_silence_seconds=2",
-                     "--max_batch_size=4")
+                     "--elastic_max_restarts=10", "--max_batch_size=4")
     s.wait_ready(240)
     client = openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0, timeout=120)
     # the fault-free reference: the same requests on the same server before any fault
@@ -140,6 +148,8 @@ def test_killed_and_frozen_workers_are_replaced_and_no_request_is_lost(ds8_ckpt,
     assert "EPLB elastic fence silent worker proc=ep1" in (s.log_dir / "launcher.log").read_text()
     print("ELASTIC", json.dumps({"pause_s": [r["pause_s"] for r in results],
                                  "recoveries": m}))
+    chaos = _chaos_short_run(s)
+    print("CHAOS", json.dumps(chaos))
     # an ordinary stop afterwards: exit 0, no process, no shm object left
     s.note_children()
     s.proc.send_signal(signal.SIGTERM)
@@ -147,3 +157,37 @@ def test_killed_and_frozen_workers_are_replaced_and_no_request_is_lost(ds8_ckpt,
     time.sleep(0.5)
     assert s.alive() == [] and shm_objects(s.run_id) == []
     assert os.path.exists(s.log_dir / "rank2.log")
+
+
+def _chaos_short_run(s, every: float = 6.0, kills: int = 2) -> dict:
+    """``scripts/soak.py --chaos`` in short: its closed-loop clients (greedy and seeded-sampled
+    requests, half streamed, every reply compared with the same requests answered before the
+    kills) while its kill thread SIGKILLs a random worker every ``every`` s."""
+    pool = soak.prompt_pool(6)
+    ref = [soak.complete(s.port, b, stream=False) for b in pool]
+    assert all(isinstance(r, list) for r in ref), ref
+    before = _status(s)["membership"]["recoveries"]
+    clients, chaos = soak.Clients(s.port, pool, ref, 3), None
+    try:
+        clients.start()
+        chaos = Chaos(s, every)
+        deadline = time.monotonic() + every * kills + 60
+        while len(chaos.kills) < kills and time.monotonic() < deadline:
+            time.sleep(0.2)
+        chaos.close()
+        deadline = time.monotonic() + 60       # the last kill recovered, then a few more
+        while (_status(s)["membership"]["recoveries"] < before + kills
+               and time.monotonic() < deadline):
+            time.sleep(0.2)
+        time.sleep(2.0)
+        clients.pause()
+    finally:
+        if chaos is not None:
+            chaos.close()
+        clients.close()
+    m = _status(s)["membership"]
+    assert len(chaos.kills) == kills and m["recoveries"] == before + kills, (chaos.kills, m)
+    assert clients.failed == 0 and clients.mismatches == 0, clients.errors[:3]
+    assert clients.ok >= 2 * kills, clients.ok
+    return {"kills": len(chaos.kills), "ok": clients.ok, "failed": clients.failed,
+            "mismatches": clients.mismatches, "generation": m["generation"]}
