@@ -132,9 +132,9 @@ def one_run(model: Path, logs: Path, flags: list[str], bodies, rounds: int,
                                    * (wakes / (iw1 - iw0) - 1 / IDLE_WAIT)) if wakes else None}
 
 
-def _stats(xs: list[float]) -> dict:
-    return {"median": round(float(np.median(xs)), 4), "min": round(min(xs), 4),
-            "max": round(max(xs), 4), "n": len(xs)} if xs else {}
+def _stats(xs: list[float], digits: int = 4) -> dict:
+    return {"median": round(float(np.median(xs)), digits), "min": round(min(xs), digits),
+            "max": round(max(xs), digits), "n": len(xs)} if xs else {}
 
 
 def overhead_ep(model: Path, tmp: Path, ep: int, experts: int, dtype: str, pairs: int,
@@ -166,13 +166,13 @@ def overhead_ep(model: Path, tmp: Path, ep: int, experts: int, dtype: str, pairs
     cpu_ab, cpu_aa = ratios("cpu_s")
     wall_ab, wall_aa = ratios("wall_s")
     # direct: the engine's elastic-only CPU plus the launcher's store thread, over all CPU
-    direct = [(r["elastic_engine_s"] + r["store_thread_cpu_s"]) / r["cpu_s"] for r in on]
+    direct = [100 * (r["elastic_engine_s"] + r["store_thread_cpu_s"]) / r["cpu_s"] for r in on]
     return {
         "ep": ep, "redundant_experts_num": need, "pairs": pairs, "rounds_per_run": rounds, "requests": len(bodies),
         "tokens": tokens, "order": ["on" if r["elastic"] else "off" for r in runs],
         "steps": [r["steps"] for r in runs],
         "cpu_ms_per_step": [round(r["cpu_ms_per_step"], 3) for r in runs],
-        "direct_share": _stats(direct),
+        "direct_pct": _stats(direct, 5),
         "direct_us_per_step": _stats([1e6 * r["elastic_engine_s"] / r["steps"] for r in on]),
         "store_thread_cpu_s": [round(r["store_thread_cpu_s"], 6) for r in runs],
         "store_threads": [r["store_threads"] for r in runs],
