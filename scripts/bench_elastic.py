@@ -26,7 +26,7 @@ off / ... / off at each of ``--overhead-eps``; the direct cost (CPU inside elast
 accounted by the engine), the idle cost, and CPU and wall per step on / off with the off / off
 (A/A) spread of the same run.
 
-    .venv/bin/python scripts/bench_elastic.py --json /tmp/elastic.json        # ~12 min
+    .venv/bin/python scripts/bench_elastic.py --json /tmp/elastic.json        # ~16 min
     .venv/bin/python scripts/bench_elastic.py --quick                         # < 1 min
     .venv/bin/python scripts/bench_elastic.py --ep 16 --experts 32 --kills 4 --skip throughput,overhead
     .venv/bin/python scripts/bench_elastic.py --skip kills,throughput --json /tmp/ovh.json  # overhead
