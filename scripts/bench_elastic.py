@@ -20,13 +20,16 @@ saw the exit, -> ``EPLB elastic detect`` (recovery starts), -> ``EPLB elastic re
 fence and re-form seconds; per request in flight: kill -> its next token. After every trial:
 ``/eplb/status`` ``placement`` covers every expert in every layer; no ``EPLB canary:`` line,
 one ``canary=ok`` per re-sharded survivor. Throughput: closed-loop streams, 8 s before a kill
-and 10 s after, target 0.9 x (N-1)/N (shrink) or 0.9 (respawn) of the rate before. Overhead:
-EPLB off, servers A (elastic off), B (on), C (off, A's twin: the noise) load the same workload
-in turn; process CPU (launcher + engine + workers) and wall clock per engine step.
+and 10 s after, target 0.9 x (N-1)/N (shrink) or 0.9 (respawn) of the rate before. Overhead
+(``scripts/elastic_overhead.py``): EPLB off, one server at a time on the same cores, off / on /
+off / ... / off at each of ``--overhead-eps``; the direct cost (CPU inside elastic-only code,
+accounted by the engine), the idle cost, and CPU and wall per step on / off with the off / off
+(A/A) spread of the same run.
 
-    .venv/bin/python scripts/bench_elastic.py --json /tmp/elastic.json        # ~12 min
+    .venv/bin/python scripts/bench_elastic.py --json /tmp/elastic.json        # ~16 min
     .venv/bin/python scripts/bench_elastic.py --quick                         # < 1 min
     .venv/bin/python scripts/bench_elastic.py --ep 16 --experts 32 --kills 4 --skip throughput,overhead
+    .venv/bin/python scripts/bench_elastic.py --skip kills,throughput --json /tmp/ovh.json  # overhead
 """
 
 from __future__ import annotations
@@ -40,11 +43,10 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import elastic_load as L  # noqa: E402
 import elastic_measure as M  # noqa: E402
+from elastic_overhead import overhead  # noqa: E402
 from soak import Server  # noqa: E402
 
 KINDS = {"prefill": 1, "decode": 1, "migration": 1, "reprefill": 2}
@@ -179,43 +181,6 @@ def throughput(mode: str, a, model: Path, tmp: Path, bodies, ref, rng) -> dict:
             "mismatches": load.mismatches}
 
 
-def overhead(a, model: Path, tmp: Path, bodies) -> dict:
-    base = [f"--dtype={a.dtype}", "--redundant_experts_num=2", "--max_batch_size=8",
-            "--enable_eplb=false", "--ep-size", str(a.ep)]
-    names = {"A_off": base, "B_elastic": base + ["--elastic_ep=true"], "C_off": base}
-    srv = {k: Server(model, tmp / f"logs_ovh_{k}", f) for k, f in names.items()}
-    got = {k: [] for k in srv}
-    try:
-        for s in srv.values():
-            s.wait_ready(300)
-        for s in srv.values():
-            L.workload_cost(s, bodies)              # warm-up
-        order = list(srv)
-        for r in range(a.overhead_rounds):
-            for k in order[r % 3:] + order[:r % 3]:
-                got[k].append(L.workload_cost(srv[k], bodies))
-    finally:
-        for s in srv.values():
-            s.stop()
-
-    def ratio(k: str, what: str) -> list[float]:
-        return [round((x[what] / x["steps"]) / (y[what] / y["steps"]), 4)
-                for x, y in zip(got[k], got["A_off"], strict=True)]
-
-    return {"rounds": a.overhead_rounds, "requests": len(bodies),
-            "steps_per_round": {k: [x["steps"] for x in v] for k, v in got.items()},
-            "cpu_ms_per_step": {k: [round(1e3 * x["cpu_s"] / x["steps"], 3) for x in v]
-                                for k, v in got.items()},
-            "elastic_cpu_ratio": ratio("B_elastic", "cpu_s"),
-            "noise_cpu_ratio": ratio("C_off", "cpu_s"),
-            "elastic_wall_ratio": ratio("B_elastic", "wall_s"),
-            "noise_wall_ratio": ratio("C_off", "wall_s"),
-            "elastic_cpu_ratio_median": float(np.median(ratio("B_elastic", "cpu_s"))),
-            "noise_cpu_ratio_median": float(np.median(ratio("C_off", "cpu_s"))),
-            "elastic_wall_ratio_median": float(np.median(ratio("B_elastic", "wall_s"))),
-            "noise_wall_ratio_median": float(np.median(ratio("C_off", "wall_s")))}
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true",
@@ -233,8 +198,17 @@ def main() -> None:
     ap.add_argument("--idle-kills", type=int, default=5,
                     help="rejoin / respawn: kills of an idle server, detection only")
     ap.add_argument("--before-s", type=float, default=8.0, help="throughput: seconds before")
-    ap.add_argument("--overhead-rounds", type=int, default=8)
+    ap.add_argument("--overhead-eps", default="2,4", help="overhead: EP sizes, comma list")
+    ap.add_argument("--overhead-pairs", type=int, default=3,
+                    help="overhead: on runs per EP size, each between two off runs (sequential)")
+    ap.add_argument("--overhead-rounds", type=int, default=2,
+                    help="overhead: measured workloads per run (after one warm-up)")
     ap.add_argument("--overhead-tokens", type=int, default=96, help="per request (16 requests)")
+    ap.add_argument("--overhead-idle-s", type=float, default=8.0,
+                    help="overhead: idle seconds measured per run (engine CPU with no request)")
+    ap.add_argument("--cores", default="",
+                    help="overhead: pin the bench and every server to these cores (e.g. 0-1; "
+                         "default: the cores the bench may use now)")
     ap.add_argument("--keep-logs", type=Path, help="copy every server's logs here")
     ap.add_argument("--skip", default="", help="comma list of: kills, throughput, overhead")
     a = ap.parse_args()
@@ -276,9 +250,11 @@ def _run(a, skip: set, tmp: Path, out: dict, rng) -> None:
             out["throughput"].append(throughput(mode, a, model, tmp, bodies, ref, rng))
             print(json.dumps(out["throughput"][-1]), flush=True)
     if "overhead" not in skip:
-        out["overhead"] = overhead(a, model, tmp,
-                                   [L.body(i, a.overhead_tokens) for i in range(16)])
-        print(json.dumps(out["overhead"]), flush=True)
+        out["overhead"] = overhead(a, model, tmp)
+        for r in out["overhead"]["by_ep"]:
+            print(json.dumps({k: v for k, v in r.items()
+                              if k not in ("steps", "cpu_ms_per_step", "engine_rss_mb")}),
+                  flush=True)
 
 
 def _last_error(s) -> str:

@@ -1,7 +1,8 @@
 """Elastic EP pieces in one process (issue #23): the redundancy rule at validation, the
 launcher-hosted store's placement keys, the scheduler's void step (re-prefill from prompt +
 output) and the re-prefill's tokens being those of an uninterrupted run; for a shrink, the
-scheduler's and step watch's smaller rank set and the dead reader retired from the input ring."""
+scheduler's and step watch's smaller rank set and the dead reader retired from the input ring;
+the accounting of elasticity's steady-state CPU."""
 
 from __future__ import annotations
 
@@ -178,3 +179,26 @@ def test_a_retired_reader_never_holds_the_producer_back(run_id):
         for step in range(1, 6):                     # more than the slots: never blocks
             eng.put(ForwardInput(step, []), timeout=1)
             assert w0.get(timeout=1).step in (step - 1, step)
+
+
+def test_elastic_cpu_is_accounted_only_with_elasticity():
+    """The steady-state cost of ``--elastic_ep`` (docs/benchmarks.md): the silent-rank check
+    between output slices reports its CPU only when elasticity set ``kill``; the telemetry sums
+    it (``/eplb/status`` ``critical_path``), idle wakes apart."""
+    from xllm_eplb.engine.failures import FailureWatch
+    from xllm_eplb.engine.health import StepWatch
+    from xllm_eplb.engine.telemetry import Telemetry
+    from xllm_eplb.obs.metrics import EngineMetrics
+
+    tele = Telemetry(EngineMetrics(2, 1), 1, 2)
+    fw = FailureWatch(None, StepWatch(2, 100.0), 100.0, on_elastic=tele.on_elastic)
+    fw.between_slices(1, None, None)                     # elasticity off: nothing accounted
+    assert tele.critical_path_summary()["elastic_engine_s"] == 0.0
+    fw.kill, fw.silence_seconds = (lambda who: None), 5.0
+    for _ in range(3):
+        fw.between_slices(1, None, None)
+    tele.on_elastic(0.001, idle=True)
+    tele.on_elastic(0.002, idle=True)
+    cp = tele.critical_path_summary()
+    assert 0.0 < cp["elastic_engine_s"] < 0.1
+    assert cp["elastic_idle_s"] == pytest.approx(0.003) and cp["elastic_idle_wakes"] == 2

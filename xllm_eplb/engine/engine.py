@@ -114,7 +114,7 @@ class Engine:
         self.watch = StepWatch(self.D, cfg.serve.stall_seconds)
         # stall -> clients told; launcher's death notices (``notices`` set by engine/process)
         self.failures = FailureWatch(self.sched, self.watch, cfg.serve.stall_seconds,
-                                     on_failed=self._finished)
+                                     on_failed=self._finished, on_elastic=self.tele.on_elastic)
         self.placement = initial_placement(cfg)       # [L, D*S]: what the workers start from
         self.recorder = ExpertRecorder(cfg.num_moe_layers, self.D, cfg.slots_per_rank,
                                        cfg.model.num_experts, cfg.eplb.eplb_record_trace_max_steps)
@@ -243,17 +243,21 @@ class Engine:
         self.state = "serving"
         last_health = 0.0
         while not self.stopping:
+            c0 = time.thread_time() if self.membership is not None else None
             self.sched.pull(timeout=IDLE_WAIT if self.membership is None else ELASTIC_IDLE_WAIT)
             self._cancelled(self.sched.reap_cancelled())
             if time.monotonic() - last_health > 1.0:
                 last_health = time.monotonic()
                 self._refresh()
+                c0 = None           # once a second either way: not an idle wake's cost
             if self.stopping or not self.sched.has_work:
                 if self.membership is not None:      # a death while idle: recover now
                     self.membership.when_idle()
+                    if c0 is not None:
+                        self.tele.on_elastic(time.thread_time() - c0, idle=True)
                 continue
-            if self.membership is not None and self.membership.joining:
-                self.membership.at_boundary()       # --elastic_ep rejoin: grow between steps
+            if self.membership is not None:
+                self._elastic_boundary()
             batches = self.sched.schedule()
             self.live.on_scheduled(batches, self.sched.running, time.monotonic())
             outs = self.step(batches)
@@ -266,6 +270,14 @@ class Engine:
                 logprobs.update(o.logprobs)
             self.live.on_tokens(sampled, time.monotonic())
             self._finished(self.sched.update(sampled, logprobs))
+
+    def _elastic_boundary(self) -> None:
+        """``--elastic_ep``, between steps: a rejoin grows here; the check's CPU is accounted
+        (``/eplb/status`` ``critical_path.elastic_engine_s``: elasticity's steady-state cost)."""
+        c0 = time.thread_time()
+        if self.membership.joining:
+            self.membership.at_boundary()
+        self.tele.on_elastic(time.thread_time() - c0)
 
     def _finished(self, reqs: list[Request]) -> None:
         self.tele.on_requests(reqs)

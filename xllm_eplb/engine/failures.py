@@ -48,10 +48,13 @@ class FailureWatch:
     ``notices(timeout) -> notice or None`` reads the launcher's notices (``None``: no launcher,
     e.g. a test engine)."""
 
-    def __init__(self, sched, watch, stall_seconds: float, notices=None, on_failed=None):
+    def __init__(self, sched, watch, stall_seconds: float, notices=None, on_failed=None,
+                 on_elastic=None):
         self.sched, self.watch, self.stall_seconds = sched, watch, stall_seconds
         self.notices = notices
         self.on_failed = on_failed or (lambda reqs: None)   # the finished requests (metrics)
+        #: ``on_elastic(seconds)``: CPU of the silent-rank check (``Telemetry.on_elastic``)
+        self.on_elastic = on_elastic or (lambda seconds: None)
         self.stalled_step = -1
         self.death: str = ""          # the launcher's message for a dead child, once known
         self.died: tuple | None = None    # that notice: ("died", who, message[, gen, seen])
@@ -71,7 +74,10 @@ class FailureWatch:
         (once per step)."""
         if self._poll(0.0):
             raise WorkerFault(self.death)
-        self._fence_silent(step, inp)
+        if self.kill is not None:          # --elastic_ep: its CPU is accounted
+            c0 = time.thread_time()
+            self._fence_silent(step, inp)
+            self.on_elastic(time.thread_time() - c0)
         if self.stalled_step == step:
             return
         silent = self.watch.stalled(inp, outs)

@@ -119,7 +119,8 @@ class Telemetry:
         self.cp = dict(critical_s=0.0, expert_cpu_s=0.0, steps=0, decode_steps=0,
                        decode_critical_s=0.0, decode_expert_cpu_s=0.0, forward_cpu_s=0.0,
                        routed_tokens=0, eplb_engine_s=0.0, eplb_worker_s=0.0,
-                       moe_s=0.0, comm_s=0.0, route_s=0.0, moe_cpu_s=0.0)
+                       moe_s=0.0, comm_s=0.0, route_s=0.0, moe_cpu_s=0.0,
+                       elastic_engine_s=0.0, elastic_idle_s=0.0, elastic_idle_wakes=0)
         self.exec_seen = [0] * ep_size
         self.prep_seen = [0] * ep_size
         self.last_output_at = [0.0] * ep_size
@@ -170,6 +171,17 @@ class Telemetry:
             if self.initial_balance is None and self.recent.full:
                 self.initial_balance = per.copy()
         m.set_balance(per)
+
+    def on_elastic(self, seconds: float, idle: bool = False) -> None:
+        """``--elastic_ep`` (no fault: its steady-state cost): step-loop CPU in code that runs
+        only because of elasticity: the membership check at each step boundary and the
+        silent-rank check between output slices (``elastic_engine_s``); ``idle``: one idle
+        iteration of the loop, whole, but for the once-a-second refresh (``elastic_idle_s``,
+        ``elastic_idle_wakes``: it wakes every ``ELASTIC_IDLE_WAIT`` s, not every
+        ``IDLE_WAIT`` s)."""
+        with self.lock:
+            self.cp["elastic_idle_s" if idle else "elastic_engine_s"] += seconds
+            self.cp["elastic_idle_wakes"] += int(idle)
 
     def _count_cp(self, kind: str, crit: float, total: float) -> None:
         c = self.cp
