@@ -305,9 +305,10 @@ class Scheduler:
         before applying them). Returns the requeued requests."""
         sent, self._sent = self._sent or [], None
         for k, b in enumerate(sent):
-            if k != lost:
-                self._release[k][:0] = b.release
-            for row in b.rows if k != lost else []:
+            if k == lost:
+                continue
+            self._release[k][:0] = b.release
+            for row in b.rows:
                 req = self.running.get(row.req_id)
                 if req is None:
                     continue
