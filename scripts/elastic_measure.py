@@ -72,7 +72,8 @@ def per_kill(lines: dict, kills: list[float]) -> list[dict]:
                 row.update(fence_s=float(f.get("fence_s", "nan")),
                            reform_s=float(f.get("reform_s", "nan")),
                            mode=f.get("mode", ""),
-                           reprefilled=int(f.get("requests_reprefilled", 0)))
+                           reprefilled=int(f.get("requests_reprefilled", 0)),
+                           kept=int(f.get("requests_kept", 0)))
         rows.append(row)
     return rows
 

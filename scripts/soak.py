@@ -283,6 +283,7 @@ def soak(model: Path, tmp: Path, pool, ref, minutes: float, n_clients: int,
             **({"kills": len(chaos.kills), "recovered": st["membership"].get("recoveries", 0),
                 "generation": st["membership"].get("generation", 0),
                 "requests_reprefilled": st["membership"].get("requests_reprefilled", 0),
+                "requests_kept": st["membership"].get("requests_kept", 0),
                 **recoveries(tmp / "logs_soak", chaos.kills)} if chaos else {})}
 
 

@@ -41,7 +41,7 @@ def test_kills_are_matched_to_the_lines_that_follow_them(tmp_path):
     (run / "engine.log").write_text("\n".join([
         _line(k1 + 0.020, "EPLB elastic detect rank=2 worker=ep2 step=9 detect_s=0.016"),
         _line(k1 + 0.300, "EPLB elastic resume rank=2 mode=shrink fence_s=0.01 reform_s=0.07 "
-                          "seconds=0.28 requests_reprefilled=12"),
+                          "seconds=0.28 requests_reprefilled=12 requests_kept=30"),
         _line(k2 + 0.030, "EPLB elastic detect rank=0 worker=ep0 step=40 detect_s=0.024")]))
     (run / "rank1.log").write_text(_line(k1 + 0.2, "EPLB elastic resharded rank=1 canary=ok",
                                          "INFO", "rank1"))
@@ -52,6 +52,7 @@ def test_kills_are_matched_to_the_lines_that_follow_them(tmp_path):
     assert rows[0]["detect_s"] == pytest.approx(0.020, abs=2e-3)
     assert rows[0]["resume_s"] == pytest.approx(0.300, abs=2e-3)
     assert rows[0]["reform_s"] == 0.07 and rows[0]["reprefilled"] == 12
+    assert rows[0]["kept"] == 30
     # the second kill has its own detect line and no resume yet (never the first kill's)
     assert rows[1]["detect_s"] == pytest.approx(0.030, abs=2e-3) and rows[1]["resume_s"] is None
 

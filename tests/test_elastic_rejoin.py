@@ -20,7 +20,7 @@ import openai
 import psutil
 import pytest
 from serve_util import shm_objects
-from test_elastic_serve import PROMPTS, Streams, _fault, _kw, _status, _worker
+from test_elastic_serve import PROMPTS, Streams, _fault, _kept_kv, _kw, _status, _worker
 from test_elastic_shrink import _covers_all, _metrics
 
 pytestmark = [pytest.mark.slow,
@@ -74,6 +74,7 @@ def test_killed_worker_rejoins_while_the_survivors_serve(ds8_ckpt, start_server)
     got = _fault(s, client, ref, _worker(s, 2).kill, "kill ep2")
     m = _status(s)["membership"]
     assert m["shrinks"] == 1 and m["last_recovery"]["mode"] == "rejoin", m
+    _kept_kv(m, 4)
     # streams keep running (and matching) while the joiner loads and joins
     rounds = 0
     while _status(s)["membership"]["joins"] < 1 and rounds < 30:

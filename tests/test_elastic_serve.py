@@ -2,10 +2,12 @@
 (real processes, shm, gloo; the launcher hosts the store): a worker SIGKILLed in the middle of
 streams is replaced in place (``--elastic_rejoin=false``), the ranks re-form the next generation and every request in flight
 finishes with exactly the tokens of a fault-free run (float64, greedy and seeded sampling), with
-no token repeated or skipped; twice in a row, and a SIGSTOPped worker is fenced (SIGKILLed) after
-``--elastic_silence_seconds`` and recovered the same way. Then the chaos soak's short run in CI
-(``scripts/soak.py --chaos``'s clients and kill thread): closed-loop clients while a random
-worker is SIGKILLed every few seconds; 0 failed, 0 mismatches. Nothing is left behind."""
+no token repeated or skipped (only the dead rank's requests are re-prefilled: the survivors'
+keep their KV caches and recompute the void step); twice in a row, and a SIGSTOPped worker is
+fenced (SIGKILLed) after ``--elastic_silence_seconds`` and recovered the same way. Then the chaos
+soak's short run in CI (``scripts/soak.py --chaos``'s clients and kill thread): closed-loop
+clients while a random worker is SIGKILLed every few seconds; 0 failed, 0 mismatches. Nothing is
+left behind."""
 
 from __future__ import annotations
 
@@ -93,6 +95,15 @@ def _status(s) -> dict:
         return json.loads(r.read())
 
 
+def _kept_kv(m: dict, ranks: int) -> None:
+    """The last recovery re-prefilled only the dead rank's requests (every stream was running
+    and the ranks hold them evenly: at most ceil(8 / ranks) each); the survivors' requests
+    kept their KV caches."""
+    lr = m["last_recovery"]
+    assert lr["requests_reprefilled"] + lr["requests_kept"] == len(PROMPTS), lr
+    assert 1 <= lr["requests_reprefilled"] <= -(-len(PROMPTS) // ranks), lr
+
+
 def _fault(s, client, ref, hit, what: str) -> dict:
     """Streams in flight, ``hit()`` a worker, every stream finishes with the reference tokens."""
     st = Streams(client)
@@ -131,12 +142,15 @@ def test_killed_and_frozen_workers_are_replaced_and_no_request_is_lost(ds8_ckpt,
         m = _status(s)["membership"]
         assert m["generation"] == gen and m["recoveries"] == gen - 1, m
         assert m["last_recovery"]["rank"] == rank and m["requests_reprefilled"] >= 1, m
+        _kept_kv(m, 4)
         assert not victim.is_running() or victim.status() == psutil.STATUS_ZOMBIE
     # a frozen worker: fenced (SIGKILL) after --elastic_silence_seconds, then recovered
     frozen = _worker(s, 1)
     results.append(_fault(s, client, ref, frozen.suspend, "SIGSTOP ep1"))
     m = _status(s)["membership"]
     assert m["generation"] == 4 and m["last_recovery"]["rank"] == 1, m
+    _kept_kv(m, 4)
+    assert m["requests_kept"] >= 3 * len(PROMPTS) // 2, m     # most kept, 3 recoveries
     import urllib.request
 
     from prometheus_client.parser import text_string_to_metric_families
@@ -149,6 +163,8 @@ def test_killed_and_frozen_workers_are_replaced_and_no_request_is_lost(ds8_ckpt,
     engine_log = (s.log_dir / "engine.log").read_text()
     for phase in ("detect", "fence", "re-form", "resume"):
         assert len(re.findall(rf"EPLB elastic {phase} ", engine_log)) == 3, phase
+    assert len(re.findall(r"EPLB elastic fence .*requests_reprefilled=\d+ requests_kept=\d+",
+                          engine_log)) == 3
     assert "EPLB elastic fence silent worker proc=ep1" in (s.log_dir / "launcher.log").read_text()
     print("ELASTIC", json.dumps({"pause_s": [r["pause_s"] for r in results],
                                  "recoveries": m}))

@@ -3,7 +3,8 @@
 of streams is NOT replaced; the survivors re-form with compact ranks, re-plan the experts (the
 dead rank's orphans read from the checkpoint, the transfer canary checked) and keep serving:
 every request in flight finishes with exactly the tokens of a fault-free run (float64, greedy
-and seeded sampling), and the EPLB manager is rebuilt for the smaller world (3 ranks: a layout
+and seeded sampling; the survivors' requests keep their KV caches at their new compact ranks,
+only the dead rank's are re-prefilled), and the EPLB manager is rebuilt for the smaller world (3 ranks: a layout
 the flags cannot express, 8 experts on 3 x 4 slots). Twice (4 -> 3 -> 2: 8 experts, 4 slots per rank); a third death breaks
 the rule (1 x 4 < 8) and the run stops cleanly naming it, leaving nothing behind."""
 
@@ -19,7 +20,7 @@ import openai
 import psutil
 import pytest
 from serve_util import shm_objects
-from test_elastic_serve import PROMPTS, _fault, _kw, _status, _worker
+from test_elastic_serve import PROMPTS, _fault, _kept_kv, _kw, _status, _worker
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="needs POSIX shm")]
@@ -60,6 +61,7 @@ def test_killed_workers_are_left_out_and_the_survivors_keep_serving(ds8_ckpt, st
         assert m["ranks_active"] == list(range(len(left))) and m["workers"] == left, m
         assert m["generation"] == gen and m["shrinks"] == gen - 1, m
         assert m["last_recovery"]["mode"] == "shrink" and m["requests_reprefilled"] >= 1, m
+        _kept_kv(m, len(left) + 1)     # kept requests followed their workers' compact ranks
         assert st["enabled"], st          # the EPLB manager rebuilt for the smaller world
         active = {k[1][0][1]: v for k, v in _metrics(s).items()
                   if k[0] == "xllm_eplb_rank_active"}
@@ -70,6 +72,7 @@ def test_killed_workers_are_left_out_and_the_survivors_keep_serving(ds8_ckpt, st
     assert fams[("xllm_eplb_experts_reloaded_total", (("source", "checkpoint"),))] > 0
     assert fams[("xllm_eplb_ep_size", ())] == 2
     assert fams[("xllm_eplb_generation", ())] == 3
+    assert fams[("xllm_eplb_requests_reprefilled_total", ())] == m["requests_reprefilled"]
     engine_log = (s.log_dir / "engine.log").read_text()
     assert len(re.findall(r"EPLB elastic re-plan .*ep_size=(4->3|3->2)", engine_log)) == 2
     assert "canary=ok" in (s.log_dir / "rank3.log").read_text()

@@ -1,8 +1,9 @@
 """Elastic EP pieces in one process (issue #23): the redundancy rule at validation, the
-launcher-hosted store's placement keys, the scheduler's void step (re-prefill from prompt +
-output) and the re-prefill's tokens being those of an uninterrupted run; for a shrink, the
-scheduler's and step watch's smaller rank set and the dead reader retired from the input ring;
-the accounting of elasticity's steady-state CPU."""
+launcher-hosted store's placement keys, the scheduler's void step (the dead rank's requests
+re-prefilled from prompt + output, the survivors' kept with their KV caches cut back; on the real
+model: tests/test_elastic_keepkv.py) and the re-prefill's tokens being those of an uninterrupted
+run; for a shrink, the scheduler's and step watch's smaller rank set and the dead reader retired
+from the input ring; the accounting of elasticity's steady-state CPU."""
 
 from __future__ import annotations
 
@@ -44,41 +45,69 @@ def test_store_carries_the_placement_of_a_generation():
     del client, host
 
 
-def test_void_step_requeues_running_requests_for_a_reprefill_of_prompt_and_output():
+def test_void_step_requeues_the_dead_ranks_requests_and_keeps_the_others():
     s = Scheduler(dp_size=2, max_batch_size=4, max_prefill_tokens=8)
     a = s.submit(Request(prompt=[1, 2, 3], max_tokens=9))
     b = s.submit(Request(prompt=[4, 5], max_tokens=9))
+    done = s.submit(Request(prompt=[9], max_tokens=1))
     s.pull()
     batches = s.schedule()
-    s.update({r.req_id: 7 for x in batches for r in x.rows})
+    assert (a.dp_rank, b.dp_rank, done.dp_rank) == (0, 1, 0)
+    s.update({r.req_id: 7 for x in batches for r in x.rows})       # `done` finishes
     s.update({r.req_id: 8 for x in s.schedule() for r in x.rows})
     late = s.submit(Request(prompt=[6], max_tokens=2))
     s.pull()
-    old = {a.req_id: a.dp_rank, b.req_id: b.dp_rank}
-    back = s.void_step()                       # the next step died with a rank
-    assert back == [a, b] and list(s.waiting)[:2] == [a, b] and list(s.waiting)[2] is late
+    s.schedule()                                # the step that dies with rank 1
+    assert late.dp_rank == 0 and late.prefilled == 1     # admitted in it (least-loaded tie)
+    back = s.void_step(1)
+    assert back == [b] and list(s.waiting) == [b] and b.output == [7, 8]
+    assert sorted(s.running) == [a.req_id, late.req_id] and late.prefilled == 0
     assert a.output == [7, 8] and not a.done.is_set()
     nxt = s.schedule()
-    rows = {r.req_id: r for x in nxt for r in x.rows}
-    assert rows[a.req_id].token_ids == [1, 2, 3, 7, 8] and rows[a.req_id].is_prefill
-    assert rows[a.req_id].start_pos == 0 and rows[b.req_id].token_ids == [4, 5, 7, 8]
-    released = {rid for k, x in enumerate(nxt) for rid in x.release if old.get(rid) == k}
-    assert released == {a.req_id, b.req_id}
-    # a re-prefill longer than --max_prefill_tokens is prefilled in chunks (8 + 3); the token
-    # sampled after the partial chunk is dropped
-    long = Request(prompt=list(range(1, 8)), max_tokens=20)
-    s2 = Scheduler(dp_size=1, max_batch_size=4, max_prefill_tokens=8)
+    rows = {r.req_id: (k, r) for k, x in enumerate(nxt) for r in x.rows}
+    # a and late keep rank 0 and their KV caches: the void step's rows again, each cache cut
+    # back to its row's start first (the void step may have written positions 4 and 0)
+    assert rows[a.req_id][0] == 0 and rows[a.req_id][1].token_ids == [8]
+    assert rows[a.req_id][1].start_pos == 4 and rows[late.req_id][1].token_ids == [6]
+    assert nxt[0].truncate == [[a.req_id, 4], [late.req_id, 0]] and nxt[0].release == []
+    # b: re-prefilled from prompt + output on the least-loaded rank
+    assert rows[b.req_id][0] == 1 and rows[b.req_id][1].token_ids == [4, 5, 7, 8]
+    assert rows[b.req_id][1].start_pos == 0 and rows[b.req_id][1].is_prefill
+    assert nxt[1].release == [b.req_id] and nxt[1].truncate == []
+    # nothing of the void step is committed twice: the recomputed step commits once
+    s.update({a.req_id: 9, late.req_id: 3})
+    assert a.output == [7, 8, 9] and late.output == [3]
+    # a prefill chunk of a survivor's request is rolled back and sent again (8 + 3 tokens)
+    long = Request(prompt=list(range(1, 12)), max_tokens=20)
+    s2 = Scheduler(dp_size=2, max_batch_size=4, max_prefill_tokens=8)
     s2.submit(long)
     s2.pull()
     s2.schedule()
-    for t in range(4):
-        s2.update({long.req_id: 10 + t})
-        s2.schedule()
-    s2.void_step()
-    assert [len(r.token_ids) for x in s2.schedule() for r in x.rows] == [8]
-    s2.update({long.req_id: 99})
-    assert [(r.start_pos, len(r.token_ids)) for x in s2.schedule() for r in x.rows] == [(8, 3)]
-    assert long.output == [10, 11, 12, 13]
+    s2.update({long.req_id: 99})                # the partial chunk's token: dropped
+    s2.schedule()                               # chunk 2 (8..11) dies with rank 1
+    assert s2.void_step(1) == [] and long.prefilled == 8 and long.output == []
+    nxt = s2.schedule()
+    assert [(r.start_pos, len(r.token_ids)) for r in nxt[0].rows] == [(8, 3)]
+    assert nxt[0].truncate == [[long.req_id, 8]]
+    s2.update({long.req_id: 5})
+    assert long.output == [5]
+
+
+def test_void_step_sends_the_void_steps_releases_again():
+    """A survivor may fail before it applied the void step's releases (a cancelled or finished
+    request's KV cache): they ride its next batch too; the dead rank's are not re-sent."""
+    s = Scheduler(dp_size=2, max_batch_size=4, max_prefill_tokens=8)
+    reqs = [s.submit(Request(prompt=[1, 2], max_tokens=n)) for n in (1, 1, 5, 5)]
+    s.pull()
+    s.update({r.req_id: 7 for x in s.schedule() for r in x.rows})      # 0 and 1 finish
+    void = s.schedule()
+    assert void[0].release == [reqs[0].req_id] and void[1].release == [reqs[1].req_id]
+    assert s.void_step(1) == [reqs[3]]
+    nxt = s.schedule()
+    assert nxt[0].release == [reqs[0].req_id]
+    assert nxt[1].release == [reqs[3].req_id]            # the requeued one only
+    s.update({r.req_id: 8 for x in nxt for r in x.rows})     # committed: sent once more only
+    assert [(x.release, x.truncate) for x in s.schedule()] == [([], []), ([], [])]
 
 
 @pytest.mark.slow
@@ -151,16 +180,22 @@ def test_shrink_resizes_the_scheduler_and_the_step_watch():
     reqs = [s.submit(Request(prompt=[1, 2, 3], max_tokens=9)) for _ in range(3)]
     s.pull()
     s.update({r.req_id: 7 for x in s.schedule() for r in x.rows})
-    with pytest.raises(RuntimeError, match="void_step first"):
+    with pytest.raises(RuntimeError, match=r"still running on a rank not in keep=\[0, 2\]"):
         s.resize([0, 2])
-    old = {r.req_id: r.dp_rank for r in reqs}
-    s.void_step()
+    assert [r.dp_rank for r in reqs] == [0, 1, 2]
+    s.schedule()                                # the step that dies with rank 1
+    assert s.void_step(1) == [reqs[1]]
     s.resize([0, 2])                           # rank 1 died: old 0 -> 0, old 2 -> 1
-    nxt = s.schedule()
-    assert len(nxt) == 2 and all(r.dp_rank in (0, 1) for r in reqs)
-    released = {rid: k for k, x in enumerate(nxt) for rid in x.release}
-    assert released == {rid: {0: 0, 2: 1}[k] for rid, k in old.items() if k != 1}
-    assert sorted(len(x.rows) for x in nxt) == [1, 2]      # least-loaded survivor first
+    nxt = s.schedule()                         # reqs[1] re-prefilled on rank 0 (a tie)
+    assert len(nxt) == 2 and [r.dp_rank for r in reqs] == [0, 0, 1]
+    assert [x.release for x in nxt] == [[], []]      # the dead rank's releases went with it
+    cuts = {rid: k for k, x in enumerate(nxt) for rid, _ in x.truncate}
+    assert cuts == {reqs[0].req_id: 0, reqs[2].req_id: 1}     # kept: caches follow the ranks
+    rows = {r.req_id: (k, r.is_prefill) for k, x in enumerate(nxt) for r in x.rows}
+    assert rows == {reqs[0].req_id: (0, False), reqs[2].req_id: (1, False),
+                    reqs[1].req_id: (0, True)}           # re-prefilled on a survivor
+    s.grow()                                   # a rejoin: one more empty rank
+    assert len(s.schedule()) == 3
     w = StepWatch(4, 10.0)
     w.resize([0, 1, 3])
     w.begin()

@@ -29,7 +29,7 @@ def _input() -> ForwardInput:
                     activation_token=10)
     batches = [RankBatch([SeqRow(7, [1, 2, 3], 0, True, 0.7, 42, logprobs=3)], release=[3]),
                RankBatch(),
-               RankBatch([SeqRow(8, [9], 17, False)])]
+               RankBatch([SeqRow(8, [9], 17, False)], truncate=[[8, 17], [9, 0]])]
     return ForwardInput(step=123, batches=batches, eplb_info=info, warmup=True, pure_decode=True)
 
 

@@ -202,8 +202,9 @@ class RuntimeConfig:
                            "--elastic_silence_seconds) is left out at once and a replacement "
                            "rejoins once loaded (--elastic_restart, --elastic_rejoin), the "
                            "ranks re-form "
-                           "their process groups (next generation) and every request in flight "
-                           "is re-prefilled from prompt + output; off: a death stops the run")
+                           "their process groups (next generation), the dead rank's requests "
+                           "are re-prefilled from prompt + output and the others keep their KV "
+                           "caches; off: a death stops the run")
     elastic_silence_seconds: float = opt(5.0, "with --elastic_ep: a worker that has not read a "
                                          "step's input for this long is SIGKILLed (a hang "
                                          "becomes a death)", unit="s", lo=0, lo_open=True)

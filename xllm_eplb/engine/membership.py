@@ -7,8 +7,11 @@ or its restarts used up leaves it out, and sends the engine a notice saying whic
     detect   a step fails (a survivor's collective reports peer_lost, the dead rank's ring
              producer is gone, or the launcher's notice arrives while the step waits)
     fence    the step is void: the survivors' outputs of that step are drained and dropped
-             (no token of it is committed); every running request goes back to the queue to
-             be re-prefilled from prompt + output (same seeds, so the same tokens follow)
+             (no token of it is committed); the dead rank's requests go back to the head of
+             the queue to be re-prefilled from prompt + output on the least-loaded rank (same
+             seeds, so the same tokens follow); the survivors' requests keep their KV caches
+             and recompute the void step (``Scheduler.void_step``: each cache is cut back to
+             its committed length first)
     re-form  the deployed placement is put in the launcher's store for the replacement; once
              it has attached its rings the engine sends ``ForwardInput(regroup=g+1)``: the
              survivors leave generation g and join g+1 with the replacement (same ranks)
@@ -62,7 +65,7 @@ class Membership:
         self.silence, self.join_timeout = rt.elastic_silence_seconds, rt.elastic_join_timeout_seconds
         self.generation = 1
         self.recoveries = 0
-        self.reprefilled = 0
+        self.reprefilled = self.kept = 0
         self.last: dict = {}
         #: the worker (``ep<w>``, its rings) of each EP rank; a shrink drops the dead one and
         #: the survivors take compact ranks
@@ -80,7 +83,8 @@ class Membership:
         return {"elastic": True, "generation": self.generation, "ep_size": self.eng.D,
                 "ranks_active": list(range(self.eng.D)), "workers": list(self.workers),
                 "recoveries": self.recoveries, "shrinks": self.shrinks,
-                "requests_reprefilled": self.reprefilled, "last_recovery": dict(self.last),
+                "requests_reprefilled": self.reprefilled, "requests_kept": self.kept,
+                "last_recovery": dict(self.last),
                 "joins": self.joins, "joining": sorted(self.joining),
                 "joins_dropped": self.joins_dropped, "last_join": dict(self.last_join)}
 
@@ -137,10 +141,11 @@ class Membership:
         if eng.manager is not None and not eng.manager.abort_round(self._switched(rank, got)):
             raise WorkerFault(f"{msg}; an EPLB layer activation was in flight and only some "
                               "ranks switched it: the run stops")
-        back = eng.sched.void_step()
+        back = eng.sched.void_step(rank)
+        kept = len(eng.sched.running)
         t_fence = time.monotonic()
         log.info(event("EPLB elastic fence", step=step, requests_reprefilled=len(back),
-                       seconds=round(t_fence - t0, 3)))
+                       requests_kept=kept, seconds=round(t_fence - t0, 3)))
         extra = {}
         if shrinking:
             if mode[0] == "rejoin":      # its worker's output ring waits for the joiner
@@ -156,12 +161,13 @@ class Membership:
         t_done = time.monotonic()
         self.generation, self.recoveries = generation, self.recoveries + 1
         self.reprefilled += len(back)
+        self.kept += kept
         self._metrics(t_done - t0, len(back), respawn=not shrinking)
         self.last = {"rank": rank, "worker": who, "step": step, "generation": generation,
                      "mode": mode[0] if mode else "respawn",
                      "fence_s": round(t_fence - t0, 3), "reform_s": round(t_done - t_fence, 3),
                      "seconds": round(t_done - t0, 3), "requests_reprefilled": len(back),
-                     **extra}
+                     "requests_kept": kept, **extra}
         log.warning(event("EPLB elastic resume", **self.last))
 
     def _metrics(self, seconds: float, reprefilled: int, respawn: bool) -> None:

@@ -12,6 +12,13 @@ cache), beside the decode rows of the other requests; the token the worker sampl
 non-final chunk is dropped, so the output is that of one whole-prompt prefill. NOTE: a chunk
 row is a prefill row, so a step carrying one is never a pure-decode (EPLB) boundary.
 
+``--elastic_ep`` (:meth:`void_step`, :meth:`resize`, :meth:`grow`): when a rank dies the step in
+flight is void. The dead rank's requests go back to the head of the queue (re-prefilled from
+prompt + output on the least-loaded rank); every other request keeps its rank and KV cache and
+runs the void step's row again: the next batch of its rank cuts its cache back to the row's
+``start_pos`` (``RankBatch.truncate``: the void step may have written or counted those
+positions) and a chunk's progress is rolled back. The void step's KV releases are sent again.
+
 Thread model: :meth:`submit` and :meth:`cancel` may be called from any thread (HTTP handlers,
 the workload); everything else runs on the engine's step-loop thread only. A request's
 ``listener`` (if any) is called on the step-loop thread after each new token and once when it
@@ -115,6 +122,10 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: dict[int, Request] = {}
         self._release: list[list[int]] = [[] for _ in range(dp_size)]
+        self._truncate: list[list[list[int]]] = [[] for _ in range(dp_size)]
+        #: the batches of the step in flight (None once its tokens are committed): what
+        #: :meth:`void_step` rolls back
+        self._sent: list[RankBatch] | None = None
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self._cancels: dict[int, str] = {}     # req_id -> why (logged by the engine)
@@ -203,9 +214,12 @@ class Scheduler:
     def schedule(self) -> list[RankBatch]:
         """Build this step's batches: decode rows of running requests, the next chunk of each
         request still prefilling, then admissions (see the module docstring)."""
-        batches = [RankBatch(release=rel) for rel in self._release]
+        batches = [RankBatch(release=rel, truncate=cut)
+                   for rel, cut in zip(self._release, self._truncate, strict=True)]
         self._flush = False
         self._release = [[] for _ in range(self.dp_size)]
+        self._truncate = [[] for _ in range(self.dp_size)]
+        self._sent = batches
         prefill = [0] * self.dp_size
         for r in self.running.values():
             if not r.prefilling:
@@ -252,6 +266,7 @@ class Scheduler:
         chunk is dropped (the prompt is not all in the KV cache yet)."""
         now = time.monotonic()
         finished = []
+        self._sent = None          # committed: no longer a step to void
         for rid, tok in sampled.items():
             req = self.running.get(int(rid))
             if req is None or req.prefilling:
@@ -279,33 +294,57 @@ class Scheduler:
         self.running.clear()
         self.waiting.clear()
 
-    def void_step(self) -> list[Request]:
-        """``--elastic_ep``: the step in flight died with a rank; none of its tokens is
-        committed. Every running request's KV cache is released on its rank and the request
-        goes back to the head of the queue, to be re-prefilled from prompt + output (its
-        sampling is seeded by (seed, position), so it continues with the same tokens).
-        Returns those requests."""
-        back = sorted(self.running.values(), key=lambda r: r.req_id)
+    def void_step(self, lost: int) -> list[Request]:
+        """``--elastic_ep``: the step in flight died with DP rank ``lost``; none of its tokens
+        is committed. The requests pinned to ``lost`` (their KV cache died with it) go back to
+        the head of the queue, to be re-prefilled from prompt + output (sampling is seeded by
+        (seed, position), so they continue with the same tokens). Every other running request
+        keeps its rank and KV cache and recomputes its row of the void step: its rank's next
+        batch cuts its cache back to that row's ``start_pos`` and a prefill chunk's progress
+        is rolled back. The void step's KV releases are sent again (a rank may have failed
+        before applying them). Returns the requeued requests."""
+        sent, self._sent = self._sent or [], None
+        for k, b in enumerate(sent):
+            if k == lost:
+                continue
+            self._release[k][:0] = b.release
+            for row in b.rows:
+                req = self.running.get(row.req_id)
+                if req is None:
+                    continue
+                self._truncate[k].append([row.req_id, row.start_pos])
+                if row.is_prefill:
+                    req.prefilled = row.start_pos
+        back = sorted((r for r in self.running.values() if r.dp_rank == lost),
+                      key=lambda r: r.req_id)
         for req in back:
             del self.running[req.req_id]
-            self._release[req.dp_rank].append(req.req_id)
-        self._flush = self._flush or bool(back)
+            self._release[lost].append(req.req_id)
+        self._flush = self._flush or any(self._release) or any(self._truncate)
         self.waiting.extendleft(reversed(back))
         return back
 
     def resize(self, keep: list[int]) -> None:
         """``--elastic_ep`` shrink, after :meth:`void_step`: DP rank ``r`` of the smaller set
-        is old rank ``keep[r]`` (its pending KV releases follow it; the dead rank's go). The
-        requeued requests are re-prefilled on the least-loaded survivors."""
-        if self.running:
-            raise RuntimeError("Scheduler.resize: requests still running (void_step first)")
+        is old rank ``keep[r]``; the running requests (all on kept ranks) and the pending KV
+        releases and truncations follow their ranks; the dead rank's go. The requeued
+        requests are re-prefilled on the least-loaded survivors."""
+        stray = [r.req_id for r in self.running.values() if r.dp_rank not in keep]
+        if stray:
+            raise RuntimeError(f"Scheduler.resize: requests {stray} still running on a rank "
+                               f"not in keep={keep} (void_step(lost) first)")
+        new = {old: r for r, old in enumerate(keep)}
+        for req in self.running.values():
+            req.dp_rank = new[req.dp_rank]
         self._release = [self._release[r] for r in keep]
+        self._truncate = [self._truncate[r] for r in keep]
         self.dp_size = len(keep)
 
     def grow(self) -> None:
         """``--elastic_ep`` rejoin: one more DP rank (the last, empty); the running requests
         keep their ranks and KV caches."""
         self._release.append([])
+        self._truncate.append([])
         self.dp_size += 1
 
     def fail_in_flight(self, error: str) -> list[Request]:

@@ -2,7 +2,8 @@
 5-6): the survivors re-form generation g+1 with compact ranks ``0..N-2`` and keep serving.
 
 Called by :class:`~xllm_eplb.engine.membership.Membership` after the fence (the step in flight
-is void, every running request back in the queue)::
+is void, the dead rank's requests back in the queue, the survivors' requests kept with their KV
+caches)::
 
     re-plan  eplb/shrink_plan.plan_shrink: the survivors' rows in compact order, each orphan
              expert (its only replica died) in the coldest extra replica's slot
@@ -10,7 +11,8 @@ is void, every running request back in the queue)::
              reader retired; ForwardInput(regroup=g+1) to the survivors, which join the smaller
              world, read their orphans from the checkpoint and run the transfer canary
     resize   everything the engine sized by ep_size follows the new rank set: the output rings
-             read, the scheduler's DP ranks (requests re-prefilled on the least-loaded survivor),
+             read, the scheduler's DP ranks (each kept request follows its worker to its compact
+             rank, the requeued ones are re-prefilled on the least-loaded survivor),
              the step watch, telemetry, recorder, metrics, the EPLB manager (rebuilt for
              N-1 ranks on the new table, see :func:`_manager`)
 

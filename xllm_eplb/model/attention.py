@@ -68,6 +68,19 @@ class KVCache:
         for r, e in zip(req_ids, ends, strict=True):
             self.lengths[r] = e
 
+    def truncate(self, req_id: int, length: int) -> None:
+        """Keep only the first ``length`` cached positions of ``req_id`` (the later ones are
+        never read: attention masks positions past the length, the next write overwrites
+        them). A request without a slot is skipped; one holding fewer positions is an error."""
+        r = int(req_id)
+        have = self.lengths.get(r)
+        if have is None:
+            return
+        if not 0 <= length <= have:
+            raise ValueError(f"request {r}: truncate to {length} positions but the KV cache "
+                             f"holds {have}")
+        self.lengths[r] = int(length)
+
     def release(self, req_id: int) -> None:
         r = int(req_id)
         s = self.slot_of.pop(r, None)

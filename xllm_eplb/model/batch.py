@@ -42,12 +42,17 @@ class SeqRow:
 @dataclass
 class RankBatch:
     """The rows of one DP rank for one step; ``release`` lists requests whose KV cache to free.
+    ``truncate`` lists ``[req_id, length]``: cut that request's KV cache back to ``length``
+    positions before the step (``--elastic_ep``: a survivor's request recomputes a void step
+    that may have written, and even counted, that step's positions; applied after ``release``;
+    a request without a cache is skipped).
 
     An empty ``rows`` list is legal: the rank still takes part in every MoE all-to-all.
     """
 
     rows: list[SeqRow] = field(default_factory=list)
     release: list[int] = field(default_factory=list)
+    truncate: list[list[int]] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -58,8 +63,12 @@ class RankBatch:
         return bool(self.rows) and not any(r.is_prefill for r in self.rows)
 
     def to_dict(self) -> dict:
-        return {"rows": [r.to_dict() for r in self.rows], "release": list(self.release)}
+        d = {"rows": [r.to_dict() for r in self.rows], "release": list(self.release)}
+        if self.truncate:          # only after an elastic recovery: no bytes otherwise
+            d["trunc"] = [[int(r), int(n)] for r, n in self.truncate]
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "RankBatch":
-        return cls([SeqRow.from_dict(r) for r in d["rows"]], list(d["release"]))
+        return cls([SeqRow.from_dict(r) for r in d["rows"]], list(d["release"]),
+                   [[int(r), int(n)] for r, n in d.get("trunc", [])])

@@ -191,6 +191,7 @@ class Decoder(RankModel):
         keeps no KV cache and is flagged in the result."""
         t0 = time.perf_counter()
         self.release(batch.release)
+        self.truncate(batch.truncate)
         mode = dsp.PLAIN if self.reference_mode else self.dispatch_mode(bool(pure_decode))
         toks, pos, keys, counted, spans, n_real, ab = self._inputs(batch)
         spec = self.spec

@@ -1,5 +1,6 @@
 """``RankModel``: what an EP rank's model shares whatever its layers (the checkpoint
-``Decoder``): slot count, releasing finished requests, the dispatch-mode choice.
+``Decoder``): slot count, releasing finished requests, truncating a request's KV cache (elastic recovery), the
+dispatch-mode choice.
 
 A subclass sets ``cfg``, ``kv`` (with ``release(req_id)``), ``fused_failure`` (why the fused
 path cannot run here, or "") and ``_fallback_logged = False``.
@@ -25,6 +26,12 @@ class RankModel:
         """Free the KV cache of finished requests."""
         for r in req_ids:
             self.kv.release(int(r))
+
+    def truncate(self, cuts) -> None:
+        """Cut requests' KV caches back: ``cuts`` = ``[[req_id, length], ...]``
+        (``RankBatch.truncate``)."""
+        for r, n in cuts:
+            self.kv.truncate(int(r), int(n))
 
     def dispatch_mode(self, pure_decode: bool) -> str:
         """The dispatch path of this step; a requested fused path that cannot run here is

@@ -218,8 +218,8 @@ class EngineMetrics:
         self.recovery_seconds = self._h("recovery_seconds", "elastic recovery: death detected "
                                         "-> ranks re-formed", (0.1, 0.25, 0.5, 1, 2, 3, 5, 10,
                                                               30, 60))
-        self.reprefilled = self._c("requests_reprefilled", "requests re-prefilled from prompt "
-                                   "+ output after a rank died")
+        self.reprefilled = self._c("requests_reprefilled", "requests of a dead rank re-prefilled "
+                                   "from prompt + output (the survivors' keep their KV cache)")
         self.experts_reloaded = self._c("experts_reloaded", "expert slots loaded again after a "
                                         "rank died, by source", ("source",))
         self.rejoins = self._c("rejoins", "elastic rejoins: replacement workers that joined "
