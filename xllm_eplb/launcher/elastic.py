@@ -196,7 +196,8 @@ class ElasticSupervision:
             self.events.notify("engine", ("join_dropped", who, why, again))
             log.warning(event("EPLB elastic rejoin dropped", proc=who, why=why,
                               after_s=round(time.monotonic() - info["t0"], 3),
-                              serving=self._serving(), restart="yes" if again else "no"))
+                              serving=self._serving() - 1,      # the dead one not yet retired
+                              restart="yes" if again else "no"))
 
     def _check_joiners(self) -> None:
         """A joiner not ready within ``--elastic_join_timeout_seconds`` is dropped."""
