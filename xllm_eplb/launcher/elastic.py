@@ -95,7 +95,7 @@ class ElasticSupervision:
         # (a joiner dropped earlier) shrinks again, or stops cleanly naming the rule
         respawn = respawn and (rejoin or size == self.cfg.eplb.ep_size)
         self.restarts += respawn
-        # the joiners loading are dropped; in rejoin mode (the N-2 survivors hold every
+        # the joiners loading are dropped; in rejoin mode (the survivors still hold every
         # expert) each is started again once reaped, a restart apiece while restarts remain
         self._drop_joiners(f"serving worker {who} died", restart=rejoin)
         self.generation = self._next_generation()
