@@ -88,6 +88,8 @@ def kills_series(mode: str, a, model: Path, tmp: Path, bodies, ref, rng) -> dict
     per = 2 if mode == "shrink" else 2 * a.kills
     rows, requests, bad, cover, servers = [], 0, [], [], plan(a.kills, per)
     joins: list[dict] = []
+    settled: list[dict] = []       # rejoin: each trial, once back at N ranks
+    restarts: list[dict] = []      # rejoin: launcher lines per server
     for si, kinds in enumerate(servers):
         logs = tmp / f"logs_{mode}{si}"
         s = Server(model, logs, flags(a, mode) + EPLB)
@@ -97,9 +99,9 @@ def kills_series(mode: str, a, model: Path, tmp: Path, bodies, ref, rng) -> dict
                 ref += [L.complete(s.port, b) for b in bodies]
             kill_times: list[float] = []
             try:
+                if mode == "rejoin":
+                    joins.append(L.wait_join(s, a.ep))
                 for kind in kinds:
-                    if mode == "rejoin":      # back at N ranks (the replacement joined)
-                        joins.append(L.wait_join(s, a.ep))
                     got = L.kill_trial(s, bodies, kind, rng)
                     for t_kill, label in got["kills"]:
                         kill_times.append(t_kill)
@@ -112,14 +114,23 @@ def kills_series(mode: str, a, model: Path, tmp: Path, bodies, ref, rng) -> dict
                     st = s.get("/eplb/status")
                     cover.append({"ep_size": st["ep_size"],
                                   "layers_missing": M.coverage_gaps(st["placement"], a.experts)})
-                if mode == "rejoin":
-                    joins.append(L.wait_join(s, a.ep))
+                    if mode == "rejoin":      # back at N ranks (every replacement joined)
+                        t_settle = time.monotonic()
+                        joins.append(L.wait_join(s, a.ep))
+                        st = s.get("/eplb/status")
+                        settled.append({"kind": kind, "ep_size": st["ep_size"],
+                                        "settle_s": round(time.monotonic() - t_settle, 3),
+                                        "layers_missing": M.coverage_gaps(st["placement"],
+                                                                          a.experts)})
                 for _ in range(a.idle_kills if mode != "shrink" else 0):
                     kill_times.append(L.idle_kill(s, rng))
                     rows.append({"label": "idle", "recs": []})
             except (OSError, KeyError, RuntimeError) as e:     # the server stopped
                 bad.append(f"server {si} stopped: {type(e).__name__}: {e}; "
                            f"{_last_error(s)}")
+            launcher = (logs / "latest" / "launcher.log").read_text()
+            restarts.append({k: launcher.count(f"EPLB elastic rejoin {k} ")
+                             for k in ("start", "restart", "dropped")})
             lines = M.elastic_lines(logs)
             aborted = sum("EPLB elastic round aborted" in ln for ln in
                           (logs / "latest" / "engine.log").read_text().splitlines())
@@ -161,6 +172,11 @@ def kills_series(mode: str, a, model: Path, tmp: Path, bodies, ref, rng) -> dict
             "join_start_to_serving": M.pct([j.get("start_to_serving_s") for j in joins[1:]], 50, 95),
             "join_switch_pause": M.pct([j.get("pause_s") for j in joins[1:]], 50, 95),
             "coverage": cover, "layers_uncovered": sum(len(c["layers_missing"]) for c in cover),
+            "settled_ep_size": [x["ep_size"] for x in settled],
+            "settle_s": M.pct([x["settle_s"] for x in settled], 50, 95),
+            "settled_layers_uncovered": sum(len(x["layers_missing"]) for x in settled),
+            "rejoin_lines": {k: sum(r[k] for r in restarts) for k in restarts[0]}
+            if restarts else {},
             "per_kill": rows}
 
 

@@ -97,15 +97,22 @@ class Membership:
             self.eng.step([RankBatch() for _ in range(self.eng.D)])
 
     def at_boundary(self) -> None:
-        """Rejoin, between steps: a dropped joiner is forgotten (N-1 keep serving); a ready one
-        joins now (``engine/rejoin.py``)."""
-        for n in self.eng.failures.poll_joins():
+        """Rejoin, between steps: a dropped joiner is forgotten (N-1 keep serving) unless the
+        launcher starts it again; a ready one joins now (``engine/rejoin.py``), one at a time;
+        a ``join_ready`` followed by that joiner's drop in the same batch is stale."""
+        notices = self.eng.failures.poll_joins()
+        for i, n in enumerate(notices):
             if n[0] == "join_dropped":
-                if self.joining.pop(n[1], None) is not None:
+                if n[1] in self.joining:
                     self.joins_dropped += 1
                     self.eng.metrics.rejoins.labels("dropped").inc()
+                    if not (len(n) > 3 and n[3]):
+                        del self.joining[n[1]]
+                    # NOTE: ``n[3]``: a serving rank's death dropped it and the launcher
+                    # starts the worker's joiner again: it stays joining
                 continue
-            if n[1] not in self.joining or self.eng.failures.death:
+            if n[1] not in self.joining or self.eng.failures.death or any(
+                    m[0] == "join_dropped" and m[1] == n[1] for m in notices[i + 1:]):
                 continue        # a death first: the next step recovers (the launcher drops it)
             got = grow(self, n)
             if not got:

@@ -21,10 +21,12 @@ Weights come from the checkpoint, not by P2P from the serving ranks: the joiner 
 group while it loads (the serving ranks' groups are busy serving), and a checkpoint read is what
 the shrink already does for orphans (same source, same checksums, the canary checks both).
 
-A joiner the launcher drops (not ready within ``--elastic_join_timeout_seconds``, or dead while
-loading) changes nothing: the run keeps serving on N-1. A joiner lost during the switch, or a
-switch past that timeout, is a :class:`~xllm_eplb.engine.failures.WorkerFault`: the run stops
-cleanly (the serving ranks are mid-re-form).
+A joiner the launcher drops (not ready within ``--elastic_join_timeout_seconds``, or dead
+without restarts left) changes nothing: the run keeps serving on N-1. One the launcher starts
+again (dead by itself, or dropped for a serving rank's death: ``("join_dropped", who, why,
+True)``) stays joining; several joiners grow the run one at a time. A joiner lost during the
+switch, or a switch past that timeout, is a :class:`~xllm_eplb.engine.failures.WorkerFault`:
+the run stops cleanly (the serving ranks are mid-re-form).
 """
 
 from __future__ import annotations

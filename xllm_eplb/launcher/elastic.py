@@ -6,20 +6,26 @@ worker 0: any worker may die) and decides, on a worker's death, how it is replac
              expert) the survivors shrink at once (``engine/shrink.py``); a replacement worker
              starts in the background, loads its model and signals ``join_ready``; the engine
              grows back at a step boundary (``engine/rejoin.py``). One not ready within
-             ``--elastic_join_timeout_seconds`` is SIGKILLed and dropped: N-1 ranks keep serving
+             ``--elastic_join_timeout_seconds`` is SIGKILLed and dropped: N-1 ranks keep
+             serving
     respawn  (``--elastic_rejoin=false``, or the rule fails for N-1; only at full size) the
              worker is respawned in place; the service waits for it
     shrink   (``--elastic_restart=false``, or the restarts used up) it is left out
 
-A serving rank's death while a joiner loads drops the joiner first, then is handled as above.
+A serving rank's death while joiners load drops them (SIGKILL) and is handled as above; in
+rejoin mode each dropped joiner is started again once reaped (``EPLB elastic rejoin restart``,
+a restart apiece while restarts remain), so the run grows back to N one joiner at a time. A
+joiner that dies by itself (loading, or after ``join_ready`` but before its switch) is started
+again too. A joiner dropped for ``--elastic_join_timeout_seconds`` is not: N-1 keep serving, no
+rank changes generation. A death during a switch stops the run cleanly (the engine's rule).
 The launcher also SIGKILLs a worker the engine found silent (``--elastic_silence_seconds``): a
 hang becomes a death. Generations are numbered by one counter in the store (``generation``),
 shared by the launcher's deaths and the engine's grows.
 
 :class:`ElasticSupervision` is mixed into :class:`~xllm_eplb.launcher.launcher.Launcher`; it
 uses the launcher's ``cfg``, ``procs``, ``events``, ``errors``, ``stop_signal``, ``store``,
-``generation``, ``restarts``, ``joining``, ``dropped``, ``death_message`` and
-``_spawn``.
+``generation``, ``restarts``, ``joining``, ``dropped``, ``rejoin_after``, ``death_message``
+and ``_spawn``.
 """
 
 from __future__ import annotations
@@ -82,7 +88,6 @@ class ElasticSupervision:
         # NOTE: exit 0 is the engine's shutdown message reaching the worker: a stop, no death
         if p.exitcode in (None, 0):
             return False
-        self._drop_joiners(f"serving worker {who} died")
         size = self._serving()
         respawn = rt.elastic_restart and self.restarts < rt.elastic_max_restarts
         rejoin = respawn and rt.elastic_rejoin and self._rule_holds(size)
@@ -90,6 +95,9 @@ class ElasticSupervision:
         # (a joiner dropped earlier) shrinks again, or stops cleanly naming the rule
         respawn = respawn and (rejoin or size == self.cfg.eplb.ep_size)
         self.restarts += respawn
+        # the joiners loading are dropped; in rejoin mode (the survivors still hold every
+        # expert) each is started again once reaped, a restart apiece while restarts remain
+        self._drop_joiners(f"serving worker {who} died", restart=rejoin)
         self.generation = self._next_generation()
         msg = self.death_message(who)
         seen = time.time()
@@ -121,23 +129,28 @@ class ElasticSupervision:
             p.close()
 
     def _joiner_gone(self, who: str) -> bool:
-        """A joiner exited: dropped (reaped here), or it died while loading (another joiner
-        starts, restarts permitting; the engine keeps waiting for ``join_ready``), or after
-        ``join_ready`` (the engine is told: ``join_dropped``; during a switch to it, the engine
-        stops the run cleanly). The serving ranks are not touched."""
+        """A joiner exited: dropped (reaped here; one dropped for a serving rank's death in
+        rejoin mode starts again: :meth:`_restart_dropped`), or it died (another joiner
+        starts, restarts permitting; the engine keeps waiting for ``join_ready``; one that died
+        after ``join_ready`` is dropped by the engine first, and if the engine was switching
+        to it, the run stops cleanly). Without restarts left the engine is told
+        ``join_dropped``: N-1 ranks keep serving. The serving ranks are not touched."""
         info = self.joining.pop(who, None)
         msg = "" if who in self.dropped else self.death_message(who, during="its rejoin")
         self._retire(who)
         if who in self.dropped:
             self.dropped.discard(who)
+            why = self.rejoin_after.pop(who, None)
+            if why is not None:
+                self._restart_dropped(who, why)
             return True
         rt = self.cfg.runtime
-        if (info is not None and not info["ready"] and rt.elastic_restart
+        if (info is not None and rt.elastic_restart
                 and self.restarts < rt.elastic_max_restarts):
+            if info["ready"]:    # the engine has its join_ready: it drops it, keeps waiting
+                self.events.notify("engine", ("join_dropped", who, msg, True))
             self.restarts += 1
-            self._spawn(who, worker_main, self.cfg, int(who[2:]), self.events, os.getpid(), 0,
-                        join=True)
-            self.joining[who] = {"t0": time.monotonic(), "wall": time.time(), "ready": False}
+            self._start_joiner(who)
             log.warning(event("EPLB elastic rejoin restart", proc=who, why=msg,
                               pid=self.procs[who].pid, restart=self.restarts))
             return True
@@ -146,17 +159,45 @@ class ElasticSupervision:
                           serving=self._serving()))
         return True
 
-    def _drop_joiners(self, why: str) -> None:
-        """SIGKILL every joiner (a serving rank died, or one timed out); the engine is told."""
+    def _start_joiner(self, who: str) -> None:
+        self._spawn(who, worker_main, self.cfg, int(who[2:]), self.events, os.getpid(), 0,
+                    join=True)
+        self.joining[who] = {"t0": time.monotonic(), "wall": time.time(), "ready": False}
+
+    def _restart_dropped(self, who: str, why: str) -> None:
+        """Start a new joiner for ``who``, reaped after :meth:`_drop_joiners` dropped it for a
+        serving rank's death (its restart was counted then; the engine kept it joining). The
+        serving ranks still hold every expert (the death was handled in rejoin mode), so
+        growing back is allowed; a run that is stopping starts nothing."""
+        if self.stop_signal or self.procs["engine"].exitcode is not None:
+            return
+        if not self._rule_holds(self._serving() + 1):      # the engine's shrink stops the run
+            self.events.notify("engine", ("join_dropped", who, why))
+            return
+        self._start_joiner(who)
+        log.warning(event("EPLB elastic rejoin restart", proc=who,
+                          why=f"dropped: {why}", pid=self.procs[who].pid,
+                          restart=self.restarts, serving=self._serving()))
+
+    def _drop_joiners(self, why: str, restart: bool = False) -> None:
+        """SIGKILL every joiner (a serving rank died); the engine is told. ``restart``: each
+        is started again once reaped, while restarts remain (counted here), and the engine
+        keeps waiting for it (``("join_dropped", who, why, True)``)."""
+        rt = self.cfg.runtime
         for who in list(self.joining):
             info = self.joining.pop(who)
             self.dropped.add(who)
+            again = restart and self.restarts < rt.elastic_max_restarts
+            if again:
+                self.restarts += 1
+                self.rejoin_after[who] = why
             with contextlib.suppress(ProcessLookupError):
                 os.kill(self.procs[who].pid, signal.SIGKILL)
-            self.events.notify("engine", ("join_dropped", who, why))
+            self.events.notify("engine", ("join_dropped", who, why, again))
             log.warning(event("EPLB elastic rejoin dropped", proc=who, why=why,
                               after_s=round(time.monotonic() - info["t0"], 3),
-                              serving=self._serving()))
+                              serving=self._serving() - 1,      # the dead one not yet retired
+                              restart="yes" if again else "no"))
 
     def _check_joiners(self) -> None:
         """A joiner not ready within ``--elastic_join_timeout_seconds`` is dropped."""
@@ -182,8 +223,10 @@ class ElasticSupervision:
             self.events.notify("engine", ("attached", who, int(detail or 0)))
         elif stage == "join_ready" and who in self.joining:
             info = self.joining[who]
-            info["ready"] = True
             ready_at, pid = detail.split(",")
+            if int(pid) != self.procs[who].pid:   # a dropped predecessor's late event
+                return
+            info["ready"] = True
             self.events.notify("engine", ("join_ready", who, info["wall"], float(ready_at),
                                           int(pid)))
         elif stage == "joined":

@@ -74,6 +74,7 @@ class Launcher(ElasticSupervision):
         self.restarts = 0
         self.joining: dict[str, dict] = {}         # rejoin: replacements loading / switching
         self.dropped: set[str] = set()             # joiners SIGKILLed, not yet reaped
+        self.rejoin_after: dict[str, str] = {}     # dropped joiners to start again: why
 
     # --- signals ---------------------------------------------------------------------------
     def _on_signal(self, signum, frame) -> None:

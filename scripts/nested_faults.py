@@ -1,0 +1,165 @@
+"""Nested faults in rejoin mode (issue #23 item 9): each scenario on its own
+``xllm-eplb serve --ep-size 4 --elastic_ep=true`` (generated deepseek_v3, 8 experts, top-2,
+float64, EPLB off), with 8 concurrent streams running through the faults, every stream compared
+with a fault-free reference. Each must end **recovered** (back at 4 ranks, every stream
+identical, every layer covering every expert) or **cleanly stopped** (the server exits within
+60 s), never hung; either way no process and no shm object is left.
+
+    two_joiners    (``--redundant_experts_num=6``: 8 slots a rank, the rule holds down to 1)
+                   ep1 killed; ep2 killed while ep1's joiner loads (dropped, started again);
+                   ep3 killed while both joiners load -> 1 rank serves, 3 joiners, back at 4
+    two_joiners_rule  the same at 4 slots a rank: the third death breaks the rule -> stop
+    switch_serving ep1 killed; a serving rank killed the moment ep1's joiner gets its go
+                   (``EPLB elastic rejoin go``: the switch is under way)
+    switch_joiner  the same, the joiner itself killed at its go
+
+    .venv/bin/python scripts/nested_faults.py --json /tmp/nested.json          # ~4 min
+    .venv/bin/python scripts/nested_faults.py --only switch_serving
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import psutil
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import elastic_load as L  # noqa: E402
+import elastic_measure as M  # noqa: E402
+from soak import Server  # noqa: E402
+
+BASE = ["--dtype=float64", "--elastic_ep=true", "--elastic_silence_seconds=2",
+        "--max_batch_size=8", "--elastic_max_restarts=20", "--enable_eplb=false",
+        "--enable_fault_injection=true"]
+SCENARIOS = {"two_joiners": 6, "two_joiners_rule": 2, "switch_serving": 2, "switch_joiner": 2}
+
+
+def _worker(s: Server, w: int):
+    return next(p for p in L.workers(s) if f"xllm-eplb:ep{w}" in " ".join(p.cmdline()))
+
+
+def _until(cond, timeout: float, step: float = 0.005) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        try:
+            if cond():
+                return True
+        except (OSError, StopIteration, KeyError):
+            pass
+        time.sleep(step)
+    return False
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def _log(s: Server, logs: Path, name: str) -> str:
+    p = logs / "latest" / name
+    return p.read_text() if p.exists() else ""
+
+
+def _faults(s: Server, logs: Path, name: str) -> list[str]:
+    """Kill the workers the scenario names; returns what was done."""
+    done = []
+    kill = lambda w: (_worker(s, w).kill(), done.append(f"kill ep{w}"))  # noqa: E731
+    joining = lambda: s.get("/eplb/status")["membership"]["joining"]  # noqa: E731
+    kill(1)
+    _until(lambda: joining() == ["ep1"], 30)
+    if name.startswith("two_joiners"):
+        time.sleep(1.0)
+        kill(2)                                  # ep1's joiner dropped, started again
+        _until(lambda: sorted(joining()) == ["ep1", "ep2"], 30)
+        time.sleep(1.0)
+        kill(3)                                  # while two joiners load
+        return done
+    go = "EPLB elastic rejoin go rank=1"
+    if not _until(lambda: go in _log(s, logs, "rank1.log"), 60, 0.002):
+        return done + ["no go line"]
+    kill(0 if name == "switch_serving" else 1)
+    return done
+
+
+def scenario(name: str, model: Path, tmp: Path, bodies, ref) -> dict:
+    logs = tmp / f"logs_{name}"
+    delay = "seconds=4" if name.startswith("switch") else "seconds=6"
+    s = Server(model, logs, BASE + [f"--redundant_experts_num={SCENARIOS[name]}",
+                                    f"--fault_inject=join_delay:{delay}"])
+    out: dict = {"scenario": name}
+    try:
+        s.wait_ready(300)
+        if not ref:
+            ref += [L.complete(s.port, b) for b in bodies]
+        recs = [{} for _ in bodies]
+        th = [threading.Thread(target=L.stream, args=(s.port, b, r), daemon=True)
+              for b, r in zip(bodies, recs, strict=True)]
+        for t in th:
+            t.start()
+        out["faults"] = _faults(s, logs, name)
+        t0 = time.monotonic()
+        back = _until(lambda: s.proc.poll() is not None or (
+            (m := s.get("/eplb/status")["membership"])["ep_size"] == 4 and not m["joining"]),
+            120, 0.2)
+        for t in th:
+            t.join(60)
+        out["settle_s"] = round(time.monotonic() - t0, 3)
+        bad = [f"stream {i}: {r.get('error') or M.token_faults(r.get('ids', []), ref[i])}"
+               for i, r in enumerate(recs)
+               if r.get("error") or M.token_faults(r.get("ids", []), ref[i])]
+        out.update(bad_streams=len(bad), bad=bad[:4])
+        if s.proc.poll() is None and back:
+            st = s.get("/eplb/status")
+            m = st["membership"]
+            out.update(outcome="recovered", ep_size=st["ep_size"], joins=m["joins"],
+                       joins_dropped=m["joins_dropped"], generation=m["generation"],
+                       layers_uncovered=len(M.coverage_gaps(st["placement"], 8)))
+        else:
+            out["outcome"] = "stopped" if s.proc.poll() is not None else "HUNG"
+    finally:
+        seen = [p.pid for p in s.procs()]
+        t1 = time.monotonic()
+        rc = s.proc.poll()
+        out["exit"] = rc if rc is not None else s.stop()
+        out["stop_s"] = round(time.monotonic() - t1, 3)
+        time.sleep(0.5)
+        out["left_procs"] = sum(_alive(pid) for pid in seen)
+        out["left_shm"] = sorted(p.name for p in Path("/dev/shm").glob(f"*{s.run_id}_*"))
+        launcher = _log(s, logs, "launcher.log")
+        out["launcher_lines"] = {k: launcher.count(f"EPLB elastic rejoin {k} ")
+                                 for k in ("start", "restart", "dropped")}
+        err = [ln for ln in s.out.read_text().splitlines() if "error" in ln.lower()]
+        out["error_line"] = err[-1][:300] if err else ""
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--json", type=Path, help="write the results here")
+    ap.add_argument("--only", default=",".join(SCENARIOS), help="comma list of scenarios")
+    a = ap.parse_args()
+    from xllm_eplb.model.checkpoint import make_checkpoint
+
+    res = []
+    with tempfile.TemporaryDirectory(prefix="nested_faults_") as d:
+        tmp = Path(d)
+        model = make_checkpoint("deepseek_v3", tmp / "ckpt", num_experts=8, top_k=2)
+        bodies = [L.body(i, 48) for i in range(8)]
+        ref: list = []
+        for name in a.only.split(","):
+            res.append(scenario(name, model, tmp, bodies, ref))
+            print(json.dumps(res[-1]), flush=True)
+    if a.json:
+        a.json.write_text(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()
