@@ -16,7 +16,8 @@ the fast path. Wire (one gloo ``send`` of an int64 header ``[kind, nbytes]``, th
                          rank order; [] after the shutdown message
     PING / PONG          every ``PING_SECONDS`` of idle: a lost node is noticed within ~1 s
 
-The control group rendezvouses on node 0's TCPStore (prefix ``ctl<n>/``). NOTE: a lost peer
+The control group rendezvouses on node 0's TCPStore (prefix ``ctl<n>/``). ``--elastic_ep``: a
+REPLY frame is empty for a rank that died under the step (``node/elastic.py``). NOTE: a lost peer
 (process gone, connection closed) makes the blocked gloo call raise; the bridge then reports
 ``control link lost`` and exits 1, and its launcher stops the node.
 """
@@ -36,7 +37,7 @@ import torch.distributed as dist
 
 from xllm_eplb.child import child_exit, child_setup, parent_alive, send_event
 from xllm_eplb.config import Config, node_ranks
-from xllm_eplb.ipc.errors import RingTimeoutError
+from xllm_eplb.ipc.errors import PeerDeadError, RingTimeoutError
 from xllm_eplb.ipc.messages import KIND_INPUT, decode, encode
 from xllm_eplb.ipc.objects import sweep_until_clean
 from xllm_eplb.ipc.ring import InputRing, OutputRing
@@ -143,7 +144,8 @@ class Hub:
                 log.info(event("bridge shutdown forwarded", node=self.node))
                 return 0
             for out, frame in zip(self.outs, frames, strict=True):
-                out.ring.put_bytes(frame, timeout)
+                if frame:       # --elastic_ep: none from a rank that died (its notice comes)
+                    out.ring.put_bytes(frame, timeout)
 
     def close(self) -> None:
         for ring in self.inps + self.outs:
@@ -179,10 +181,26 @@ class Relay:
                 self.link.send(REPLY, msgpack.packb([]))
                 log.info(event("bridge shutdown received", node=rt.node_rank, step=msg.step))
                 return 0
-            # NOTE: the first forwards wait for every shard to load (engine: STARTUP_TIMEOUT)
+            # NOTE: the first forwards wait for every shard to load (engine: STARTUP_TIMEOUT);
+            # an elastic regroup waits for a replacement that loads its shard
             wait = LINK_TIMEOUT if msg.warmup else rt.worker_timeout_seconds
-            frames = [encode(out.get(timeout=wait), self.origin) for out in self.outs]
+            if msg.regroup:
+                wait = max(wait, rt.elastic_join_timeout_seconds)
+            frames = [self._output(r, out, wait, msg.step)
+                      for r, out in zip(self.ranks, self.outs, strict=True)]
             self.link.send(REPLY, msgpack.packb(frames))
+
+    def _output(self, rank: int, out: OutputRing, wait: float, step: int) -> bytes:
+        """Rank ``rank``'s output of the step; ``--elastic_ep``: ``b""`` when the rank died
+        (its ring producer is gone): the survivors' ``peer_lost`` outputs still go back, the
+        engine learns the death from the launchers' notice and fences the step."""
+        try:
+            return encode(out.get(timeout=wait), self.origin)
+        except PeerDeadError as e:
+            if not self.cfg.runtime.elastic_ep:
+                raise
+            log.warning(event("bridge rank lost", rank=rank, step=step, error=str(e)[:200]))
+            return b""
 
     def close(self) -> None:
         for ring in [self.inp] + self.outs:
