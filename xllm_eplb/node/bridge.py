@@ -186,18 +186,24 @@ class Relay:
             wait = LINK_TIMEOUT if msg.warmup else rt.worker_timeout_seconds
             if msg.regroup:
                 wait = max(wait, rt.elastic_join_timeout_seconds)
-            frames = [self._output(r, out, wait, msg.step)
+            frames = [self._output(r, out, wait, msg.step, parent_pid)
                       for r, out in zip(self.ranks, self.outs, strict=True)]
             self.link.send(REPLY, msgpack.packb(frames))
 
-    def _output(self, rank: int, out: OutputRing, wait: float, step: int) -> bytes:
+    def _output(self, rank: int, out: OutputRing, wait: float, step: int,
+                parent_pid: int) -> bytes:
         """Rank ``rank``'s output of the step; ``--elastic_ep``: ``b""`` when the rank died
-        (its ring producer is gone): the survivors' ``peer_lost`` outputs still go back, the
-        engine learns the death from the launchers' notice and fences the step."""
+        (its ring producer is gone) while this node's launcher lives to respawn it: the
+        survivors' ``peer_lost`` outputs still go back, the engine learns the death from the
+        launcher's notice and fences the step. A node whose launcher is gone is lost: raise
+        (the link then drops and every node stops)."""
         try:
             return encode(out.get(timeout=wait), self.origin)
         except PeerDeadError as e:
-            if not self.cfg.runtime.elastic_ep:
+            # NOTE: a killed launcher's workers die with it (deathsig): without this check the
+            # relay would answer for a dead node and block in the next gloo recv, where its
+            # own SIGTERM cannot interrupt it
+            if not self.cfg.runtime.elastic_ep or not parent_alive(parent_pid):
                 raise
             log.warning(event("bridge rank lost", rank=rank, step=step, error=str(e)[:200]))
             return b""
