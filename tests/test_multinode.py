@@ -231,28 +231,32 @@ def test_node1_without_node0_times_out(ckpt, tmp_path):
 @pytest.mark.timeout(400)
 def test_elastic_workers_on_either_node_are_respawned_and_no_request_is_lost(ds8_ckpt, cluster):
     """``--elastic_ep`` across nodes (respawn in place, ``node/elastic.py``): rank 2 on node 1,
-    then rank 1 on node 0, SIGKILLed under streams; its node's launcher respawns it, the engine
-    on node 0 hears of it (node 1's notice through the store), fences the step and re-forms the
-    next generation; every stream ends with the tokens of the same requests before the kills
-    (float64, greedy and seeded). Then an ordinary stop leaves nothing."""
+    then rank 1 on node 0, SIGKILLed under streams, then rank 3 on node 1 SIGSTOPped (node 1's
+    relay finds it silent after ``--elastic_silence_seconds``, its launcher SIGKILLs it); its
+    node's launcher respawns it, the engine on node 0 hears of it (node 1's notice through the
+    store), fences the step and re-forms the next generation; every stream ends with the tokens
+    of the same requests before the faults (float64, greedy and seeded). Then an ordinary stop
+    leaves nothing."""
     import openai
     from test_elastic_serve import PROMPTS as STREAMS
     from test_elastic_serve import Streams, _kw
 
     c = cluster("--model", str(ds8_ckpt), "--dtype=float64", "--workload=none",
                 "--enable_eplb=false", "--elastic_ep=true", "--elastic_rejoin=false",
-                "--redundant_experts_num=1", "--max_batch_size=4")
+                "--redundant_experts_num=1", "--max_batch_size=4",
+                "--elastic_silence_seconds=2")
     c.wait_ready(300)
     client = openai.OpenAI(base_url=c.url + "/v1", api_key="none", max_retries=0, timeout=120)
     ref = [client.completions.create(**_kw(i)).choices[0].model_extra["token_ids"]
            for i in range(len(STREAMS))]
-    for gen, (node, rank) in ((2, (1, 2)), (3, (0, 1))):
+    faults = ((2, 1, 2, signal.SIGKILL), (3, 0, 1, signal.SIGKILL), (4, 1, 3, signal.SIGSTOP))
+    for gen, node, rank, sig in faults:
         c.nodes[node].note_children()
         victim = next(p for p in c.nodes[node].alive() if _title(p) == f"xllm-eplb:ep{rank}")
         st = Streams(client)
         st.wait_tokens(4)
         t_kill = time.monotonic()
-        os.kill(victim, signal.SIGKILL)
+        os.kill(victim, sig)
         st.join()
         assert st.errors == [], (st.errors, c.nodes[0].err.read_text()[-3000:])
         assert st.toks == ref                       # none repeated, skipped or changed
@@ -263,10 +267,12 @@ def test_elastic_workers_on_either_node_are_respawned_and_no_request_is_lost(ds8
         assert lr["requests_reprefilled"] >= 1, lr
         # kill -> the next token of every stream (docs/reliability.md)
         nxt = max(next(t for t in ts if t > t_kill) - t_kill for ts in st.times)
-        print("MULTINODE_ELASTIC", {"node": node, "kill_to_next_token_s": round(nxt, 3),
+        print("MULTINODE_ELASTIC", {"node": node, "signal": sig.name,
+                                    "kill_to_next_token_s": round(nxt, 3),
                                     "pause_s": round(st.pause(t_kill), 3), "recovery": lr})
     n1 = (c.nodes[1].log_dir / "node1" / "latest" / "launcher.log").read_text()
     assert "EPLB elastic detect proc=ep2" in n1 and "mode=respawn" in n1, n1[-2000:]
+    assert "EPLB elastic fence silent worker proc=ep3" in n1, n1[-2000:]
     assert all("error:" not in n.err.read_text() for n in c.nodes)   # replaced, no failure
     # an ordinary stop afterwards: both nodes exit 0, nothing left (the respawned workers too)
     for n in c.nodes:

@@ -17,16 +17,19 @@ What differs from one node:
   producer died (``PeerDeadError``), so the survivors' ``peer_lost`` outputs still reach the
   engine, which then fences and re-forms as on one node.
 
-NOTE: a remote worker that hangs is not fenced by ``--elastic_silence_seconds`` (node 0's hub
-reads the remote ranks' input frames at once, so the engine never sees them unread): it stalls
-until ``--worker_timeout_seconds`` and the run stops. Losing a whole node (its launcher) still
-stops every node cleanly (the bridges' lost link).
+* **a hang**: node 0's hub reads the remote ranks' input frames at once, so the engine never
+  sees them unread; node n's relay checks its own ranks instead (:func:`silent_ranks`) past
+  ``--elastic_silence_seconds`` and its launcher SIGKILLs them: a hang becomes a death.
+
+Losing a whole node (its launcher) still stops every node cleanly (the bridges' lost link).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 
+from xllm_eplb.engine.health import reader_behind, reader_pid, stopped
 from xllm_eplb.launcher.events import EventHub
 
 #: node 0's launcher reads the remote nodes' notices this often while supervising (seconds)
@@ -77,3 +80,12 @@ class NoticeForwarder:
                 done += 1
             self.next[n] = i
         return done
+
+
+def silent_ranks(ring, ranks: list[int]) -> list[int]:
+    """The node's ranks (global ids; reader ``i`` of the node's input ring is ``ranks[i]``)
+    that have not read the newest frame, else those whose process is stopped (SIGSTOP)."""
+    with contextlib.suppress(Exception):
+        behind = [r for i, r in enumerate(ranks) if reader_behind(ring, i)]
+        return behind or [r for i, r in enumerate(ranks) if stopped(reader_pid(ring, i))]
+    return []

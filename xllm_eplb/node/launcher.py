@@ -29,6 +29,7 @@ import json
 import logging
 import multiprocessing.connection as mpc
 import os
+import signal
 import sys
 import time
 
@@ -127,6 +128,19 @@ class NodeLauncher(Launcher):
             return False
         finally:
             self._replacing = False
+
+    def _elastic_event(self, who: str, stage: str, detail: str) -> None:
+        """Node n's relay found a rank of this node silent (``node/elastic.py``): SIGKILL it
+        (a hang becomes a death, respawned in place)."""
+        if who.startswith("bridge") and stage == "kill":
+            p = self.procs.get(detail)
+            if p is not None and detail.startswith("ep") and p.exitcode is None:
+                log.warning(event("EPLB elastic fence silent worker", proc=detail, pid=p.pid,
+                                  node=self.node, signal="SIGKILL"))
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(p.pid, signal.SIGKILL)
+            return
+        super()._elastic_event(who, stage, detail)
 
     def _engine_gone(self) -> bool:
         """Node n has no engine: its bridge's exit (node 0's stop or a lost link) says it."""
