@@ -1,6 +1,8 @@
 """Multi-node serving (#14) on one machine: two `serve --nnodes 2` launchers on loopback
 (EP4 = 2 + 2) against a single-node EP4 run of the same generated checkpoint; faults, shm
-isolation and the rendezvous checks. Every cluster is killed and swept even on failure."""
+isolation and the rendezvous checks; elastic EP across nodes (respawn in place: a worker killed
+or stopped on either node, tokens unchanged; a lost node stops cleanly). Every cluster is killed
+and swept even on failure."""
 
 from __future__ import annotations
 
@@ -102,6 +104,35 @@ def test_fingerprint_mismatch_names_the_field():
     assert mismatch(a, b, 1) == ("node 1 refused at rendezvous: --redundant_experts_num=2 "
                                  "there, --redundant_experts_num=1 on node 0 (every node must "
                                  "run with the same config)")
+
+
+def test_elastic_notices_of_a_remote_node_reach_node0_in_order():
+    """Node n's launcher queues its notices for the engine in node 0's store; node 0's
+    launcher forwards them in order, each once (real TCPStore, real pipes)."""
+    import multiprocessing as mp
+
+    from serve_util import free_port
+
+    from xllm_eplb.launcher.events import EventHub
+    from xllm_eplb.node.elastic import NoticeForwarder, NoticeSender
+    from xllm_eplb.node.rendezvous import open_store
+
+    cfg0 = _cfg(nnodes=2, master_addr="127.0.0.1", master_port=free_port())
+    store0 = open_store(cfg0, master=True)
+    store1 = open_store(cfg0, master=False)
+    ctx = mp.get_context("spawn")
+    hub0, hub1 = EventHub(ctx), NoticeSender(ctx, store1, 1)
+    engine = hub0.sender("engine")          # the engine's end of node 0's channel
+    fwd = NoticeForwarder(store0, 2)
+    assert fwd.pump(hub0) == 0
+    assert hub1.notify("engine", ("died", "ep2", "node 1: rank 2 died", 2, 1.5, "respawn"))
+    assert hub1.notify("engine", ("attached", "ep2", 2))
+    assert fwd.pump(hub0) == 2 and fwd.pump(hub0) == 0
+    assert engine.notice(1.0) == ("died", "ep2", "node 1: rank 2 died", 2, 1.5, "respawn")
+    assert engine.notice(1.0) == ("attached", "ep2", 2)
+    assert engine.notice(0.0) is None
+    hub0.close()
+    engine.close()
 
 
 # --- two launchers on loopback (slow) -------------------------------------------------------
