@@ -15,8 +15,7 @@ What differs from one node:
   (:class:`NoticeForwarder`, polled every ``POLL_SECONDS``);
 * **the relay** (``node/bridge.py``) answers a step with an empty frame for a rank whose ring
   producer died (``PeerDeadError``), so the survivors' ``peer_lost`` outputs still reach the
-  engine, which then fences and re-forms as on one node.
-
+  engine, which then fences and re-forms as on one node;
 * **a hang**: node 0's hub reads the remote ranks' input frames at once, so the engine never
   sees them unread; node n's relay checks its own ranks instead (:func:`silent_ranks`) past
   ``--elastic_silence_seconds`` and its launcher SIGKILLs them: a hang becomes a death.
