@@ -29,8 +29,16 @@ def test_elastic_needs_redundancy_that_survives_one_loss():
     assert "needs --redundant_experts_num >= 1" in msg and "--elastic_ep=false" in msg
     assert _cfg("--elastic_ep=true", "--redundant_experts_num=1").runtime.elastic_ep
     assert not _cfg("--redundant_experts_num=0").runtime.elastic_ep       # off: no rule
-    with pytest.raises(ConfigError, match="--elastic_ep=true: needs --nnodes=1"):
-        _cfg("--elastic_ep=true", "--redundant_experts_num=1", "--nnodes=2", "--master_port=1")
+    # across nodes: respawn in place only (tests/test_multinode.py runs it)
+    two = ("--elastic_ep=true", "--redundant_experts_num=1", "--nnodes=2", "--master_port=1")
+    with pytest.raises(ConfigError, match=r"--elastic_rejoin=true: must be false: with "
+                       r"--elastic_ep and --nnodes=2 a dead worker can only be respawned in "
+                       r"place \(no shrink or rejoin across nodes\)"):
+        _cfg(*two)
+    with pytest.raises(ConfigError, match=r"--elastic_restart=false: must be true: with "
+                       r"--elastic_ep and --nnodes=2"):
+        _cfg(*two, "--elastic_rejoin=false", "--elastic_restart=false")
+    assert _cfg(*two, "--elastic_rejoin=false").runtime.nnodes == 2
 
 
 def test_store_carries_the_placement_of_a_generation():

@@ -1,6 +1,8 @@
 """Multi-node serving (#14) on one machine: two `serve --nnodes 2` launchers on loopback
 (EP4 = 2 + 2) against a single-node EP4 run of the same generated checkpoint; faults, shm
-isolation and the rendezvous checks. Every cluster is killed and swept even on failure."""
+isolation and the rendezvous checks; elastic EP across nodes (respawn in place: a worker killed
+or stopped on either node, tokens unchanged; a lost node stops cleanly). Every cluster is killed
+and swept even on failure."""
 
 from __future__ import annotations
 
@@ -102,6 +104,35 @@ def test_fingerprint_mismatch_names_the_field():
     assert mismatch(a, b, 1) == ("node 1 refused at rendezvous: --redundant_experts_num=2 "
                                  "there, --redundant_experts_num=1 on node 0 (every node must "
                                  "run with the same config)")
+
+
+def test_elastic_notices_of_a_remote_node_reach_node0_in_order():
+    """Node n's launcher queues its notices for the engine in node 0's store; node 0's
+    launcher forwards them in order, each once (real TCPStore, real pipes)."""
+    import multiprocessing as mp
+
+    from serve_util import free_port
+
+    from xllm_eplb.launcher.events import EventHub
+    from xllm_eplb.node.elastic import NoticeForwarder, NoticeSender
+    from xllm_eplb.node.rendezvous import open_store
+
+    cfg0 = _cfg(nnodes=2, master_addr="127.0.0.1", master_port=free_port())
+    store0 = open_store(cfg0, master=True)
+    store1 = open_store(cfg0, master=False)
+    ctx = mp.get_context("spawn")
+    hub0, hub1 = EventHub(ctx), NoticeSender(ctx, store1, 1)
+    engine = hub0.sender("engine")          # the engine's end of node 0's channel
+    fwd = NoticeForwarder(store0, 2)
+    assert fwd.pump(hub0) == 0
+    assert hub1.notify("engine", ("died", "ep2", "node 1: rank 2 died", 2, 1.5, "respawn"))
+    assert hub1.notify("engine", ("attached", "ep2", 2))
+    assert fwd.pump(hub0) == 2 and fwd.pump(hub0) == 0
+    assert engine.notice(1.0) == ("died", "ep2", "node 1: rank 2 died", 2, 1.5, "respawn")
+    assert engine.notice(1.0) == ("attached", "ep2", 2)
+    assert engine.notice(0.0) is None
+    hub0.close()
+    engine.close()
 
 
 # --- two launchers on loopback (slow) -------------------------------------------------------
@@ -225,3 +256,77 @@ def test_node1_without_node0_times_out(ckpt, tmp_path):
             n1.err.read_text()[-2000:]
     finally:
         n1.kill()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_elastic_workers_on_either_node_are_respawned_and_no_request_is_lost(ds8_ckpt, cluster):
+    """``--elastic_ep`` across nodes (respawn in place, ``node/elastic.py``): rank 2 on node 1,
+    then rank 1 on node 0, SIGKILLed under streams, then rank 3 on node 1 SIGSTOPped (node 1's
+    relay finds it silent after ``--elastic_silence_seconds``, its launcher SIGKILLs it); its
+    node's launcher respawns it, the engine on node 0 hears of it (node 1's notice through the
+    store), fences the step and re-forms the next generation; every stream ends with the tokens
+    of the same requests before the faults (float64, greedy and seeded). Then an ordinary stop
+    leaves nothing."""
+    import openai
+    from test_elastic_serve import PROMPTS as STREAMS
+    from test_elastic_serve import Streams, _kw
+
+    c = cluster("--model", str(ds8_ckpt), "--dtype=float64", "--workload=none",
+                "--enable_eplb=false", "--elastic_ep=true", "--elastic_rejoin=false",
+                "--redundant_experts_num=1", "--max_batch_size=4",
+                "--elastic_silence_seconds=2")
+    c.wait_ready(300)
+    client = openai.OpenAI(base_url=c.url + "/v1", api_key="none", max_retries=0, timeout=120)
+    ref = [client.completions.create(**_kw(i)).choices[0].model_extra["token_ids"]
+           for i in range(len(STREAMS))]
+    faults = ((2, 1, 2, signal.SIGKILL), (3, 0, 1, signal.SIGKILL), (4, 1, 3, signal.SIGSTOP))
+    for gen, node, rank, sig in faults:
+        c.nodes[node].note_children()
+        victim = next(p for p in c.nodes[node].alive() if _title(p) == f"xllm-eplb:ep{rank}")
+        st = Streams(client)
+        st.wait_tokens(4)
+        t_kill = time.monotonic()
+        os.kill(victim, sig)
+        st.join()
+        assert st.errors == [], (st.errors, c.nodes[0].err.read_text()[-3000:])
+        assert st.toks == ref                       # none repeated, skipped or changed
+        m = _get(c.url + "/eplb/status")["membership"]
+        assert m["generation"] == gen and m["recoveries"] == gen - 1, m
+        lr = m["last_recovery"]
+        assert lr["rank"] == rank and lr["mode"] == "respawn", lr
+        assert lr["requests_reprefilled"] >= 1, lr
+        # kill -> the next token of every stream (docs/reliability.md)
+        nxt = max(next(t for t in ts if t > t_kill) - t_kill for ts in st.times)
+        print("MULTINODE_ELASTIC", {"node": node, "signal": sig.name,
+                                    "kill_to_next_token_s": round(nxt, 3),
+                                    "pause_s": round(st.pause(t_kill), 3), "recovery": lr})
+    n1 = (c.nodes[1].log_dir / "node1" / "latest" / "launcher.log").read_text()
+    assert "EPLB elastic detect proc=ep2" in n1 and "mode=respawn" in n1, n1[-2000:]
+    assert "EPLB elastic fence silent worker proc=ep3" in n1, n1[-2000:]
+    assert all("error:" not in n.err.read_text() for n in c.nodes)   # replaced, no failure
+    # an ordinary stop afterwards: both nodes exit 0, nothing left (the respawned workers too)
+    for n in c.nodes:
+        n.note_children()
+    os.kill(c.nodes[0].proc.pid, signal.SIGTERM)
+    assert c.wait_exit(60) == [0, 0], [n.err.read_text()[-2000:] for n in c.nodes]
+    assert c.leftovers() == ([], [])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_elastic_loss_of_node1_stops_every_node_cleanly(ds8_ckpt, cluster):
+    """``--elastic_ep``: a whole node lost (its launcher SIGKILLed) is not recovered (no
+    launcher is left there to respawn its ranks): every node stops cleanly, naming the link."""
+    c = cluster("--model", str(ds8_ckpt), "--workload=synthetic", "--workload_rate=4",
+                "--elastic_ep=true", "--elastic_rejoin=false", "--redundant_experts_num=1")
+    c.wait_ready(300)
+    time.sleep(2)
+    t0 = time.monotonic()
+    os.kill(c.nodes[1].proc.pid, signal.SIGKILL)
+    codes = c.wait_exit(15)
+    print("MULTINODE_NODE_LOSS", {"stop_s": round(time.monotonic() - t0, 3), "codes": codes})
+    assert codes[0] not in (None, 0), codes
+    err = c.nodes[0].err.read_text()
+    assert re.search(r"^error: node 1: control link lost", err, re.M), err[-2000:]
+    assert c.leftovers(grace=8) == ([], [])

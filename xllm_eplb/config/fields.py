@@ -204,7 +204,8 @@ class RuntimeConfig:
                            "ranks re-form "
                            "their process groups (next generation), the dead rank's requests "
                            "are re-prefilled from prompt + output and the others keep their KV "
-                           "caches; off: a death stops the run")
+                           "caches; off: a death stops the run. With --nnodes>1 only "
+                           "respawn in place (--elastic_rejoin=false)")
     elastic_silence_seconds: float = opt(5.0, "with --elastic_ep: a worker that has not read a "
                                          "step's input for this long is SIGKILLed (a hang "
                                          "becomes a death)", unit="s", lo=0, lo_open=True)
@@ -214,7 +215,8 @@ class RuntimeConfig:
                                               "replacement not ready within this is dropped",
                                               unit="s", lo=0, lo_open=True)
     elastic_max_restarts: int = opt(3, "with --elastic_ep: worker replacements per run; a "
-                                    "death after them shrinks the run (a crash loop ends)",
+                                    "death after them shrinks the run (a crash loop ends; "
+                                    "--nnodes>1: per node, then it stops)",
                                     lo=0)
     elastic_restart: bool = opt(True, "with --elastic_ep: replace a dead worker (up to "
                                 "--elastic_max_restarts): the survivors shrink at once and "
@@ -227,7 +229,8 @@ class RuntimeConfig:
                                "joins at a step boundary once loaded (within "
                                "--elastic_join_timeout_seconds, else it is dropped and N-1 "
                                "ranks keep serving); false, or when the N-1 survivors could "
-                               "not hold every expert: respawn in place, the service waits")
+                               "not hold every expert: respawn in place, the service waits "
+                               "(--nnodes>1 needs false)")
 
 
 @dataclass(frozen=True)

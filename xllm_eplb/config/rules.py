@@ -142,15 +142,20 @@ def _cross_rules(cfg: Config) -> list[tuple[str, Any, str]]:
 
 
 def elastic_rules(cfg: Config) -> list[tuple[str, Any, str]]:
-    """``--elastic_ep``: single node, and a redundancy that survives one loss: the other N-1
-    ranks' slots can hold every expert, ``(N-1) x slots_per_rank >= num_experts``."""
+    """``--elastic_ep``: with ``--nnodes`` > 1 respawn in place only (``--elastic_restart=true
+    --elastic_rejoin=false``), and a redundancy that survives one loss: the other N-1 ranks'
+    slots can hold every expert, ``(N-1) x slots_per_rank >= num_experts``."""
     e, m, r = cfg.eplb, cfg.model, cfg.runtime
     if not r.elastic_ep or e.ep_size is None:
         return []
     bad: list[tuple[str, Any, str]] = []
-    if r.nnodes > 1:
-        bad.append(("elastic_ep", True, f"needs --nnodes=1 (got {r.nnodes}); multi-node runs "
-                                        "stop cleanly on a death"))
+    if r.nnodes > 1:     # across nodes a dead worker is respawned in place (node/elastic.py)
+        why = (f"with --elastic_ep and --nnodes={r.nnodes} a dead worker can only be respawned "
+               "in place (no shrink or rejoin across nodes)")
+        if not r.elastic_restart:
+            bad.append(("elastic_restart", False, f"must be true: {why}"))
+        if r.elastic_rejoin:
+            bad.append(("elastic_rejoin", True, f"must be false: {why}"))
     need = -(-m.num_experts // (e.ep_size - 1)) - m.num_experts // e.ep_size if e.ep_size > 1 \
         else None
     if need is not None and (e.ep_size - 1) * cfg.slots_per_rank < m.num_experts:

@@ -77,7 +77,7 @@ class StepWatch:
             return []
         with contextlib.suppress(Exception):
             behind = [w for w in self.readers if reader_behind(inp.ring, w)]
-            return behind or [w for w in self.readers if _stopped(reader_pid(inp.ring, w))]
+            return behind or [w for w in self.readers if stopped(reader_pid(inp.ring, w))]
         return []
 
     def stalled(self, inp=None, outs=None) -> list[int] | None:
@@ -92,7 +92,7 @@ def reader_pid(ring, index: int) -> int:
     return READER.unpack(ring.seg.read(RING_HEADER + READER.size * index, READER.size))[1]
 
 
-def _stopped(pid: int) -> bool:
+def stopped(pid: int) -> bool:
     """True when process ``pid`` is stopped (state ``T``, e.g. SIGSTOP)."""
     try:
         with open(f"/proc/{pid}/stat") as f:

@@ -61,6 +61,9 @@ class ElasticSupervision:
     def _next_generation(self) -> int:
         return int(self.store.add(GENERATION_KEY, 1))
 
+    def _engine_gone(self) -> bool:
+        return self.procs["engine"].exitcode is not None
+
     def _serving(self) -> int:
         """EP ranks serving now (joiners not counted)."""
         return sum(1 for w in self.procs if w.startswith("ep") and w not in self.joining
@@ -79,7 +82,7 @@ class ElasticSupervision:
         stops the run (elasticity off, the engine, a stop)."""
         rt = self.cfg.runtime
         if (not rt.elastic_ep or not who.startswith("ep") or self.stop_signal
-                or self.procs["engine"].exitcode is not None):
+                or self._engine_gone()):
             return False
         p = self.procs[who]
         p.join(2.0)

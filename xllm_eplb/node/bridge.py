@@ -16,7 +16,8 @@ the fast path. Wire (one gloo ``send`` of an int64 header ``[kind, nbytes]``, th
                          rank order; [] after the shutdown message
     PING / PONG          every ``PING_SECONDS`` of idle: a lost node is noticed within ~1 s
 
-The control group rendezvouses on node 0's TCPStore (prefix ``ctl<n>/``). NOTE: a lost peer
+The control group rendezvouses on node 0's TCPStore (prefix ``ctl<n>/``). ``--elastic_ep``: a
+REPLY frame is empty for a rank that died under the step (``node/elastic.py``). NOTE: a lost peer
 (process gone, connection closed) makes the blocked gloo call raise; the bridge then reports
 ``control link lost`` and exits 1, and its launcher stops the node.
 """
@@ -36,10 +37,11 @@ import torch.distributed as dist
 
 from xllm_eplb.child import child_exit, child_setup, parent_alive, send_event
 from xllm_eplb.config import Config, node_ranks
-from xllm_eplb.ipc.errors import RingTimeoutError
+from xllm_eplb.ipc.errors import PeerDeadError, RingTimeoutError
 from xllm_eplb.ipc.messages import KIND_INPUT, decode, encode
 from xllm_eplb.ipc.objects import sweep_until_clean
 from xllm_eplb.ipc.ring import InputRing, OutputRing
+from xllm_eplb.node.elastic import silent_ranks
 from xllm_eplb.obs.logs import event, setup_logging
 
 log = logging.getLogger(__name__)
@@ -47,6 +49,8 @@ log = logging.getLogger(__name__)
 FRAME, REPLY, PING, PONG = 1, 2, 3, 4
 PING_SECONDS = 1.0
 ATTACH_TIMEOUT = 60.0
+#: --elastic_ep: the relay waits for an output in slices this long between silence checks
+FENCE_SLICE = 0.25
 #: gloo waits of the control group: the first forward waits for every shard to load
 LINK_TIMEOUT = 600.0
 
@@ -143,7 +147,8 @@ class Hub:
                 log.info(event("bridge shutdown forwarded", node=self.node))
                 return 0
             for out, frame in zip(self.outs, frames, strict=True):
-                out.ring.put_bytes(frame, timeout)
+                if frame:       # --elastic_ep: none from a rank that died (its notice comes)
+                    out.ring.put_bytes(frame, timeout)
 
     def close(self) -> None:
         for ring in self.inps + self.outs:
@@ -164,6 +169,9 @@ class Relay:
         self.outs = [OutputRing.attach(rid, r, reader=True, timeout=ATTACH_TIMEOUT)
                      for r in self.ranks]
         self.link: Link | None = None
+        self.node = cfg.runtime.node_rank
+        self.events = None
+        self.fenced_step = -1     # --elastic_ep: the step whose silent ranks were fenced
 
     def serve(self, parent_pid: int) -> int:
         """Answer node 0's frames until the shutdown message (0)."""
@@ -179,10 +187,57 @@ class Relay:
                 self.link.send(REPLY, msgpack.packb([]))
                 log.info(event("bridge shutdown received", node=rt.node_rank, step=msg.step))
                 return 0
-            # NOTE: the first forwards wait for every shard to load (engine: STARTUP_TIMEOUT)
+            # NOTE: the first forwards wait for every shard to load (engine: STARTUP_TIMEOUT);
+            # an elastic regroup waits for a replacement that loads its shard
             wait = LINK_TIMEOUT if msg.warmup else rt.worker_timeout_seconds
-            frames = [encode(out.get(timeout=wait), self.origin) for out in self.outs]
+            if msg.regroup:
+                wait = max(wait, rt.elastic_join_timeout_seconds)
+            fence = rt.elastic_ep and not (msg.warmup or msg.regroup)
+            t0 = time.monotonic()
+            frames = [self._output(r, out, (t0, t0 + wait), msg.step, parent_pid, fence)
+                      for r, out in zip(self.ranks, self.outs, strict=True)]
             self.link.send(REPLY, msgpack.packb(frames))
+
+    def _output(self, rank: int, out: OutputRing, span: tuple[float, float], step: int,
+                parent_pid: int, fence: bool) -> bytes:
+        """Rank ``rank``'s output of the step; ``--elastic_ep``: ``b""`` when the rank died
+        (its ring producer is gone) while this node's launcher lives to respawn it: the
+        survivors' ``peer_lost`` outputs still go back, the engine learns the death from the
+        launcher's notice and fences the step. A node whose launcher is gone is lost: raise
+        (the link then drops and every node stops)."""
+        try:
+            return encode(self._wait(out, span, step, fence), self.origin)
+        except PeerDeadError as e:
+            # NOTE: a killed launcher's workers die with it (deathsig): without this check the
+            # relay would answer for a dead node and block in the next gloo recv, where its
+            # own SIGTERM cannot interrupt it
+            if not self.cfg.runtime.elastic_ep or not parent_alive(parent_pid):
+                raise
+            log.warning(event("bridge rank lost", rank=rank, step=step, error=str(e)[:200]))
+            return b""
+
+    def _wait(self, out: OutputRing, span: tuple[float, float], step: int, fence: bool):
+        """One output before ``span[1]`` (the frame was put at ``span[0]``); ``fence``
+        (``--elastic_ep``): past ``--elastic_silence_seconds`` this node's ranks that have not
+        read the step's input (or are stopped) are SIGKILLed by this node's launcher, once per
+        step: a hang becomes a death (node 0's engine cannot see these ranks' reads)."""
+        silence = self.cfg.runtime.elastic_silence_seconds
+        while True:
+            left = span[1] - time.monotonic()
+            if not fence or left <= 0:
+                return out.get(timeout=max(0.0, left))
+            try:
+                return out.get(timeout=min(FENCE_SLICE, left))
+            except RingTimeoutError:
+                if self.fenced_step == step or time.monotonic() - span[0] <= silence:
+                    continue
+                silent = silent_ranks(self.inp.ring, self.ranks)
+                if silent:
+                    self.fenced_step = step
+                    log.warning(event("EPLB elastic silent", step=step, node=self.node,
+                                      ranks=",".join(map(str, silent))))
+                    for r in silent:
+                        send_event(self.events, "bridge0", "kill", f"ep{r}")
 
     def close(self) -> None:
         for ring in [self.inp] + self.outs:
@@ -209,6 +264,7 @@ def bridge_main(cfg: Config, peer: int, origin_run_id: str, store_port: int, eve
     code = 1
     try:
         end = Hub(cfg, peer) if node == 0 else Relay(cfg, origin_run_id)
+        end.events = events
         remote = peer if node == 0 else node
         end.link = Link(cfg.runtime.master_addr, store_port, remote, 0 if node == 0 else 1,
                         cfg.runtime.rendezvous_timeout_seconds)
