@@ -39,7 +39,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from hf_util import free_port, wait_ready  # noqa: E402
+from bench_util import free_port, wait_ready  # noqa: E402
 
 BODY = {"prompt_token_ids": [256, 104, 105], "max_tokens": 1, "temperature": 0.0}
 

@@ -57,7 +57,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from hf_util import Server  # noqa: E402
+from bench_util import Server  # noqa: E402
 
 from xllm_eplb.commands.bench import make_prompts, run_bench  # noqa: E402
 

@@ -44,7 +44,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from hf_util import Server, engine_serves_checkpoints, hf_greedy, hf_model, write_json  # noqa: E402
+from bench_util import Server, engine_serves_checkpoints, hf_greedy, hf_model, write_json  # noqa: E402
 
 from xllm_eplb.engine.workload import TopicPrompts, zipf_probs  # noqa: E402
 from xllm_eplb.model.checkpoint import make_checkpoint  # noqa: E402

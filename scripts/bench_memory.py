@@ -57,7 +57,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from hf_util import Server, engine_serves_checkpoints, write_json  # noqa: E402
+from bench_util import Server, engine_serves_checkpoints, write_json  # noqa: E402
 
 from xllm_eplb.model.checkpoint import make_checkpoint  # noqa: E402
 
@@ -83,7 +83,7 @@ def baseline_child() -> None:
 
     import torch
     import torch.distributed as dist
-    from hf_util import free_port
+    from bench_util import free_port
 
     import xllm_eplb.model.decoder  # noqa: F401
     import xllm_eplb.worker.worker  # noqa: F401

@@ -43,7 +43,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from hf_util import Server, engine_serves_checkpoints, hf_model, write_json  # noqa: E402
+from bench_util import Server, engine_serves_checkpoints, hf_model, write_json  # noqa: E402
 
 QUESTION = "What is the capital of France?"
 NUM_EXPERTS, TOP_K = 4, 2

@@ -53,7 +53,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from hf_util import free_port, wait_ready  # noqa: E402
+from bench_util import free_port, wait_ready  # noqa: E402
 from soak_chaos import Chaos, elastic_flags, recoveries  # noqa: E402
 
 from xllm_eplb.commands.bench import stream_one  # noqa: E402
