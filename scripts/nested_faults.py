@@ -9,9 +9,12 @@ identical, every layer covering every expert) or **cleanly stopped** (the server
                    ep1 killed; ep2 killed while ep1's joiner loads (dropped, started again);
                    ep3 killed while both joiners load -> 1 rank serves, 3 joiners, back at 4
     two_joiners_rule  the same at 4 slots a rank: the third death breaks the rule -> stop
-    switch_serving ep1 killed; a serving rank killed the moment ep1's joiner gets its go
-                   (``EPLB elastic rejoin go``: the switch is under way)
-    switch_joiner  the same, the joiner itself killed at its go
+    switch_serving ep1 killed; once its joiner loads, 8 more streams start (long enough to run
+                   through the switch); rank 0 killed the moment ep1's joiner gets its go
+                   (``EPLB elastic rejoin go``: the switch is under way) -> the switch is
+                   abandoned, rank 0's death recovered (shrink), both joiners started again,
+                   back at 4; every stream identical
+    switch_joiner  the same, the joiner itself killed at its go -> abandoned, started again
 
     .venv/bin/python scripts/nested_faults.py --json /tmp/nested.json          # ~4 min
     .venv/bin/python scripts/nested_faults.py --only switch_serving
@@ -38,6 +41,8 @@ BASE = ["--dtype=float64", "--elastic_ep=true", "--elastic_silence_seconds=2",
         "--max_batch_size=8", "--elastic_max_restarts=20", "--enable_eplb=false",
         "--enable_fault_injection=true"]
 SCENARIOS = {"two_joiners": 6, "two_joiners_rule": 2, "switch_serving": 2, "switch_joiner": 2}
+#: tokens of the streams started while the joiner loads (switch scenarios): they run through it
+SWITCH_TOKENS = 160
 
 
 def _worker(s: Server, w: int):
@@ -68,8 +73,25 @@ def _log(s: Server, logs: Path, name: str) -> str:
     return p.read_text() if p.exists() else ""
 
 
-def _faults(s: Server, logs: Path, name: str) -> list[str]:
-    """Kill the workers the scenario names; returns what was done."""
+def _start(s: Server, bodies, recs: list) -> list:
+    """One streaming client thread per body, its record appended to ``recs``."""
+    th = []
+    for b in bodies:
+        recs.append({})
+        th.append(threading.Thread(target=L.stream, args=(s.port, b, recs[-1]), daemon=True))
+        th[-1].start()
+    return th
+
+
+def _in_flight(recs: list) -> int:
+    """Streams that have tokens and are not done."""
+    return sum(1 for r in recs if r.get("ids") and not r.get("done") and not r.get("error"))
+
+
+def _faults(s: Server, logs: Path, name: str, late: list, recs: list, th: list,
+            out: dict) -> list[str]:
+    """Kill the workers the scenario names; returns what was done. Switch scenarios start the
+    ``late`` bodies once the joiner loads and note the streams in flight at the second kill."""
     done = []
     kill = lambda w: (_worker(s, w).kill(), done.append(f"kill ep{w}"))  # noqa: E731
     joining = lambda: s.get("/eplb/status")["membership"]["joining"]  # noqa: E731
@@ -82,14 +104,16 @@ def _faults(s: Server, logs: Path, name: str) -> list[str]:
         time.sleep(1.0)
         kill(3)                                  # while two joiners load
         return done
+    th += _start(s, late, recs)
     go = "EPLB elastic rejoin go rank=1"
     if not _until(lambda: go in _log(s, logs, "rank1.log"), 60, 0.002):
         return done + ["no go line"]
     kill(0 if name == "switch_serving" else 1)
+    out["in_flight_at_kill"] = _in_flight(recs)
     return done
 
 
-def scenario(name: str, model: Path, tmp: Path, bodies, ref) -> dict:
+def scenario(name: str, model: Path, tmp: Path, bodies, ref: dict) -> dict:
     logs = tmp / f"logs_{name}"
     delay = "seconds=4" if name.startswith("switch") else "seconds=6"
     s = Server(model, logs, BASE + [f"--redundant_experts_num={SCENARIOS[name]}",
@@ -97,14 +121,16 @@ def scenario(name: str, model: Path, tmp: Path, bodies, ref) -> dict:
     out: dict = {"scenario": name}
     try:
         s.wait_ready(300)
-        if not ref:
-            ref += [L.complete(s.port, b) for b in bodies]
-        recs = [{} for _ in bodies]
-        th = [threading.Thread(target=L.stream, args=(s.port, b, r), daemon=True)
-              for b, r in zip(bodies, recs, strict=True)]
-        for t in th:
-            t.start()
-        out["faults"] = _faults(s, logs, name)
+        late = ([L.body(i, SWITCH_TOKENS) for i in range(8, 16)]
+                if name.startswith("switch") else [])
+        for b in bodies + late:
+            key = json.dumps(b, sort_keys=True)
+            if key not in ref:
+                ref[key] = L.complete(s.port, b)
+        want = [ref[json.dumps(b, sort_keys=True)] for b in bodies + late]
+        recs: list = []
+        th = _start(s, bodies, recs)
+        out["faults"] = _faults(s, logs, name, late, recs, th, out)
         t0 = time.monotonic()
         back = _until(lambda: s.proc.poll() is not None or (
             (m := s.get("/eplb/status")["membership"])["ep_size"] == 4 and not m["joining"]),
@@ -112,15 +138,17 @@ def scenario(name: str, model: Path, tmp: Path, bodies, ref) -> dict:
         for t in th:
             t.join(60)
         out["settle_s"] = round(time.monotonic() - t0, 3)
-        bad = [f"stream {i}: {r.get('error') or M.token_faults(r.get('ids', []), ref[i])}"
+        bad = [f"stream {i}: {r.get('error') or M.token_faults(r.get('ids', []), want[i])}"
                for i, r in enumerate(recs)
-               if r.get("error") or M.token_faults(r.get("ids", []), ref[i])]
-        out.update(bad_streams=len(bad), bad=bad[:4])
+               if r.get("error") or M.token_faults(r.get("ids", []), want[i])]
+        out.update(streams=len(recs), bad_streams=len(bad), bad=bad[:4])
         if s.proc.poll() is None and back:
             st = s.get("/eplb/status")
             m = st["membership"]
             out.update(outcome="recovered", ep_size=st["ep_size"], joins=m["joins"],
                        joins_dropped=m["joins_dropped"], generation=m["generation"],
+                       switches_abandoned=m.get("switches_abandoned", 0),
+                       recoveries=m["recoveries"],
                        layers_uncovered=len(M.coverage_gaps(st["placement"], 8)))
         else:
             out["outcome"] = "stopped" if s.proc.poll() is not None else "HUNG"
@@ -136,6 +164,9 @@ def scenario(name: str, model: Path, tmp: Path, bodies, ref) -> dict:
         launcher = _log(s, logs, "launcher.log")
         out["launcher_lines"] = {k: launcher.count(f"EPLB elastic rejoin {k} ")
                                  for k in ("start", "restart", "dropped")}
+        engine = _log(s, logs, "engine.log")
+        out["abandoned_lines"] = [ln[ln.index("EPLB"):][:240] for ln in engine.splitlines()
+                                  if "EPLB elastic rejoin abandoned" in ln]
         err = [ln for ln in s.out.read_text().splitlines() if "error" in ln.lower()]
         out["error_line"] = err[-1][:300] if err else ""
     return out
@@ -153,7 +184,7 @@ def main() -> None:
         tmp = Path(d)
         model = make_checkpoint("deepseek_v3", tmp / "ckpt", num_experts=8, top_k=2)
         bodies = [L.body(i, 48) for i in range(8)]
-        ref: list = []
+        ref: dict = {}
         for name in a.only.split(","):
             res.append(scenario(name, model, tmp, bodies, ref))
             print(json.dumps(res[-1]), flush=True)

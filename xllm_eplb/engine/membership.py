@@ -76,7 +76,7 @@ class Membership:
         self.initial = engine.placement.copy()
         self.parked: dict[int, object] = {}
         self.joining: dict[str, float] = {}      # ep<w> -> wall time of the death
-        self.joins = self.joins_dropped = 0
+        self.joins = self.joins_dropped = self.switches_abandoned = 0
         self.last_join: dict = {}
 
     def status(self) -> dict:
@@ -86,7 +86,8 @@ class Membership:
                 "requests_reprefilled": self.reprefilled, "requests_kept": self.kept,
                 "last_recovery": dict(self.last),
                 "joins": self.joins, "joining": sorted(self.joining),
-                "joins_dropped": self.joins_dropped, "last_join": dict(self.last_join)}
+                "joins_dropped": self.joins_dropped,
+                "switches_abandoned": self.switches_abandoned, "last_join": dict(self.last_join)}
 
     def when_idle(self) -> None:
         """A death notice while no step runs: an empty step now meets the dead rank (and

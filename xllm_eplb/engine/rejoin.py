@@ -35,11 +35,12 @@ import logging
 import time
 from datetime import timedelta
 
-from xllm_eplb.engine.failures import WAIT_SLICE, WorkerFault
+from xllm_eplb.engine.failures import NOTICE_WAIT, WAIT_SLICE, WorkerFault
 from xllm_eplb.engine.shrink import resize_rest
 from xllm_eplb.eplb.join_plan import JoinError, plan_join
+from xllm_eplb.ipc.errors import IpcError, RingTimeoutError
 from xllm_eplb.ipc.messages import ForwardInput
-from xllm_eplb.ipc.store import join_key, joined_key, put_members, put_placement
+from xllm_eplb.ipc.store import decide, join_key, joined_key, put_members, put_placement
 from xllm_eplb.model.batch import RankBatch
 from xllm_eplb.obs.logs import event
 
@@ -71,7 +72,7 @@ def grow(ms, notice: tuple) -> dict:
     workers = ms.workers + [w]
     put_placement(ms.store, generation, plan.table)
     put_members(ms.store, generation, workers)
-    fw.switching = who
+    fw.switching, fw.switch_lost, sent = who, "", False
     try:
         ms.store.set(join_key(w, pid), str(generation).encode())
         _wait_joined(ms, who, joined_key(w, pid))
@@ -80,11 +81,14 @@ def grow(ms, notice: tuple) -> dict:
         eng.watch.resize(eng.watch.readers + [w])
         eng.sched.grow()
         eng.step_no += 1
+        sent = True
         eng.inp.put(ForwardInput(eng.step_no, [RankBatch() for _ in range(D + 1)],
                                  regroup=generation), timeout=ms.join_timeout)
         deadline = time.monotonic() + ms.join_timeout
         for r in range(D + 1):
-            ms._regroup_answer(r, eng.step_no, deadline)
+            _answer(ms, r, eng.step_no, deadline)
+    except SwitchLost as e:
+        return _abandon(ms, who, generation, sent, str(e), t0)
     finally:
         fw.switching = ""
     resize_rest(eng, D + 1, plan.table)
@@ -106,18 +110,154 @@ def grow(ms, notice: tuple) -> dict:
             "experts_checkpoint": len(plan.reloads), "slots_kept": plan.kept}
 
 
+class SwitchLost(Exception):
+    """A death during the switch (a serving rank's, or the joiner's)."""
+
+
+def _lost(ms, wait: float = 0.0) -> str:
+    """Why the switch is lost: a death notice, or the joiner's drop; "" while none (waited
+    for up to ``wait`` seconds: a rank's ring closed, the launcher's notice follows)."""
+    fw, deadline = ms.eng.failures, time.monotonic() + wait
+    while True:
+        if fw._poll(min(0.05, max(0.0, deadline - time.monotonic()))) or fw.switch_lost:
+            return fw.death or fw.switch_lost
+        if time.monotonic() >= deadline:
+            return ""
+
+
 def _wait_joined(ms, who: str, key: str) -> None:
-    """The joiner's answer to the go, in ``WAIT_SLICE`` waits: its death meanwhile (the
-    launcher's notice) or ``--elastic_join_timeout_seconds`` raise."""
-    fw, deadline = ms.eng.failures, time.monotonic() + ms.join_timeout
+    """The joiner's answer to the go, in ``WAIT_SLICE`` waits: a death meanwhile (the
+    launcher's notice) raises :class:`SwitchLost`, ``--elastic_join_timeout_seconds``
+    :class:`WorkerFault`."""
+    deadline = time.monotonic() + ms.join_timeout
     while True:
         try:
             ms.store.wait([key], timedelta(seconds=WAIT_SLICE))
             return
         except Exception:  # noqa: BLE001 - the store's wait timeout
-            if fw._poll(0.0):
-                raise WorkerFault(f"EPLB elastic: {fw.death}") from None
+            if why := _lost(ms):
+                raise SwitchLost(why) from None
             if time.monotonic() > deadline:
                 raise WorkerFault(f"EPLB elastic: the joiner {who} did not take its input "
                                   "ring within --elastic_join_timeout_seconds="
                                   f"{ms.join_timeout:g}") from None
+
+
+def _answer(ms, r: int, step: int, deadline: float) -> None:
+    """Rank ``r``'s answer to the switch's regroup step (stale frames skipped): a death
+    meanwhile raises :class:`SwitchLost` (a rank's ring closing waits for the launcher's
+    notice first); an error or the deadline :class:`WorkerFault`."""
+    eng = ms.eng
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            out = eng.outs[r].get(timeout=max(0.0, min(WAIT_SLICE, left)))
+        except IpcError as e:
+            closed = not isinstance(e, RingTimeoutError)
+            if why := _lost(ms, NOTICE_WAIT if closed else 0.0):
+                raise SwitchLost(why) from None
+            if left > WAIT_SLICE and isinstance(e, RingTimeoutError):
+                continue
+            raise WorkerFault(f"EPLB elastic: rank {r} did not re-form ({e})") from None
+        if out.step != step:
+            continue
+        if out.error:
+            raise WorkerFault(out.error)
+        return
+
+
+def _abandon(ms, who: str, generation: int, sent: bool, why: str, t0: float) -> dict:
+    """A death during the switch: no step is in flight and no token was committed, so the
+    engine goes back to the ranks before it. Before the regroup step was sent nothing changed
+    on any rank. After, the engine decides ``abort`` in the store (``worker/regroup.py``
+    ``vote``): unless every member had already voted ``go``, the serving ranks answer
+    ``switch abandoned`` and are still in generation g, groups, models and KV caches intact;
+    if they had (*committed*), they left g and either formed g+1 or failed its rendezvous
+    (``SWITCH_RENDEZVOUS_S``); either way they answer and stay up. The engine's rings, step
+    watch and scheduler drop the joiner's rank again; the joiner is left out (the launcher
+    drops it and starts it again while restarts remain). Then a serving rank's death is
+    recovered as any death (``Membership.recover``: the survivors shrink to generation g+2,
+    their requests keep their KV), or, the joiner alone lost after the commit, the serving
+    ranks re-form as they were (:func:`_reform`). Returns ``{}`` (no join)."""
+    eng, fw, D, w = ms.eng, ms.eng.failures, ms.eng.D, int(who[2:])
+    committed, got = False, {}
+    if sent:
+        committed = decide(ms.store, generation, "abort") != "abort"
+        got = _drain(ms, who, eng.step_no, committed)
+        eng.inp.retire_reader(w)
+        ms.parked[w] = eng.outs.pop()
+        eng.watch.resize(eng.watch.readers[:-1])
+        eng.sched.resize(list(range(D)))
+    if fw.died is not None and fw.died[1] == who:
+        # the launcher had its "joined": it counts this as a serving rank's death and starts
+        # a joiner again in rejoin mode (else it leaves the worker out)
+        if not (len(fw.died) > 5 and fw.died[5] == "rejoin"):
+            ms.joining.pop(who, None)
+        fw.clear_death()
+        fw.explain(WorkerFault(""), wait=0.2)         # a serving rank's death behind it
+    ms.switches_abandoned += 1
+    eng.metrics.rejoins.labels("abandoned").inc()
+    log.warning(event("EPLB elastic rejoin abandoned", worker=who, why=why,
+                      generation=ms.generation, abandoned=generation, ep_size=D,
+                      regroup_sent=sent, committed=committed,
+                      seconds=round(time.monotonic() - t0, 3)))
+    if fw.died is not None:
+        ms.recover(WorkerFault(fw.death), got)
+    elif committed:
+        _reform(ms, D)
+    return {}
+
+
+def _drain(ms, who: str, step: int, committed: bool) -> dict:
+    """Every live serving rank's answer to the regroup step (``switch abandoned``; committed:
+    re-formed or a failed rendezvous), by rank; a dead one (the launcher's notice names it) is
+    left out. The joiner's is not awaited (dead, or SIGKILLed by the launcher; its ring is
+    parked and a stale frame skipped later), unless the launcher did not drop it: a joiner
+    alive in g+1 next to a dead serving rank stops the run."""
+    eng, fw = ms.eng, ms.eng.failures
+    deadline = time.monotonic() + ms.join_timeout
+    got: dict = {}
+    for r in range(eng.D):
+        while True:
+            if fw.died is not None and fw.died[1] == f"ep{ms.workers[r]}":
+                break                   # dead: recovered below
+            try:
+                out = eng.outs[r].get(timeout=WAIT_SLICE)
+            except IpcError as e:
+                if fw.died is None:
+                    fw.explain(e, wait=0.0 if isinstance(e, RingTimeoutError) else NOTICE_WAIT)
+                if time.monotonic() < deadline or (fw.died is not None
+                                                   and fw.died[1] == f"ep{ms.workers[r]}"):
+                    continue
+                raise WorkerFault(f"EPLB elastic: rank {r} did not answer the abandoned "
+                                  f"switch ({e})") from None
+            if out.step != step:
+                continue
+            if out.error and not out.peer_lost:
+                raise WorkerFault(out.error)
+            got[r] = out
+            break
+    if committed and fw.died is not None and fw.died[1] != who and not fw.switch_lost:
+        raise WorkerFault(f"EPLB elastic: {fw.death}, after the joiner had joined generation "
+                          "being formed: the run stops")
+    return got
+
+
+def _reform(ms, D: int) -> None:
+    """The joiner lost after every member committed: the serving ranks (out of generation g)
+    re-form a new generation as they were (same members, the deployed table: no weight
+    moves)."""
+    eng, t0 = ms.eng, time.monotonic()
+    generation = int(ms.store.add(GENERATION_KEY, 1))
+    put_placement(ms.store, generation, eng.active_placement)
+    put_members(ms.store, generation, ms.workers)
+    eng.step_no += 1
+    eng.inp.put(ForwardInput(eng.step_no, [RankBatch() for _ in range(D)], regroup=generation),
+                timeout=ms.join_timeout)
+    deadline = time.monotonic() + ms.join_timeout
+    for r in range(D):
+        ms._regroup_answer(r, eng.step_no, deadline)
+    ms.generation = generation
+    eng.metrics.pg_generation.set(generation)
+    log.warning(event("EPLB elastic re-form", generation=generation, ep_size=D,
+                      after="abandoned switch", seconds=round(time.monotonic() - t0, 3)))
