@@ -109,8 +109,15 @@ def _faults(s: Server, logs: Path, name: str, late: list, recs: list, th: list,
     if not _until(lambda: go in _log(s, logs, "rank1.log"), 60, 0.002):
         return done + ["no go line"]
     kill(0 if name == "switch_serving" else 1)
-    out["in_flight_at_kill"] = _in_flight(recs)
+    out["in_flight_at_kill"], out["_kill_at"] = _in_flight(recs), time.time()
     return done
+
+
+def _next_token(recs: list, at: float) -> float | None:
+    """Kill -> the next token, the slowest of the streams in flight at ``at`` (seconds)."""
+    gaps = [min(t for t in r["times"] if t > at) - at for r in recs
+            if r.get("times") and r["times"][0] < at < r["times"][-1]]
+    return round(max(gaps), 3) if gaps else None
 
 
 def scenario(name: str, model: Path, tmp: Path, bodies, ref: dict) -> dict:
@@ -142,6 +149,8 @@ def scenario(name: str, model: Path, tmp: Path, bodies, ref: dict) -> dict:
                for i, r in enumerate(recs)
                if r.get("error") or M.token_faults(r.get("ids", []), want[i])]
         out.update(streams=len(recs), bad_streams=len(bad), bad=bad[:4])
+        if "_kill_at" in out:
+            out["kill_to_next_token_s"] = _next_token(recs, out.pop("_kill_at"))
         if s.proc.poll() is None and back:
             st = s.get("/eplb/status")
             m = st["membership"]
@@ -165,8 +174,9 @@ def scenario(name: str, model: Path, tmp: Path, bodies, ref: dict) -> dict:
         out["launcher_lines"] = {k: launcher.count(f"EPLB elastic rejoin {k} ")
                                  for k in ("start", "restart", "dropped")}
         engine = _log(s, logs, "engine.log")
-        out["abandoned_lines"] = [ln[ln.index("EPLB"):][:240] for ln in engine.splitlines()
-                                  if "EPLB elastic rejoin abandoned" in ln]
+        out["abandoned"] = [" ".join(w for w in ln.split() if w.startswith(
+            ("worker=", "regroup_sent=", "committed=", "seconds=")))
+            for ln in engine.splitlines() if "EPLB elastic rejoin abandoned" in ln]
         err = [ln for ln in s.out.read_text().splitlines() if "error" in ln.lower()]
         out["error_line"] = err[-1][:300] if err else ""
     return out

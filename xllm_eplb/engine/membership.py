@@ -22,7 +22,8 @@ the survivors only, at compact ranks ``0..N-2``, after a re-plan of the experts;
 rank set follows. Ranks are compact; :attr:`Membership.workers` maps each to its worker. A
 *rejoin* (mode ``rejoin``) is a shrink now and a grow later: the replacement loads while N-1
 ranks serve; its ``join_ready`` is taken at a step boundary (:meth:`Membership.at_boundary`,
-``engine/rejoin.py``).
+``engine/rejoin.py``; a death during its switch abandons the switch and is recovered as
+above).
 
 An EPLB round in flight is dropped (``EplbManager.abort_round``: committed layers stay, the
 rest is re-planned by a later round). A death the engine cannot recover from stops the run as

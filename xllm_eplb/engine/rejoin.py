@@ -9,10 +9,12 @@ boundary (no step in flight) :func:`grow` switches to ``N`` ranks, generation g+
              it loaded, the other slots get the hottest experts (no expert twice on it)
     go       placement + members of g+1 to the store, then the joiner's go key; the joiner
              claims its input-ring reader at the newest frame and answers (``joined`` key)
-    re-form  the joiner's reader reads again; ForwardInput(regroup=g+1) to every rank: the
-             serving ranks leave g and join g+1 (their tables grow, nothing is read); the
-             joiner joins, reads the few slots its row changed from the checkpoint and runs
-             the transfer canary
+    re-form  the joiner's reader reads again; ForwardInput(regroup=g+1) to every rank; the
+             joiner reads the few slots its row changed from the checkpoint and runs the
+             transfer canary; every member votes in the store (``worker/regroup.py`` ``vote``:
+             ``go`` once all arrived, unless the engine decided ``abort`` first); on ``go`` the
+             serving ranks leave g and join g+1 (their tables grow, nothing is read), the
+             joiner joins
     resize   output rings, scheduler (one more DP rank, empty: the running requests keep their
              ranks and KV caches), step watch, telemetry, recorder, metrics, the EPLB manager
              (rebuilt for N ranks on the new table)
@@ -24,9 +26,18 @@ the shrink already does for orphans (same source, same checksums, the canary che
 A joiner the launcher drops (not ready within ``--elastic_join_timeout_seconds``, or dead
 without restarts left) changes nothing: the run keeps serving on N-1. One the launcher starts
 again (dead by itself, or dropped for a serving rank's death: ``("join_dropped", who, why,
-True)``) stays joining; several joiners grow the run one at a time. A joiner lost during the
-switch, or a switch past that timeout, is a :class:`~xllm_eplb.engine.failures.WorkerFault`:
-the run stops cleanly (the serving ranks are mid-re-form).
+True)``) stays joining; several joiners grow the run one at a time.
+
+A death during the switch (the joiner's, or a serving rank's) abandons it (:func:`_abandon`):
+no step is in flight and no token is committed by it, so the engine goes back to the N-1
+ranks: the vote's ``abort`` keeps the serving ranks in g (or, every member having voted
+``go``, they answer after g+1's rendezvous, bounded by ``SWITCH_RENDEZVOUS_S``), the joiner's
+rank is dropped again (the launcher starts the joiner again while restarts remain), and a
+serving rank's death is recovered as any death (``Membership.recover``: a shrink, KV kept);
+the joiner lost after ``go`` re-forms the serving ranks as they were. A switch past
+``--elastic_join_timeout_seconds``, a serving rank dead next to a joiner the launcher already
+counts as joined, or a second death while the ranks re-form is a
+:class:`~xllm_eplb.engine.failures.WorkerFault`: the run stops cleanly.
 """
 
 from __future__ import annotations

@@ -224,7 +224,11 @@ class Worker:
         respawn, compact ranks after a shrink), replace every group handle (the model's EP
         group; the executor, rebuilt on the new EPLB group). A shrink also re-shards the model
         (``model/reshard.py``: the few orphan experts read from the checkpoint) and runs the
-        transfer canary. A replacement already in that generation only answers."""
+        transfer canary. A replacement already in that generation only answers. A grow (the
+        world gets bigger: a rejoin switch) is voted first, before this rank leaves its groups
+        (:meth:`_vote`): abandoned, it answers ``switch abandoned`` and stays in its generation;
+        its rendezvous is bounded by ``regroup.SWITCH_RENDEZVOUS_S``. A failed re-form leaves a
+        serving rank up (``peer_lost``): the engine re-forms it or stops the run."""
         t0 = time.perf_counter()
         try:
             if msg.regroup != self.generation:
