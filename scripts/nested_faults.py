@@ -9,8 +9,8 @@ identical, every layer covering every expert) or **cleanly stopped** (the server
                    ep1 killed; ep2 killed while ep1's joiner loads (dropped, started again);
                    ep3 killed while both joiners load -> 1 rank serves, 3 joiners, back at 4
     two_joiners_rule  the same at 4 slots a rank: the third death breaks the rule -> stop
-    switch_serving ep1 killed; once its joiner loads, 8 more streams start (long enough to run
-                   through the switch); rank 0 killed the moment ep1's joiner gets its go
+    switch_serving ep1 killed; once its joiner has loaded, 8 more streams of 320 tokens start
+                   (they run through the switch, ``join_delay`` 4 s later); rank 0 killed the moment ep1's joiner gets its go
                    (``EPLB elastic rejoin go``: the switch is under way) -> the switch is
                    abandoned, rank 0's death recovered (shrink), both joiners started again,
                    back at 4; every stream identical
@@ -42,7 +42,7 @@ BASE = ["--dtype=float64", "--elastic_ep=true", "--elastic_silence_seconds=2",
         "--enable_fault_injection=true"]
 SCENARIOS = {"two_joiners": 6, "two_joiners_rule": 2, "switch_serving": 2, "switch_joiner": 2}
 #: tokens of the streams started while the joiner loads (switch scenarios): they run through it
-SWITCH_TOKENS = 160
+SWITCH_TOKENS = 320
 
 
 def _worker(s: Server, w: int):
@@ -104,7 +104,8 @@ def _faults(s: Server, logs: Path, name: str, late: list, recs: list, th: list,
         time.sleep(1.0)
         kill(3)                                  # while two joiners load
         return done
-    th += _start(s, late, recs)
+    _until(lambda: "EPLB elastic rejoin loaded rank=1" in _log(s, logs, "rank1.log"), 60, 0.05)
+    th += _start(s, late, recs)              # the go follows --fault_inject=join_delay later
     go = "EPLB elastic rejoin go rank=1"
     if not _until(lambda: go in _log(s, logs, "rank1.log"), 60, 0.002):
         return done + ["no go line"]
@@ -130,10 +131,20 @@ def scenario(name: str, model: Path, tmp: Path, bodies, ref: dict) -> dict:
         s.wait_ready(300)
         late = ([L.body(i, SWITCH_TOKENS) for i in range(8, 16)]
                 if name.startswith("switch") else [])
-        for b in bodies + late:
-            key = json.dumps(b, sort_keys=True)
-            if key not in ref:
-                ref[key] = L.complete(s.port, b)
+        todo = [b for b in bodies + late if json.dumps(b, sort_keys=True) not in ref]
+        got = [None] * len(todo)
+
+        def one(i: int) -> None:
+            got[i] = L.complete(s.port, todo[i])
+        refs = [threading.Thread(target=one, args=(i,)) for i in range(len(todo))]
+        for t in refs:
+            t.start()
+        for t in refs:
+            t.join()
+        for b, ids in zip(todo, got, strict=True):
+            if ids is None:
+                raise RuntimeError("reference request failed")
+            ref[json.dumps(b, sort_keys=True)] = ids
         want = [ref[json.dumps(b, sort_keys=True)] for b in bodies + late]
         recs: list = []
         th = _start(s, bodies, recs)
@@ -186,6 +197,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", type=Path, help="write the results here")
     ap.add_argument("--only", default=",".join(SCENARIOS), help="comma list of scenarios")
+    ap.add_argument("--keep-logs", type=Path, help="copy each scenario's logs here")
     a = ap.parse_args()
     from xllm_eplb.model.checkpoint import make_checkpoint
 
@@ -197,6 +209,9 @@ def main() -> None:
         ref: dict = {}
         for name in a.only.split(","):
             res.append(scenario(name, model, tmp, bodies, ref))
+            if a.keep_logs:
+                import shutil
+                shutil.copytree(tmp / f"logs_{name}", a.keep_logs / name, dirs_exist_ok=True)
             print(json.dumps(res[-1]), flush=True)
     if a.json:
         a.json.write_text(json.dumps(res, indent=1))

@@ -33,10 +33,10 @@ no step is in flight and no token is committed by it, so the engine goes back to
 ranks: the vote's ``abort`` keeps the serving ranks in g (or, every member having voted
 ``go``, they answer after g+1's rendezvous, bounded by ``SWITCH_RENDEZVOUS_S``), the joiner's
 rank is dropped again (the launcher starts the joiner again while restarts remain), and a
-serving rank's death is recovered as any death (``Membership.recover``: a shrink, KV kept);
-the joiner lost after ``go`` re-forms the serving ranks as they were. A switch past
-``--elastic_join_timeout_seconds``, a serving rank dead next to a joiner the launcher already
-counts as joined, or a second death while the ranks re-form is a
+serving rank's death is recovered as any death (``Membership.recover``: a shrink, KV kept).
+The joiner alone lost after every member voted ``go`` (the short rendezvous of g+1), a switch
+past ``--elastic_join_timeout_seconds``, a serving rank dead next to a joiner the launcher
+already counts as joined, or a second death while the ranks re-form is a
 :class:`~xllm_eplb.engine.failures.WorkerFault`: the run stops cleanly.
 """
 
@@ -188,24 +188,25 @@ def _abandon(ms, who: str, generation: int, sent: bool, why: str, t0: float) -> 
     watch and scheduler drop the joiner's rank again; the joiner is left out (the launcher
     drops it and starts it again while restarts remain). Then a serving rank's death is
     recovered as any death (``Membership.recover``: the survivors shrink to generation g+2,
-    their requests keep their KV), or, the joiner alone lost after the commit, the serving
-    ranks re-form as they were (:func:`_reform`). Returns ``{}`` (no join)."""
+    their requests keep their KV). The joiner alone lost after the commit stops the run
+    (a :class:`WorkerFault`). Returns ``{}`` (no join)."""
     eng, fw, D, w = ms.eng, ms.eng.failures, ms.eng.D, int(who[2:])
     committed, got = False, {}
     if sent:
         committed = decide(ms.store, generation, "abort") != "abort"
+        if committed and fw.died is None:      # a serving rank's death follows its joiner's drop
+            fw.explain(WorkerFault(why), wait=NOTICE_WAIT)
+        if committed and (fw.died is None or fw.died[1] == who):
+            # NOTE: the joiner alone lost after every member voted go: the serving ranks left
+            # g; re-forming them as they were hung in one measured run, so this stops (as
+            # before the vote existed)
+            raise WorkerFault(f"EPLB elastic: {why}, after every rank had committed to "
+                              f"generation {generation}: the run stops")
         got = _drain(ms, who, eng.step_no, committed)
         eng.inp.retire_reader(w)
         ms.parked[w] = eng.outs.pop()
         eng.watch.resize(eng.watch.readers[:-1])
         eng.sched.resize(list(range(D)))
-    if fw.died is not None and fw.died[1] == who:
-        # the launcher had its "joined": it counts this as a serving rank's death and starts
-        # a joiner again in rejoin mode (else it leaves the worker out)
-        if not (len(fw.died) > 5 and fw.died[5] == "rejoin"):
-            ms.joining.pop(who, None)
-        fw.clear_death()
-        fw.explain(WorkerFault(""), wait=0.2)         # a serving rank's death behind it
     ms.switches_abandoned += 1
     eng.metrics.rejoins.labels("abandoned").inc()
     log.warning(event("EPLB elastic rejoin abandoned", worker=who, why=why,
@@ -214,8 +215,6 @@ def _abandon(ms, who: str, generation: int, sent: bool, why: str, t0: float) -> 
                       seconds=round(time.monotonic() - t0, 3)))
     if fw.died is not None:
         ms.recover(WorkerFault(fw.death), got)
-    elif committed:
-        _reform(ms, D)
     return {}
 
 
@@ -252,23 +251,3 @@ def _drain(ms, who: str, step: int, committed: bool) -> dict:
         raise WorkerFault(f"EPLB elastic: {fw.death}, after the joiner had joined generation "
                           "being formed: the run stops")
     return got
-
-
-def _reform(ms, D: int) -> None:
-    """The joiner lost after every member committed: the serving ranks (out of generation g)
-    re-form a new generation as they were (same members, the deployed table: no weight
-    moves)."""
-    eng, t0 = ms.eng, time.monotonic()
-    generation = int(ms.store.add(GENERATION_KEY, 1))
-    put_placement(ms.store, generation, eng.active_placement)
-    put_members(ms.store, generation, ms.workers)
-    eng.step_no += 1
-    eng.inp.put(ForwardInput(eng.step_no, [RankBatch() for _ in range(D)], regroup=generation),
-                timeout=ms.join_timeout)
-    deadline = time.monotonic() + ms.join_timeout
-    for r in range(D):
-        ms._regroup_answer(r, eng.step_no, deadline)
-    ms.generation = generation
-    eng.metrics.pg_generation.set(generation)
-    log.warning(event("EPLB elastic re-form", generation=generation, ep_size=D,
-                      after="abandoned switch", seconds=round(time.monotonic() - t0, 3)))
