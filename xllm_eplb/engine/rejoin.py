@@ -83,7 +83,7 @@ def grow(ms, notice: tuple) -> dict:
     workers = ms.workers + [w]
     put_placement(ms.store, generation, plan.table)
     put_members(ms.store, generation, workers)
-    fw.switching, fw.switch_lost, sent = who, "", False
+    fw.switching, fw.switch_lost, sent, answers = who, "", False, {}
     try:
         ms.store.set(join_key(w, pid), str(generation).encode())
         _wait_joined(ms, who, joined_key(w, pid))
@@ -97,9 +97,9 @@ def grow(ms, notice: tuple) -> dict:
                                  regroup=generation), timeout=ms.join_timeout)
         deadline = time.monotonic() + ms.join_timeout
         for r in range(D + 1):
-            _answer(ms, r, eng.step_no, deadline)
+            answers[r] = _answer(ms, r, eng.step_no, deadline)
     except SwitchLost as e:
-        return _abandon(ms, who, generation, sent, str(e), t0)
+        return _abandon(ms, who, generation, sent, str(e), t0, answers)
     finally:
         fw.switching = ""
     resize_rest(eng, D + 1, plan.table)
@@ -154,7 +154,7 @@ def _wait_joined(ms, who: str, key: str) -> None:
                                   f"{ms.join_timeout:g}") from None
 
 
-def _answer(ms, r: int, step: int, deadline: float) -> None:
+def _answer(ms, r: int, step: int, deadline: float):
     """Rank ``r``'s answer to the switch's regroup step (stale frames skipped): a death
     meanwhile raises :class:`SwitchLost` (a rank's ring closing waits for the launcher's
     notice first); an error or the deadline :class:`WorkerFault`."""
@@ -173,11 +173,15 @@ def _answer(ms, r: int, step: int, deadline: float) -> None:
         if out.step != step:
             continue
         if out.error:
+            # a serving rank whose rendezvous failed (a member died after the vote) stays up
+            if out.peer_lost and (why := _lost(ms, NOTICE_WAIT)):
+                raise SwitchLost(why)
             raise WorkerFault(out.error)
-        return
+        return out
 
 
-def _abandon(ms, who: str, generation: int, sent: bool, why: str, t0: float) -> dict:
+def _abandon(ms, who: str, generation: int, sent: bool, why: str, t0: float,
+             answers: dict) -> dict:
     """A death during the switch: no step is in flight and no token was committed, so the
     engine goes back to the ranks before it. Before the regroup step was sent nothing changed
     on any rank. After, the engine decides ``abort`` in the store (``worker/regroup.py``
@@ -189,7 +193,8 @@ def _abandon(ms, who: str, generation: int, sent: bool, why: str, t0: float) -> 
     drops it and starts it again while restarts remain). Then a serving rank's death is
     recovered as any death (``Membership.recover``: the survivors shrink to generation g+2,
     their requests keep their KV). The joiner alone lost after the commit stops the run
-    (a :class:`WorkerFault`). Returns ``{}`` (no join)."""
+    (a :class:`WorkerFault`). ``answers``: the regroup answers read so far, by rank. Returns
+    ``{}`` (no join)."""
     eng, fw, D, w = ms.eng, ms.eng.failures, ms.eng.D, int(who[2:])
     committed, got = False, {}
     if sent:
@@ -202,7 +207,7 @@ def _abandon(ms, who: str, generation: int, sent: bool, why: str, t0: float) -> 
             # before the vote existed)
             raise WorkerFault(f"EPLB elastic: {why}, after every rank had committed to "
                               f"generation {generation}: the run stops")
-        got = _drain(ms, who, eng.step_no, committed)
+        got = _drain(ms, who, eng.step_no, committed, answers)
         eng.inp.retire_reader(w)
         ms.parked[w] = eng.outs.pop()
         eng.watch.resize(eng.watch.readers[:-1])
@@ -218,17 +223,18 @@ def _abandon(ms, who: str, generation: int, sent: bool, why: str, t0: float) -> 
     return {}
 
 
-def _drain(ms, who: str, step: int, committed: bool) -> dict:
+def _drain(ms, who: str, step: int, committed: bool, got: dict) -> dict:
     """Every live serving rank's answer to the regroup step (``switch abandoned``; committed:
     re-formed or a failed rendezvous), by rank; a dead one (the launcher's notice names it) is
     left out. The joiner's is not awaited (dead, or SIGKILLed by the launcher; its ring is
     parked and a stale frame skipped later), unless the launcher did not drop it: a joiner
-    alive in g+1 next to a dead serving rank stops the run."""
+    alive in g+1 next to a dead serving rank stops the run. ``got``: the answers read before
+    (not read again)."""
     eng, fw = ms.eng, ms.eng.failures
     deadline = time.monotonic() + ms.join_timeout
-    got: dict = {}
+    got = {r: o for r, o in got.items() if r < eng.D}
     for r in range(eng.D):
-        while True:
+        while r not in got:
             if fw.died is not None and fw.died[1] == f"ep{ms.workers[r]}":
                 break                   # dead: recovered below
             try:
@@ -248,6 +254,6 @@ def _drain(ms, who: str, step: int, committed: bool) -> dict:
             got[r] = out
             break
     if committed and fw.died is not None and fw.died[1] != who and not fw.switch_lost:
-        raise WorkerFault(f"EPLB elastic: {fw.death}, after the joiner had joined generation "
+        raise WorkerFault(f"EPLB elastic: {fw.death}, after the joiner had joined the generation "
                           "being formed: the run stops")
     return got
