@@ -16,7 +16,7 @@ identical, every layer covering every expert) or **cleanly stopped** (the server
                    back at 4; every stream identical
     switch_joiner  the same, the joiner itself killed at its go -> abandoned, started again
 
-    .venv/bin/python scripts/nested_faults.py --json /tmp/nested.json          # ~4 min
+    .venv/bin/python scripts/nested_faults.py --json /tmp/nested.json          # ~5 min
     .venv/bin/python scripts/nested_faults.py --only switch_serving
 """
 
