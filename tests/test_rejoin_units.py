@@ -1,8 +1,9 @@
 """Elastic rejoin pieces in one process (issue #23 item 8): a joiner's input-ring reader claimed
 at the newest frame and un-retired reads exactly the frames put after it; the scheduler grows
 by one empty DP rank with the running requests in place; the engine's failure watch keeps
-join notices for the step boundary, and a joiner dropped during its switch is a death; the
-store handshake (go / joined) per joiner pid."""
+join notices for the step boundary, and a joiner dropped during its switch marks the switch
+lost (no death: the engine abandons the switch); the store handshake (go / joined) per joiner
+pid; the vote of a grow (the last member decides go unless the engine decided abort first)."""
 
 from __future__ import annotations
 
@@ -52,16 +53,49 @@ def test_scheduler_grows_by_one_empty_rank_and_keeps_the_running_requests():
     assert new.dp_rank == 2 and [r.req_id for r in nxt[2].rows] == [new.req_id]
 
 
-def test_failure_watch_keeps_join_notices_and_a_switch_drop_is_a_death():
+def test_failure_watch_keeps_join_notices_and_a_switch_drop_loses_the_switch():
     q = [("join_ready", "ep2", 1.0, 2.0, 123), ("join_dropped", "ep1", "timeout")]
     fw = FailureWatch(None, None, 10.0, notices=lambda t: q.pop(0) if q else None)
     assert fw.poll_joins() == [("join_ready", "ep2", 1.0, 2.0, 123),
                                ("join_dropped", "ep1", "timeout")]
     assert fw.poll_joins() == [] and not fw.death
     fw.switching = "ep2"
-    q.append(("join_dropped", "ep2", "rank 2 died during its rejoin"))
-    assert fw._poll(0.0)
-    assert "the joiner ep2 died during the switch" in fw.death
+    drop = ("join_dropped", "ep2", "rank 2 died during its rejoin", True)
+    q.append(drop)
+    assert not fw._poll(0.0) and not fw.death          # not a death: the switch is abandoned
+    assert "the joiner ep2 died during the switch" in fw.switch_lost
+    assert fw.poll_joins() == [drop]                   # the boundary keeps it joining (restart)
+
+
+def test_switch_vote_go_and_abort():
+    """Two members and the engine on the launcher's store: all arrive -> go for everyone; the
+    engine's abort before the last arrival -> abandoned for everyone (first decision wins)."""
+    import threading
+
+    from xllm_eplb.ipc.store import decide, host_store, store_client
+    from xllm_eplb.testing.dist import free_port
+    from xllm_eplb.worker import regroup
+
+    port = free_port()
+    host = host_store("127.0.0.1", port, 10)
+    a, b = (store_client("127.0.0.1", port, 10) for _ in range(2))
+    got: dict = {}
+
+    def member(name, client, g):
+        got[name] = regroup.vote(client, g, 2, 10.0, lambda: True)
+
+    th = [threading.Thread(target=member, args=(n, c, 5)) for n, c in (("a", a), ("b", b))]
+    for t in th:
+        t.start()
+    for t in th:
+        t.join(10)
+    assert got == {"a": True, "b": True} and decide(host, 5, "abort") == "go"
+    t = threading.Thread(target=member, args=("a", a, 6))
+    t.start()
+    assert decide(host, 6, "abort") == "abort"
+    member("b", b, 6)                                  # the last arrival: too late
+    t.join(10)
+    assert got == {"a": False, "b": False}
 
 
 def test_store_go_and_joined_keys_are_per_joiner():

@@ -61,8 +61,9 @@ class FailureWatch:
         self.attached: list[tuple] = []   # elastic: ("attached", who, generation) notices
         #: rejoin: ("join_ready", who, started_at, ready_at, pid) / ("join_dropped", who, why)
         self.joins: list[tuple] = []
-        #: rejoin: the joiner a switch waits for (its drop is then a death: the run stops)
-        self.switching = ""
+        #: rejoin: the joiner a switch waits for, and why it was lost meanwhile (its
+        #: ``join_dropped``: the switch is abandoned, ``engine/rejoin.py``)
+        self.switching = self.switch_lost = ""
         #: elastic: ``kill(who)`` asks the launcher to SIGKILL a silent worker (None: off)
         self.kill = None
         self.silence_seconds = 0.0
@@ -102,10 +103,8 @@ class FailureWatch:
             self.attached.append(notice)
         if notice and notice[0] in ("join_ready", "join_dropped"):
             if notice[0] == "join_dropped" and notice[1] == self.switching:
-                notice = ("died", notice[1], f"the joiner {notice[1]} died during the "
-                          f"switch ({notice[2]})")
-            else:
-                self.joins.append(notice)
+                self.switch_lost = f"the joiner {notice[1]} died during the switch ({notice[2]})"
+            self.joins.append(notice)
         if notice and notice[0] == "died":
             self.died, self.death = tuple(notice), str(notice[2])
             # NOTE: file only: the launcher's console line says it once

@@ -22,7 +22,8 @@ the survivors only, at compact ranks ``0..N-2``, after a re-plan of the experts;
 rank set follows. Ranks are compact; :attr:`Membership.workers` maps each to its worker. A
 *rejoin* (mode ``rejoin``) is a shrink now and a grow later: the replacement loads while N-1
 ranks serve; its ``join_ready`` is taken at a step boundary (:meth:`Membership.at_boundary`,
-``engine/rejoin.py``).
+``engine/rejoin.py``; a death during its switch abandons the switch and is recovered as
+above).
 
 An EPLB round in flight is dropped (``EplbManager.abort_round``: committed layers stay, the
 rest is re-planned by a later round). A death the engine cannot recover from stops the run as
@@ -76,7 +77,7 @@ class Membership:
         self.initial = engine.placement.copy()
         self.parked: dict[int, object] = {}
         self.joining: dict[str, float] = {}      # ep<w> -> wall time of the death
-        self.joins = self.joins_dropped = 0
+        self.joins = self.joins_dropped = self.switches_abandoned = 0
         self.last_join: dict = {}
 
     def status(self) -> dict:
@@ -86,7 +87,8 @@ class Membership:
                 "requests_reprefilled": self.reprefilled, "requests_kept": self.kept,
                 "last_recovery": dict(self.last),
                 "joins": self.joins, "joining": sorted(self.joining),
-                "joins_dropped": self.joins_dropped, "last_join": dict(self.last_join)}
+                "joins_dropped": self.joins_dropped,
+                "switches_abandoned": self.switches_abandoned, "last_join": dict(self.last_join)}
 
     def when_idle(self) -> None:
         """A death notice while no step runs: an empty step now meets the dead rank (and

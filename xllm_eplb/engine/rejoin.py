@@ -9,10 +9,12 @@ boundary (no step in flight) :func:`grow` switches to ``N`` ranks, generation g+
              it loaded, the other slots get the hottest experts (no expert twice on it)
     go       placement + members of g+1 to the store, then the joiner's go key; the joiner
              claims its input-ring reader at the newest frame and answers (``joined`` key)
-    re-form  the joiner's reader reads again; ForwardInput(regroup=g+1) to every rank: the
-             serving ranks leave g and join g+1 (their tables grow, nothing is read); the
-             joiner joins, reads the few slots its row changed from the checkpoint and runs
-             the transfer canary
+    re-form  the joiner's reader reads again; ForwardInput(regroup=g+1) to every rank; the
+             joiner reads the few slots its row changed from the checkpoint and runs the
+             transfer canary; every member votes in the store (``worker/regroup.py`` ``vote``:
+             ``go`` once all arrived, unless the engine decided ``abort`` first); on ``go`` the
+             serving ranks leave g and join g+1 (their tables grow, nothing is read), the
+             joiner joins
     resize   output rings, scheduler (one more DP rank, empty: the running requests keep their
              ranks and KV caches), step watch, telemetry, recorder, metrics, the EPLB manager
              (rebuilt for N ranks on the new table)
@@ -24,9 +26,18 @@ the shrink already does for orphans (same source, same checksums, the canary che
 A joiner the launcher drops (not ready within ``--elastic_join_timeout_seconds``, or dead
 without restarts left) changes nothing: the run keeps serving on N-1. One the launcher starts
 again (dead by itself, or dropped for a serving rank's death: ``("join_dropped", who, why,
-True)``) stays joining; several joiners grow the run one at a time. A joiner lost during the
-switch, or a switch past that timeout, is a :class:`~xllm_eplb.engine.failures.WorkerFault`:
-the run stops cleanly (the serving ranks are mid-re-form).
+True)``) stays joining; several joiners grow the run one at a time.
+
+A death during the switch (the joiner's, or a serving rank's) abandons it (:func:`_abandon`):
+no step is in flight and no token is committed by it, so the engine goes back to the N-1
+ranks: the vote's ``abort`` keeps the serving ranks in g (or, every member having voted
+``go``, they answer after g+1's rendezvous, bounded by ``SWITCH_RENDEZVOUS_S``), the joiner's
+rank is dropped again (the launcher starts the joiner again while restarts remain), and a
+serving rank's death is recovered as any death (``Membership.recover``: a shrink, KV kept).
+The joiner alone lost after every member voted ``go`` (the short rendezvous of g+1), a switch
+past ``--elastic_join_timeout_seconds``, a serving rank dead next to a joiner the launcher
+already counts as joined, or a second death while the ranks re-form is a
+:class:`~xllm_eplb.engine.failures.WorkerFault`: the run stops cleanly.
 """
 
 from __future__ import annotations
@@ -35,11 +46,12 @@ import logging
 import time
 from datetime import timedelta
 
-from xllm_eplb.engine.failures import WAIT_SLICE, WorkerFault
+from xllm_eplb.engine.failures import NOTICE_WAIT, WAIT_SLICE, WorkerFault
 from xllm_eplb.engine.shrink import resize_rest
 from xllm_eplb.eplb.join_plan import JoinError, plan_join
+from xllm_eplb.ipc.errors import IpcError, RingTimeoutError
 from xllm_eplb.ipc.messages import ForwardInput
-from xllm_eplb.ipc.store import join_key, joined_key, put_members, put_placement
+from xllm_eplb.ipc.store import decide, join_key, joined_key, put_members, put_placement
 from xllm_eplb.model.batch import RankBatch
 from xllm_eplb.obs.logs import event
 
@@ -71,7 +83,7 @@ def grow(ms, notice: tuple) -> dict:
     workers = ms.workers + [w]
     put_placement(ms.store, generation, plan.table)
     put_members(ms.store, generation, workers)
-    fw.switching = who
+    fw.switching, fw.switch_lost, sent, answers = who, "", False, {}
     try:
         ms.store.set(join_key(w, pid), str(generation).encode())
         _wait_joined(ms, who, joined_key(w, pid))
@@ -80,11 +92,14 @@ def grow(ms, notice: tuple) -> dict:
         eng.watch.resize(eng.watch.readers + [w])
         eng.sched.grow()
         eng.step_no += 1
+        sent = True
         eng.inp.put(ForwardInput(eng.step_no, [RankBatch() for _ in range(D + 1)],
                                  regroup=generation), timeout=ms.join_timeout)
         deadline = time.monotonic() + ms.join_timeout
         for r in range(D + 1):
-            ms._regroup_answer(r, eng.step_no, deadline)
+            answers[r] = _answer(ms, r, eng.step_no, deadline)
+    except SwitchLost as e:
+        return _abandon(ms, who, generation, sent, str(e), t0, answers)
     finally:
         fw.switching = ""
     resize_rest(eng, D + 1, plan.table)
@@ -106,18 +121,139 @@ def grow(ms, notice: tuple) -> dict:
             "experts_checkpoint": len(plan.reloads), "slots_kept": plan.kept}
 
 
+class SwitchLost(Exception):
+    """A death during the switch (a serving rank's, or the joiner's)."""
+
+
+def _lost(ms, wait: float = 0.0) -> str:
+    """Why the switch is lost: a death notice, or the joiner's drop; "" while none (waited
+    for up to ``wait`` seconds: a rank's ring closed, the launcher's notice follows)."""
+    fw, deadline = ms.eng.failures, time.monotonic() + wait
+    while True:
+        if fw._poll(min(0.05, max(0.0, deadline - time.monotonic()))) or fw.switch_lost:
+            return fw.death or fw.switch_lost
+        if time.monotonic() >= deadline:
+            return ""
+
+
 def _wait_joined(ms, who: str, key: str) -> None:
-    """The joiner's answer to the go, in ``WAIT_SLICE`` waits: its death meanwhile (the
-    launcher's notice) or ``--elastic_join_timeout_seconds`` raise."""
-    fw, deadline = ms.eng.failures, time.monotonic() + ms.join_timeout
+    """The joiner's answer to the go, in ``WAIT_SLICE`` waits: a death meanwhile (the
+    launcher's notice) raises :class:`SwitchLost`, ``--elastic_join_timeout_seconds``
+    :class:`WorkerFault`."""
+    deadline = time.monotonic() + ms.join_timeout
     while True:
         try:
             ms.store.wait([key], timedelta(seconds=WAIT_SLICE))
             return
         except Exception:  # noqa: BLE001 - the store's wait timeout
-            if fw._poll(0.0):
-                raise WorkerFault(f"EPLB elastic: {fw.death}") from None
+            if why := _lost(ms):
+                raise SwitchLost(why) from None
             if time.monotonic() > deadline:
                 raise WorkerFault(f"EPLB elastic: the joiner {who} did not take its input "
                                   "ring within --elastic_join_timeout_seconds="
                                   f"{ms.join_timeout:g}") from None
+
+
+def _answer(ms, r: int, step: int, deadline: float):
+    """Rank ``r``'s answer to the switch's regroup step (stale frames skipped): a death
+    meanwhile raises :class:`SwitchLost` (a rank's ring closing waits for the launcher's
+    notice first); an error or the deadline :class:`WorkerFault`."""
+    eng = ms.eng
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            out = eng.outs[r].get(timeout=max(0.0, min(WAIT_SLICE, left)))
+        except IpcError as e:
+            closed = not isinstance(e, RingTimeoutError)
+            if why := _lost(ms, NOTICE_WAIT if closed else 0.0):
+                raise SwitchLost(why) from None
+            if left > WAIT_SLICE and isinstance(e, RingTimeoutError):
+                continue
+            raise WorkerFault(f"EPLB elastic: rank {r} did not re-form ({e})") from None
+        if out.step != step:
+            continue
+        if out.error:
+            # a serving rank whose rendezvous failed (a member died after the vote) stays up
+            if out.peer_lost and (why := _lost(ms, NOTICE_WAIT)):
+                raise SwitchLost(why)
+            raise WorkerFault(out.error)
+        return out
+
+
+def _abandon(ms, who: str, generation: int, sent: bool, why: str, t0: float,
+             answers: dict) -> dict:
+    """A death during the switch: no step is in flight and no token was committed, so the
+    engine goes back to the ranks before it. Before the regroup step was sent nothing changed
+    on any rank. After, the engine decides ``abort`` in the store (``worker/regroup.py``
+    ``vote``): unless every member had already voted ``go``, the serving ranks answer
+    ``switch abandoned`` and are still in generation g, groups, models and KV caches intact;
+    if they had (*committed*), they left g and either formed g+1 or failed its rendezvous
+    (``SWITCH_RENDEZVOUS_S``); either way they answer and stay up. The engine's rings, step
+    watch and scheduler drop the joiner's rank again; the joiner is left out (the launcher
+    drops it and starts it again while restarts remain). Then a serving rank's death is
+    recovered as any death (``Membership.recover``: the survivors shrink to generation g+2,
+    their requests keep their KV). The joiner alone lost after the commit stops the run
+    (a :class:`WorkerFault`). ``answers``: the regroup answers read so far, by rank. Returns
+    ``{}`` (no join)."""
+    eng, fw, D, w = ms.eng, ms.eng.failures, ms.eng.D, int(who[2:])
+    committed, got = False, {}
+    if sent:
+        committed = decide(ms.store, generation, "abort") != "abort"
+        if committed and fw.died is None:      # a serving rank's death follows its joiner's drop
+            fw.explain(WorkerFault(why), wait=NOTICE_WAIT)
+        if committed and (fw.died is None or fw.died[1] == who):
+            # NOTE: the joiner alone lost after every member voted go: the serving ranks left
+            # g; re-forming them as they were hung in one measured run, so this stops (as
+            # before the vote existed)
+            raise WorkerFault(f"EPLB elastic: {why}, after every rank had committed to "
+                              f"generation {generation}: the run stops")
+        got = _drain(ms, who, eng.step_no, committed, answers)
+        eng.inp.retire_reader(w)
+        ms.parked[w] = eng.outs.pop()
+        eng.watch.resize(eng.watch.readers[:-1])
+        eng.sched.resize(list(range(D)))
+    ms.switches_abandoned += 1
+    eng.metrics.rejoins.labels("abandoned").inc()
+    log.warning(event("EPLB elastic rejoin abandoned", worker=who, why=why,
+                      generation=ms.generation, abandoned=generation, ep_size=D,
+                      regroup_sent=sent, committed=committed,
+                      seconds=round(time.monotonic() - t0, 3)))
+    if fw.died is not None:
+        ms.recover(WorkerFault(fw.death), got)
+    return {}
+
+
+def _drain(ms, who: str, step: int, committed: bool, got: dict) -> dict:
+    """Every live serving rank's answer to the regroup step (``switch abandoned``; committed:
+    re-formed or a failed rendezvous), by rank; a dead one (the launcher's notice names it) is
+    left out. The joiner's is not awaited (dead, or SIGKILLed by the launcher; its ring is
+    parked and a stale frame skipped later), unless the launcher did not drop it: a joiner
+    alive in g+1 next to a dead serving rank stops the run. ``got``: the answers read before
+    (not read again)."""
+    eng, fw = ms.eng, ms.eng.failures
+    deadline = time.monotonic() + ms.join_timeout
+    got = {r: o for r, o in got.items() if r < eng.D}
+    for r in range(eng.D):
+        while r not in got:
+            if fw.died is not None and fw.died[1] == f"ep{ms.workers[r]}":
+                break                   # dead: recovered below
+            try:
+                out = eng.outs[r].get(timeout=WAIT_SLICE)
+            except IpcError as e:
+                if fw.died is None:
+                    fw.explain(e, wait=0.0 if isinstance(e, RingTimeoutError) else NOTICE_WAIT)
+                if time.monotonic() < deadline or (fw.died is not None
+                                                   and fw.died[1] == f"ep{ms.workers[r]}"):
+                    continue
+                raise WorkerFault(f"EPLB elastic: rank {r} did not answer the abandoned "
+                                  f"switch ({e})") from None
+            if out.step != step:
+                continue
+            if out.error and not out.peer_lost:
+                raise WorkerFault(out.error)
+            got[r] = out
+            break
+    if committed and fw.died is not None and fw.died[1] != who and not fw.switch_lost:
+        raise WorkerFault(f"EPLB elastic: {fw.death}, after the joiner had joined the generation "
+                          "being formed: the run stops")
+    return got

@@ -71,3 +71,25 @@ def join_key(worker: int, pid: int) -> str:
 
 def joined_key(worker: int, pid: int) -> str:
     return f"joined/ep{worker}/pid{pid}"
+
+
+#: a serving rank's answer to a grow the engine abandoned (the vote said ``abort``): it is still
+#: in its generation, groups intact (``ForwardOutput.error``, with ``peer_lost``)
+ABANDONED = "switch abandoned"
+
+
+# --- the vote of a grow (``worker/regroup.py`` ``vote``, ``engine/rejoin.py``): the members of
+# generation g arrive (``add``); the last one sets the decision ``go``, unless the engine set
+# ``abort`` first (a death during the switch): ``compare_set`` on an absent key, first wins
+def arrived_key(generation: int) -> str:
+    return f"switch/gen{generation}/arrived"
+
+
+def decision_key(generation: int) -> str:
+    return f"switch/gen{generation}/decision"
+
+
+def decide(store, generation: int, decision: str) -> str:
+    """Set the decision of the grow to ``generation`` unless one is set; returns the one that
+    holds (``go`` or ``abort``)."""
+    return bytes(store.compare_set(decision_key(generation), "", decision)).decode()

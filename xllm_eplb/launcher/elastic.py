@@ -17,7 +17,8 @@ rejoin mode each dropped joiner is started again once reaped (``EPLB elastic rej
 a restart apiece while restarts remain), so the run grows back to N one joiner at a time. A
 joiner that dies by itself (loading, or after ``join_ready`` but before its switch) is started
 again too. A joiner dropped for ``--elastic_join_timeout_seconds`` is not: N-1 keep serving, no
-rank changes generation. A death during a switch stops the run cleanly (the engine's rule).
+rank changes generation. A death during a switch is told as above; the engine abandons the
+switch and recovers (``engine/rejoin.py``).
 The launcher also SIGKILLs a worker the engine found silent (``--elastic_silence_seconds``): a
 hang becomes a death. Generations are numbered by one counter in the store (``generation``),
 shared by the launcher's deaths and the engine's grows.
@@ -136,7 +137,7 @@ class ElasticSupervision:
         rejoin mode starts again: :meth:`_restart_dropped`), or it died (another joiner
         starts, restarts permitting; the engine keeps waiting for ``join_ready``; one that died
         after ``join_ready`` is dropped by the engine first, and if the engine was switching
-        to it, the run stops cleanly). Without restarts left the engine is told
+        to it, the switch is abandoned). Without restarts left the engine is told
         ``join_dropped``: N-1 ranks keep serving. The serving ranks are not touched."""
         info = self.joining.pop(who, None)
         msg = "" if who in self.dropped else self.death_message(who, during="its rejoin")

@@ -223,7 +223,8 @@ class EngineMetrics:
         self.experts_reloaded = self._c("experts_reloaded", "expert slots loaded again after a "
                                         "rank died, by source", ("source",))
         self.rejoins = self._c("rejoins", "elastic rejoins: replacement workers that joined "
-                               "or were dropped (not ready in time, or dead while loading)",
+                               "or were dropped (not ready in time, or dead while loading), and "
+                               "switches abandoned (a death during the switch)",
                                ("outcome",))
         self.rejoin_seconds = self._h("rejoin_seconds", "elastic rejoin: joiner start -> "
                                       "serving", (1, 2, 5, 10, 20, 30, 60, 120))
@@ -232,7 +233,7 @@ class EngineMetrics:
             self.rank_active.labels(str(r)).set(1)
         for source in ("replica", "checkpoint"):
             self.experts_reloaded.labels(source)
-        for outcome in ("joined", "dropped"):
+        for outcome in ("joined", "dropped", "abandoned"):
             self.rejoins.labels(outcome)
 
     def _zero_series(self) -> None:

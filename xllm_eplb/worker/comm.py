@@ -90,14 +90,16 @@ def init_groups(cfg: Config, rank: int, world_size: int, *, init_method: str | N
     return groups_from_world(cfg, device=device)
 
 
-def groups_from_world(cfg: Config, device: torch.device | None = None) -> CommGroups:
-    """Groups for an already initialised default group (e.g. ``testing.dist.run_ranks``).
+def groups_from_world(cfg: Config, device: torch.device | None = None,
+                      timeout: timedelta | None = None) -> CommGroups:
+    """Groups for an already initialised default group (e.g. ``testing.dist.run_ranks``);
+    ``timeout``: the EPLB group's (None: torch's default).
 
     NOTE: ``new_group`` is collective: every rank must call this, in the same order."""
     if not dist.is_initialized():
         raise RuntimeError("groups_from_world needs an initialised default process group")
     backend = str(dist.get_backend())
-    eplb_group = dist.new_group(backend=backend)
+    eplb_group = dist.new_group(backend=backend, timeout=timeout)
     return CommGroups(dist.get_rank(), dist.get_world_size(), backend,
                       device or device_for_rank(cfg.runtime.device, dist.get_rank()),
                       dist.group.WORLD, eplb_group)

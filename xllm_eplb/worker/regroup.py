@@ -26,11 +26,15 @@ import torch.distributed as dist
 
 from xllm_eplb.config import Config
 from xllm_eplb.ipc import store
-from xllm_eplb.ipc.store import join_key, joined_key
+from xllm_eplb.ipc.store import arrived_key, decide, decision_key, join_key, joined_key
 from xllm_eplb.obs.logs import event
 from xllm_eplb.worker import comm
 
 log = logging.getLogger(__name__)
+
+#: a grow's rendezvous (``join(..., rendezvous_s=)``) fails after this many seconds: a member
+#: that died after the vote leaves the others waiting this long, not the group timeout
+SWITCH_RENDEZVOUS_S = 5.0
 
 
 def store_client(cfg: Config, timeout_s: float):
@@ -49,17 +53,25 @@ def get_members(client, generation: int) -> list[int]:
 
 
 def join(cfg: Config, client, rank: int, generation: int, timeout_s: float,
-         world_size: int | None = None, device=None) -> comm.CommGroups:
+         world_size: int | None = None, device=None,
+         rendezvous_s: float | None = None) -> comm.CommGroups:
     """Join generation ``generation`` of the world (every rank, same order): default group on
     ``PrefixStore("gen<g>/", store)``, then the EPLB group. ``world_size``: the generation's
     ranks (default ``--ep_size``; fewer after an elastic shrink); ``device``: the worker's (a
-    compact rank keeps its device)."""
+    compact rank keeps its device). ``rendezvous_s`` (a grow): the rendezvous of both groups
+    fails after this many seconds (a member that died after the vote: the others get out
+    instead of waiting ``timeout_s``); the groups then take ``timeout_s``."""
     backend = comm.preflight(cfg)
     t0 = time.perf_counter()
+    full = timedelta(seconds=timeout_s)
+    first = timedelta(seconds=min(rendezvous_s, timeout_s)) if rendezvous_s else full
     dist.init_process_group(backend, store=dist.PrefixStore(f"gen{generation}/", client),
                             rank=rank, world_size=world_size or cfg.eplb.ep_size,
-                            timeout=timedelta(seconds=timeout_s))
-    groups = comm.groups_from_world(cfg, device=device)
+                            timeout=first)
+    groups = comm.groups_from_world(cfg, device=device, timeout=first)
+    if first != full:
+        for g in (groups.ep_group, groups.eplb_group):
+            dist.distributed_c10d._set_pg_timeout(full, g)
     log.info(event("EPLB elastic joined", rank=rank, generation=generation,
                    world_size=world_size or cfg.eplb.ep_size,
                    seconds=round(time.perf_counter() - t0, 3)))
@@ -89,6 +101,27 @@ def wait_join(client, worker: int, timeout_s: float, alive) -> int:
                 raise RuntimeError("rejoin: the launcher is gone") from None
             if time.monotonic() > deadline:
                 raise TimeoutError(f"rejoin: no go from the engine within {timeout_s:g} s "
+                                   "(--elastic_join_timeout_seconds)") from None
+
+
+def vote(client, generation: int, size: int, timeout_s: float, alive) -> bool:
+    """A grow to ``generation`` (``size`` members) is decided before anyone leaves its groups:
+    each member arrives; the last one decides ``go``, unless the engine decided ``abort`` first
+    (a death during the switch, ``engine/rejoin.py``). True: go (every member was alive at its
+    arrival); False: the switch is abandoned, the serving ranks stay in their generation.
+    ``alive()`` False (the launcher gone) or ``timeout_s`` raise."""
+    if int(client.add(arrived_key(generation), 1)) == size:
+        decide(client, generation, "go")
+    key, deadline = decision_key(generation), time.monotonic() + timeout_s
+    while True:
+        try:
+            client.wait([key], timedelta(seconds=0.1))
+            return bytes(client.get(key)) == b"go"
+        except Exception:  # noqa: BLE001 - the store's wait timeout: check, then again
+            if not alive():
+                raise RuntimeError("switch: the launcher is gone") from None
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"switch: no decision within {timeout_s:g} s "
                                    "(--elastic_join_timeout_seconds)") from None
 
 

@@ -41,6 +41,7 @@ from xllm_eplb.ipc.errors import RingTimeoutError
 from xllm_eplb.ipc.messages import ForwardOutput
 from xllm_eplb.ipc.records import StepTimings, WorkerHeartbeat
 from xllm_eplb.ipc.ring import InputRing, OutputRing
+from xllm_eplb.ipc.store import ABANDONED
 from xllm_eplb.model.decoder import build_model
 from xllm_eplb.model.reshard import canary, reshard
 from xllm_eplb.obs.logs import FILE_ONLY, console_handler, event, setup_logging
@@ -234,18 +235,29 @@ class Worker:
         respawn, compact ranks after a shrink), replace every group handle (the model's EP
         group; the executor, rebuilt on the new EPLB group). A shrink also re-shards the model
         (``model/reshard.py``: the few orphan experts read from the checkpoint) and runs the
-        transfer canary. A replacement already in that generation only answers."""
+        transfer canary. A replacement already in that generation only answers. A grow (the
+        world gets bigger: a rejoin switch) is voted first, before this rank leaves its groups
+        (:meth:`_vote`): abandoned, it answers ``switch abandoned`` and stays in its generation;
+        its rendezvous is bounded by ``regroup.SWITCH_RENDEZVOUS_S``. A failed re-form leaves a
+        serving rank up (``peer_lost``): the engine re-forms it or stops the run."""
         t0 = time.perf_counter()
         try:
             if msg.regroup != self.generation:
+                members = regroup.get_members(self.store, msg.regroup)
+                rank, size = members.index(self.rank), len(members)
+                grow = size > self.ep_size
+                if grow and not self._vote(rank, size, msg.regroup):
+                    log.warning(event("EPLB elastic switch abandoned", rank=self.rank,
+                                      generation=msg.regroup, stays=self.generation))
+                    return ForwardOutput(step=msg.step, rank=self.ep_rank, peer_lost=True,
+                                         error=ABANDONED)
                 with contextlib.suppress(Exception):
                     self.executor.close()
                 left = regroup.leave()
-                members = regroup.get_members(self.store, msg.regroup)
-                rank, size = members.index(self.rank), len(members)
                 g = regroup.join(self.cfg, self.store, rank, msg.regroup,
                                  self.cfg.runtime.elastic_join_timeout_seconds,
-                                 world_size=size, device=self.device)
+                                 world_size=size, device=self.device,
+                                 rendezvous_s=regroup.SWITCH_RENDEZVOUS_S if grow else None)
                 self.model.ep_group = g.ep_group
                 if size != self.ep_size:
                     self._reshard(rank, size, regroup.get_placement(self.store, msg.regroup))
@@ -259,12 +271,30 @@ class Worker:
                                ep_size=self.ep_size, generation=msg.regroup,
                                leave_s=round(left, 3),
                                seconds=round(time.perf_counter() - t0, 3)))
-        except Exception as e:  # noqa: BLE001 - reported; the engine stops the run
+        except Exception as e:  # noqa: BLE001 - reported; the engine recovers or stops
+            # NOTE: a serving rank stays up (``peer_lost``): a member that died during a grow
+            # fails the rendezvous, and the engine re-forms the survivors (``engine/rejoin.py``)
             log.exception(event("EPLB elastic re-form failed", rank=self.rank), extra=FILE_ONLY)
-            return ForwardOutput(step=msg.step, rank=self.ep_rank,
+            return ForwardOutput(step=msg.step, rank=self.ep_rank, peer_lost=not self.joining,
                                  error=f"rank {self.rank}: re-form failed: {type(e).__name__}: {e}")
         return ForwardOutput(step=msg.step, rank=self.ep_rank,
                              heartbeat=WorkerHeartbeat(time.time(), self.executor.stats()))
+
+    def _vote(self, rank: int, size: int, generation: int) -> bool:
+        """A grow (a joiner, ``ep_size`` 0, or a serving rank whose world grows): decided by
+        every member before anyone leaves its groups (``regroup.vote``). The joiner re-shards
+        to its planned row first (no group needed), so that a death after the decision can
+        only fall in the short rendezvous. False: abandoned (a death during the switch); a
+        joiner then exits (the launcher starts it again), a serving rank stays in its
+        generation."""
+        rt = self.cfg.runtime
+        if self.joining:
+            self._reshard(rank, size, regroup.get_placement(self.store, generation))
+        go = regroup.vote(self.store, generation, size, rt.elastic_join_timeout_seconds,
+                          lambda: parent_alive(self.parent_pid))
+        if not go and self.joining:
+            raise RuntimeError(f"{ABANDONED} (generation {generation})")
+        return go
 
     def _reshard(self, ep_rank: int, ep_size: int, table) -> None:
         """Elastic shrink: compact rank, the new table, orphans read from the checkpoint; the
