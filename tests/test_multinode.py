@@ -182,7 +182,8 @@ def test_kill9_of_node1_launcher_stops_every_node(ckpt, cluster):
     assert time.monotonic() - t0 <= 10.5 and codes[0] not in (None, 0), codes
     err = c.nodes[0].err.read_text()
     assert re.search(r"^error: node 1: control link lost", err, re.M), err[-2000:]
-    assert c.leftovers() == ([], [])
+    # node 1's relay sweeps node 1's shm once its workers (SIGKILLed with the launcher) unmap
+    assert c.leftovers(grace=12) == ([], [])
 
 
 @pytest.mark.slow

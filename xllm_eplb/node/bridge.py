@@ -283,11 +283,12 @@ def bridge_main(cfg: Config, peer: int, origin_run_id: str, store_port: int, eve
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         if end is not None:
-            end.close()
-            if end.link is not None:
-                end.link.close()
+            end.close()                             # its rings: unmapped, so sweepable
+        # NOTE: sweep before the link's teardown (destroy_process_group), which can be slow
         if node and not parent_alive(parent_pid):
             sweep_until_clean(cfg.runtime.run_id)   # the node's workers die with the launcher
+        if end is not None and end.link is not None:
+            end.link.close()
         logging.shutdown()
     child_exit(code, events)
 
