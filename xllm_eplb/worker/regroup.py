@@ -88,20 +88,28 @@ def leave() -> float:
 
 
 # --- rejoin (``engine/rejoin.py``): the engine's go and the joiner's answer, per joiner pid ---
+def _wait_key(client, key: str, slice_s: float, timeout_s: float, alive, what: str,
+              limit: str) -> bytes:
+    """The value of store ``key`` once set, waited for in ``slice_s`` slices; ``alive()`` False
+    (the launcher gone) or ``timeout_s`` raise, naming ``what`` and the ``limit``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            client.wait([key], timedelta(seconds=slice_s))
+            return bytes(client.get(key))
+        except Exception:  # noqa: BLE001 - the store's wait timeout: check, then again
+            if not alive():
+                raise RuntimeError(f"{what}: the launcher is gone") from None
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{what}: {limit} within {timeout_s:g} s "
+                                   "(--elastic_join_timeout_seconds)") from None
+
+
 def wait_join(client, worker: int, timeout_s: float, alive) -> int:
     """A loaded joiner waits for the engine's go (the generation it joins, set at a step
     boundary); ``alive()`` False (the launcher gone) or ``timeout_s`` raise."""
-    key, deadline = join_key(worker, os.getpid()), time.monotonic() + timeout_s
-    while True:
-        try:
-            client.wait([key], timedelta(seconds=1.0))
-            return int(bytes(client.get(key)).decode())
-        except Exception:  # noqa: BLE001 - the store's wait timeout: check, then again
-            if not alive():
-                raise RuntimeError("rejoin: the launcher is gone") from None
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"rejoin: no go from the engine within {timeout_s:g} s "
-                                   "(--elastic_join_timeout_seconds)") from None
+    return int(_wait_key(client, join_key(worker, os.getpid()), 1.0, timeout_s, alive,
+                         "rejoin", "no go from the engine").decode())
 
 
 def vote(client, generation: int, size: int, timeout_s: float, alive) -> bool:
@@ -112,17 +120,8 @@ def vote(client, generation: int, size: int, timeout_s: float, alive) -> bool:
     ``alive()`` False (the launcher gone) or ``timeout_s`` raise."""
     if int(client.add(arrived_key(generation), 1)) == size:
         decide(client, generation, "go")
-    key, deadline = decision_key(generation), time.monotonic() + timeout_s
-    while True:
-        try:
-            client.wait([key], timedelta(seconds=0.1))
-            return bytes(client.get(key)) == b"go"
-        except Exception:  # noqa: BLE001 - the store's wait timeout: check, then again
-            if not alive():
-                raise RuntimeError("switch: the launcher is gone") from None
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"switch: no decision within {timeout_s:g} s "
-                                   "(--elastic_join_timeout_seconds)") from None
+    return _wait_key(client, decision_key(generation), 0.1, timeout_s, alive, "switch",
+                     "no decision") == b"go"
 
 
 def announce_joined(client, worker: int) -> None:
