@@ -172,22 +172,6 @@ def test_two_nodes_match_one_node_across_cross_node_moves(ckpt, start_server, cl
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-def test_kill9_of_node1_launcher_stops_every_node(ckpt, cluster):
-    c = cluster("--model", str(ckpt), "--workload=synthetic", "--workload_rate=4")
-    c.wait_ready(300)
-    time.sleep(2)
-    t0 = time.monotonic()
-    os.kill(c.nodes[1].proc.pid, signal.SIGKILL)
-    codes = c.wait_exit(10)
-    assert time.monotonic() - t0 <= 10.5 and codes[0] not in (None, 0), codes
-    err = c.nodes[0].err.read_text()
-    assert re.search(r"^error: node 1: control link lost", err, re.M), err[-2000:]
-    # node 1's relay sweeps node 1's shm once its workers (SIGKILLed with the launcher) unmap
-    assert c.leftovers(grace=12) == ([], [])
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(400)
 def test_kill9_of_node0_launcher_stops_node1(ckpt, cluster):
     c = cluster("--model", str(ckpt), "--workload=synthetic", "--workload_rate=4")
     c.wait_ready(300)
@@ -317,8 +301,11 @@ def test_elastic_workers_on_either_node_are_respawned_and_no_request_is_lost(ds8
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_elastic_loss_of_node1_stops_every_node_cleanly(ds8_ckpt, cluster):
-    """``--elastic_ep``: a whole node lost (its launcher SIGKILLed) is not recovered (no
-    launcher is left there to respawn its ranks): every node stops cleanly, naming the link."""
+    """kill -9 of node 1's launcher stops every node, naming the link; with ``--elastic_ep`` too:
+    a whole node lost is not recovered (no launcher is left there to respawn its ranks). The
+    stop is the same code with elasticity off (node 0's hub: ``control link lost``; node 1's
+    relay sweeps node 1's shm once its workers, SIGKILLed with the launcher, unmap), so one
+    test covers both."""
     c = cluster("--model", str(ds8_ckpt), "--workload=synthetic", "--workload_rate=4",
                 "--elastic_ep=true", "--elastic_rejoin=false", "--redundant_experts_num=1")
     c.wait_ready(300)
@@ -330,4 +317,4 @@ def test_elastic_loss_of_node1_stops_every_node_cleanly(ds8_ckpt, cluster):
     assert codes[0] not in (None, 0), codes
     err = c.nodes[0].err.read_text()
     assert re.search(r"^error: node 1: control link lost", err, re.M), err[-2000:]
-    assert c.leftovers(grace=8) == ([], [])
+    assert c.leftovers(grace=12) == ([], [])
