@@ -173,7 +173,7 @@ class ElasticSupervision:
         serving rank's death (its restart was counted then; the engine kept it joining). The
         serving ranks still hold every expert (the death was handled in rejoin mode), so
         growing back is allowed; a run that is stopping starts nothing."""
-        if self.stop_signal or self.procs["engine"].exitcode is not None:
+        if self.stop_signal or self._engine_gone():
             return
         if not self._rule_holds(self._serving() + 1):      # the engine's shrink stops the run
             self.events.notify("engine", ("join_dropped", who, why))
