@@ -235,6 +235,27 @@ def test_sigterm_to_the_whole_process_group_is_a_clean_stop(start_server):
 
 
 @pytest.mark.timeout(90)
+def test_sigterm_during_the_engine_warmup_is_a_clean_stop(start_server):
+    # issue 35 item 8: a script's `serve ... & kill -TERM $!` a few seconds in lands in the
+    # engine's warm-up, a wait on the workers' output rings; posix_ipc swallowed the exit its
+    # SIGTERM handler raised there, so the engine served on and was SIGKILLed (exit 1)
+    s = start_server("--workload=none", base=["--ep-size", "2"])
+    deadline = time.monotonic() + 60
+    while "engine=rings" not in s.err.read_text():
+        assert s.proc.poll() is None and time.monotonic() < deadline, s.err.read_text()
+        time.sleep(0.05)
+    time.sleep(0.5)                    # the engine is in its warm-up, the workers are starting
+    s.note_children()
+    s.proc.send_signal(signal.SIGTERM)
+    rc = s.proc.wait(30)
+    err = s.err.read_text()
+    assert rc == 0 and "killed (SIGKILL)" not in err, err[-2000:]
+    assert "engine exit code=0" in (s.log_dir / "engine.log").read_text()
+    time.sleep(0.3)
+    assert s.alive() == [] and shm_objects(s.run_id) == []
+
+
+@pytest.mark.timeout(90)
 def test_killed_launcher_takes_its_children_and_shm_with_it(start_server, tmp_path):
     # a dead run's leftovers (every process SIGKILLed): the next serve sweeps them (#23 item 11)
     from test_shm_hygiene import OLD, _age, _killed_creator, _names, _rid

@@ -99,7 +99,7 @@ def _start_workload(cfg: Config, engine: Engine):
     return wl
 
 
-def _serve(cfg: Config, events, parent_pid: int, res: dict) -> int:
+def _serve(cfg: Config, events, parent_pid: int, res: dict, stop: dict) -> int:
     ref: dict = {}
     try:
         res["api"] = api = _api(cfg, ref)
@@ -116,6 +116,8 @@ def _serve(cfg: Config, events, parent_pid: int, res: dict) -> int:
     eng.failures.notices = getattr(events, "notice", None)   # the launcher's death notices
     eng.warmup()
     signal.signal(signal.SIGTERM, eng.request_stop)
+    if stop["early"]:           # a SIGTERM during the warm-up whose SystemExit was swallowed
+        raise SystemExit(0)
     send_event(events, "engine", "warmup")
     _elastic(cfg, eng, events)
     eng.manager = res["manager"] = _make_manager(cfg, eng.placement)
@@ -163,7 +165,7 @@ def engine_main(cfg: Config, events, parent_pid: int) -> None:
     signal.signal(signal.SIGTERM, lambda *a: stop.update(early=True) or _raise_exit())
     code, reason = 1, SHUTDOWN
     try:
-        code = _serve(cfg, events, parent_pid, res)
+        code = _serve(cfg, events, parent_pid, res, stop)
     except SystemExit as e:
         code = 0 if stop["early"] else int(e.code or 0)
     except WorkerFault as e:
@@ -185,5 +187,10 @@ def engine_main(cfg: Config, events, parent_pid: int) -> None:
 
 
 def _raise_exit():
-    """SIGTERM before the step loop runs (start-up): leave at once, cleanly."""
+    """SIGTERM before the step loop runs (start-up): leave at once, cleanly.
+
+    NOTE: a SIGTERM that arrives while a ring wait blocks in ``posix_ipc``'s ``sem_timedwait``
+    runs this handler, but posix_ipc then replaces its SystemExit with ``SignalError``, which the
+    ring retries (the warm-up, waiting on the workers' outputs): the exit is lost. The handler
+    also sets ``stop["early"]``, which ``_serve`` checks once the warm-up returns (issue 35)."""
     raise SystemExit(0)
