@@ -184,3 +184,21 @@ def test_ep_size_one_serves_the_same_tokens_without_eplb(server, tmp_path):
         assert a[1]["choices"][0]["token_ids"] == b[1]["choices"][0]["token_ids"]
     finally:
         one.kill()
+
+
+@pytest.mark.timeout(120)
+def test_a_single_node_run_listens_on_loopback_only(server):
+    # issue 35 item 9: worker rank 0's process-group store (c10d) listened on *:PORT
+    import psutil
+
+    server.note_children()
+    listening = []
+    for pid in server.alive():
+        try:
+            conns = psutil.Process(pid).net_connections(kind="inet")
+        except psutil.NoSuchProcess:
+            continue
+        listening += [(pid, c.laddr.ip, c.laddr.port) for c in conns
+                      if c.status == psutil.CONN_LISTEN]
+    assert len({p for p, _, _ in listening}) >= 2, listening     # the HTTP port, rank 0's store
+    assert [x for x in listening if x[1] not in ("127.0.0.1", "::1")] == []

@@ -28,6 +28,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from xllm_eplb.config import Config, format_value
+from xllm_eplb.ipc.store import host_store
 from xllm_eplb.obs.logs import event
 from xllm_eplb.preflight import StartupError
 
@@ -75,6 +76,8 @@ def open_store(cfg: Config, *, master: bool):
     rt = cfg.runtime
     timeout = timedelta(seconds=rt.rendezvous_timeout_seconds)
     try:
+        if master:                # listening on --master_addr only (ipc/store.py)
+            return host_store(rt.master_addr, rt.master_port, timeout.total_seconds())
         return dist.TCPStore(rt.master_addr, rt.master_port, None, master, timeout=timeout,
                              wait_for_workers=False)
     except Exception as e:  # noqa: BLE001 - c10d raises RuntimeError/DistStoreError

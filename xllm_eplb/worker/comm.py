@@ -14,6 +14,7 @@ Every check that can fail on user input (device, backend, torch_npu, model shape
 from __future__ import annotations
 
 import importlib
+import os
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -22,6 +23,7 @@ import torch.distributed as dist
 
 from xllm_eplb.config import Config, resolve_backend
 from xllm_eplb.errors import ConfigError
+from xllm_eplb.ipc.store import host_store, interface_of, store_client
 from xllm_eplb.model.validate import validate_model_config
 
 
@@ -73,19 +75,29 @@ def init_groups(cfg: Config, rank: int, world_size: int, *, init_method: str | N
                 timeout_s: float | None = None) -> CommGroups:
     """Preflight, then create the default (EP) group and the EPLB group.
 
-    ``init_method`` defaults to ``tcp://master_addr:master_port`` (port must be set by the
-    launcher, not 0)."""
+    ``init_method`` None: rank 0 hosts the group's store at ``master_addr:master_port``
+    (port set by the launcher, not 0), listening on that address only
+    (:func:`~xllm_eplb.ipc.store.host_store`; a ``tcp://`` init method would listen on every
+    interface), the other ranks connect to it."""
     backend = preflight(cfg, world_size)
     rt = cfg.runtime
-    if init_method is None:
-        if rt.master_port == 0:
-            raise ConfigError("master_port=0: the launcher must pick a port before init_groups")
-        init_method = f"tcp://{rt.master_addr}:{rt.master_port}"
     device = device_for_rank(rt.device, rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     timeout = timedelta(seconds=timeout_s or rt.worker_timeout_seconds)
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
+    if init_method is not None:
+        dist.init_process_group(backend, init_method=init_method, rank=rank,
+                                world_size=world_size, timeout=timeout)
+        return groups_from_world(cfg, device=device)
+    if rt.master_port == 0:
+        raise ConfigError("master_port=0: the launcher must pick a port before init_groups")
+    nic = interface_of(rt.master_addr) if backend == "gloo" else None
+    if nic:   # gloo listens where the host name resolves to: --master_addr's interface instead
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", nic)
+    secs = timeout.total_seconds()
+    store = (host_store(rt.master_addr, rt.master_port, secs) if rank == 0
+             else store_client(rt.master_addr, rt.master_port, secs))
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                             timeout=timeout)
     return groups_from_world(cfg, device=device)
 
