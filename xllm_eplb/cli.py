@@ -42,6 +42,25 @@ class LazyGroup(click.Group):
         mod, attr, _ = SUBCOMMANDS[name]
         return getattr(importlib.import_module(f"xllm_eplb.commands.{mod}"), attr)
 
+    def main(self, *args, standalone_mode: bool = True, **kwargs):
+        """click's main, but a usage error (a bad option value, a missing option) is one line
+        ``error: ...`` and exit 2, like every other user error, not click's multi-line block."""
+        if not standalone_mode:
+            return super().main(*args, standalone_mode=False, **kwargs)
+        try:
+            rv = super().main(*args, standalone_mode=False, **kwargs)
+        except click.UsageError as e:
+            where = f" (see '{e.ctx.command_path} --help')" if e.ctx is not None else ""
+            click.echo(f"error: {e.format_message()}{where}", err=True)
+            sys.exit(e.exit_code)
+        except click.ClickException as e:
+            e.show()
+            sys.exit(e.exit_code)
+        except click.Abort:
+            click.echo("Aborted!", err=True)
+            sys.exit(1)
+        sys.exit(rv if isinstance(rv, int) else 0)    # an int only from --help / --version
+
     def format_commands(self, ctx, formatter):
         rows = [(n, SUBCOMMANDS[n][2]) for n in self.list_commands(ctx)]
         with formatter.section("Commands"):

@@ -215,8 +215,9 @@ def render_report(result: dict, before: np.ndarray, after: np.ndarray, load: str
 @click.option("--ep-size", type=int, required=True, help="EP ranks")
 @click.option("--redundant-experts-num", "redundant", type=int, default=1, show_default=True,
               help="extra slots per rank")
-@click.option("--policy", default="balanced", show_default=True,
-              help="balanced, greedy, incremental, node_aware (legacy names -> balanced)")
+@click.option("--policy", default="incremental", show_default=True,
+              help="incremental (serve's and simulate's default), balanced, greedy, node_aware "
+                   "(legacy names -> balanced)")
 @click.option("--previous", default=None, help="current placement JSON (a plan output); "
               "default: xLLM's initial layout")
 @click.option("--moe-layers", default=None, help="a:b, MoE layers to plan (after dense ones)")
