@@ -124,7 +124,20 @@ def config() -> None:
 
 @config_command("show", require_ep_size=False, pass_sources=True)
 def show(cfg: Config, sources: dict[str, str]) -> None:
-    """Print every resolved value with its source (default, file, flagfile, cli)."""
+    """Print every resolved value with its source (default, file, flagfile, cli; with
+    ``--model DIR`` the architecture comes from the checkpoint, as serve resolves it)."""
+    if cfg.model.model:
+        from xllm_eplb.model.resolve import arch_fields, resolve_config
+        from xllm_eplb.model.spec import parse_spec
+
+        spec = parse_spec(cfg.model.model)
+        resolved = resolve_config(cfg, spec)
+        new, old = as_flat_dict(resolved), as_flat_dict(cfg)
+        ckpt = {k for k in arch_fields(spec) if new[k] != old[k] or sources[k] == "default"}
+        ckpt |= {"dtype"} if new["dtype"] != old["dtype"] else set()
+        sources = {k: f"checkpoint {cfg.model.model}" if k in ckpt else v
+                   for k, v in sources.items()}
+        cfg = resolved
     for line in show_lines(cfg, sources):
         click.echo(line)
 

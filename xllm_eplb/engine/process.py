@@ -46,8 +46,7 @@ def _api(cfg: Config, engine_ref: dict):
     from xllm_eplb.model.fp8 import quant_info
 
     m = cfg.model
-    # a prompt up to the model length is served (chunked prefill over --max_prefill_tokens)
-    limits = ApiLimits(m.vocab_size, m.max_position_embeddings, m.max_position_embeddings)
+    limits = ApiLimits.served(m)
     # the checkpoint's tokenizer (--model, or the default the launcher generated without it)
     tok = served_tokenizer(m.model or None, cfg.serve.tokenizer, cfg.serve.chat_template)
     served = ServedModel(cfg.serve.served_model_name, tok, limits, created=int(time.time()),

@@ -50,6 +50,13 @@ class ApiLimits:
     max_position_embeddings: int
     request_timeout_seconds: float = 600.0
 
+    @classmethod
+    def served(cls, m) -> "ApiLimits":
+        """The server's limits from the resolved ``cfg.model`` (``m``): a prompt up to the
+        model length (``--max-model-len`` caps it) is served, chunked over
+        ``--max_prefill_tokens``."""
+        return cls(m.vocab_size, m.max_position_embeddings, m.max_position_embeddings)
+
 
 @dataclass
 class ServedModel:

@@ -13,6 +13,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 from xllm_eplb.config import Config
+from xllm_eplb.config.fields import ModelConfig
+from xllm_eplb.errors import ConfigError
 from xllm_eplb.model.spec import ModelSpec, parse_spec
 
 
@@ -29,11 +31,28 @@ def arch_fields(spec: ModelSpec) -> dict:
                 scoring_func=spec.scoring)
 
 
+def context_cap(m: ModelConfig, spec: ModelSpec) -> int:
+    """The served context with ``--model``: the checkpoint's ``max_position_embeddings``, or
+    less when ``--max-model-len`` / ``--context-length`` (``--max_position_embeddings``) asks
+    for less (vLLM's meaning: cap the context); more is a ConfigError. NOTE: the field's
+    default (2048) reads as not given."""
+    asked, have = m.max_position_embeddings, spec.max_position_embeddings
+    if asked == ModelConfig().max_position_embeddings:
+        return have
+    if asked > have:
+        raise ConfigError(f"--max_position_embeddings={asked} (--max-model-len, "
+                          f"--context-length): must be <= the checkpoint's "
+                          f"max_position_embeddings={have} ({m.model}/config.json)")
+    return asked
+
+
 def resolve_config(cfg: Config, spec: ModelSpec | None = None) -> Config:
-    """``cfg`` with the checkpoint's architecture (unchanged without ``--model``)."""
+    """``cfg`` with the checkpoint's architecture (unchanged without ``--model``); the context
+    capped by :func:`context_cap`."""
     m = cfg.model
     if not m.model:
         return cfg if m.dtype != "auto" else replace(cfg, model=replace(m, dtype="float32"))
     spec = spec or parse_spec(m.model)
     dtype = spec.dtype if m.dtype == "auto" else m.dtype
-    return replace(cfg, model=replace(m, dtype=dtype, **arch_fields(spec)))
+    arch = arch_fields(spec) | {"max_position_embeddings": context_cap(m, spec)}
+    return replace(cfg, model=replace(m, dtype=dtype, **arch))
