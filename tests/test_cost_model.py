@@ -146,6 +146,14 @@ def test_a_layer_measured_slower_after_its_commit_is_rolled_back():
     table, update = guard.rollback_round(new)
     assert update.tolist() == [True] and np.array_equal(table[0], prev)
     assert counters.layers_rolled_back == 1 and guard.rollback_round(new) is None
+    # /eplb/status says why (issue 35); the restore's activation is no commit
+    why = guard.status(new, placement)["rollbacks"]
+    assert [r["layer"] for r in why] == [0] and why[0]["measured_gain"] < -0.05
+    assert why[0]["measured_after_ms"] > why[0]["measured_before_ms"]
+    assert "more than the 5% tolerance" in why[0]["why"] and "previous row was restored" in why[
+        0]["why"]
+    assert guard.on_commit(0, new[0], generation=2) is False
+    assert guard.on_commit(0, prev, generation=3) is True
     # the rolled-back layer sits out the next rounds
     from xllm_eplb.eplb.gate import Round
     rnd = Round(new, np.array([True]))

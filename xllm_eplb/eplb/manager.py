@@ -314,9 +314,9 @@ class EplbManager(RoundsMixin):
         active.setflags(write=False)
         self._active = active
         self.agg.commit()
-        self.cost.on_commit(layer, prev, self.agg.generation)
+        committed = self.cost.on_commit(layer, prev, self.agg.generation)
         self._deadline = None
-        self._counters.layers_committed += 1
+        self._counters.layers_committed += int(committed)   # a rollback's restore is no commit
         self._counters.slots_moved += d.moved_slots
         self._counters.weight_copies += d.weight_copies
         log.info(event("EPLB layer activated", layer=layer, generation=self.agg.generation,

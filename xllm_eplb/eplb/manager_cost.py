@@ -4,6 +4,7 @@ checks, and the roll-back of layers measured slower. Called by
 
 from __future__ import annotations
 
+import collections
 import logging
 
 import numpy as np
@@ -16,6 +17,8 @@ log = logging.getLogger("xllm_eplb.eplb.manager")
 
 #: rounds a rolled-back layer is left out of
 HOLD_ROUNDS = 2
+#: rollback records kept for /eplb/status
+ROLLBACKS_KEPT = 16
 #: a cost-planned manager whose model has started to observe timings defers rounds until it is
 #: fitted, unless its window already holds this many samples (then plan on token counts)
 COST_WAIT_SAMPLES = 512
@@ -32,6 +35,10 @@ class CostGuard:
         self.num_layers = num_layers
         self.rollback: dict[int, np.ndarray] = {}
         self.held: dict[int, int] = {}
+        #: why each recent layer was rolled back (/eplb/status ``cost_model.rollbacks``)
+        self.rolled: collections.deque = collections.deque(maxlen=ROLLBACKS_KEPT)
+        #: layers of the rollback round in flight: their activation restores, it is no commit
+        self.restoring: set[int] = set()
         #: the manager's caller reports expert timings (wait for the model from the start)
         self.expect_timings = False
 
@@ -72,6 +79,7 @@ class CostGuard:
         if res.regressed:
             c.layers_regressed += 1
             self.rollback[res.layer] = res.prev_row
+            self.rolled.append(rollback_record(res, self.checks.steps, self.checks.tol))
 
     def status(self, active: np.ndarray, initial: np.ndarray) -> dict:
         """Fit (``fixed_s`` / ``row_s`` / ``samples`` per layer, ``ready``) and, once ready,
@@ -79,7 +87,8 @@ class CostGuard:
         fit = self.model.fit()
         out = {"ready": fit.ready, "fixed_s": fit.fixed.tolist(), "row_s": fit.row.tolist(),
                "samples": fit.samples.tolist(), "observed_steps": self.model.steps,
-               "predicted_critical_s": None, "predicted_critical_initial_s": None}
+               "predicted_critical_s": None, "predicted_critical_initial_s": None,
+               "rollbacks": list(self.rolled)}
         if fit.ready:
             rate, d = self.model.per_step_rate(), self.model.D
             out["predicted_critical_s"] = float(critical_path(fit, rate, active, d).sum())
@@ -87,8 +96,14 @@ class CostGuard:
                                                                       d).sum())
         return out
 
-    def on_commit(self, layer: int, prev_row: np.ndarray, generation: int) -> None:
+    def on_commit(self, layer: int, prev_row: np.ndarray, generation: int) -> bool:
+        """``layer``'s new row is active; False when it was a rollback's restore (counted in
+        ``layers_rolled_back``, not in ``layers_committed``)."""
         self.checks.on_commit(layer, prev_row, generation)
+        if layer in self.restoring:
+            self.restoring.discard(layer)
+            return False
+        return True
 
     def rollback_round(self, active: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
         """(table [L, D*S], update [L]) restoring the rows of layers measured slower, or None;
@@ -101,6 +116,7 @@ class CostGuard:
             table[layer], update[layer] = row, True
             self.held[layer] = HOLD_ROUNDS
         self.rollback = {}
+        self.restoring = set(np.nonzero(update)[0].tolist())
         self.counters.layers_rolled_back += int(update.sum())
         log.warning(event("EPLB rolling back layers measured slower",
                           layers=",".join(map(str, np.nonzero(update)[0]))))
@@ -111,6 +127,7 @@ class CostGuard:
         round's cost predictions for the commit checks."""
         update = np.asarray(rnd.update, dtype=bool).copy()
         table = np.array(rnd.table, dtype=np.int64)
+        self.restoring = set()              # a planned round: its activations are commits
         for layer in list(self.held):
             update[layer], table[layer] = False, active[layer]
             self.held[layer] -= 1
@@ -118,3 +135,20 @@ class CostGuard:
                 del self.held[layer]
         self.checks.on_round(rnd.gate)
         return table, update
+
+
+def rollback_record(res: CheckResult, steps: int, tol: float) -> dict:
+    """Why ``res.layer`` is rolled back, for /eplb/status: its slowest rank's expert time per
+    decode step over ``steps`` steps before and after the commit, and the rule it broke."""
+    pred = "" if res.predicted_gain is None else (
+        f"; the cost model had predicted {-res.predicted_gain:+.1%}")
+    return {"layer": res.layer,
+            "measured_before_ms": round(res.measured_before * 1e3, 4),
+            "measured_after_ms": round(res.measured_after * 1e3, 4),
+            "measured_gain": round(res.measured_gain, 4),
+            "predicted_gain": None if res.predicted_gain is None else round(res.predicted_gain, 4),
+            "why": f"layer {res.layer}: its slowest rank's expert time per decode step was "
+                   f"{res.measured_after * 1e3:.3f} ms over the {steps} steps after the commit "
+                   f"vs {res.measured_before * 1e3:.3f} ms before ({-res.measured_gain:+.1%}, "
+                   f"more than the {tol:.0%} tolerance){pred}: its previous row was restored "
+                   f"and it sits out the next {HOLD_ROUNDS} rounds"}
