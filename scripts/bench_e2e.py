@@ -40,6 +40,9 @@ DeepSeek dumps (``../shared/data``) at EP16/EP32 through the simulator with the 
 run fitted (``xllm_eplb.sim.replay`` with ``ReplayOptions.cost``).
 
     python scripts/bench_e2e.py [--quick] [--json PATH] [--pairs N] [--tokens] [--project]
+
+Prints a summary table (per-mode medians, per-round gains, the key numbers); ``--json PATH``
+writes every number (per round, the cost model's fit, the commit checks) to PATH.
 """
 
 from __future__ import annotations
@@ -252,6 +255,7 @@ def main(argv=None) -> int:
     ap.add_argument("--project-tokens", type=int, default=16,
                     help="projection: decode tokens per rank per step")
     args = ap.parse_args(argv)
+    t_start = time.monotonic()
     args.pairs = args.pairs or (1 if args.quick else 4)
     n_req = args.requests or (64 if args.quick else 128)
     modes = ["off", "on", "nomove"] + (["tokens"] if args.tokens else [])
@@ -288,11 +292,53 @@ def main(argv=None) -> int:
                  for m in r} for r in rounds])
     if args.project:
         summary["projection"] = project(fit, args)
-    text = json.dumps(summary, indent=2, default=str)
-    print(text)
+    summary["seconds"] = round(time.monotonic() - t_start, 1)
+    print(summary_table(summary, modes))
     if args.json:
-        args.json.write_text(text)
+        args.json.write_text(json.dumps(summary, indent=2, default=str))
     return 0 if summary["tokens_identical"] else 1
+
+
+def _f(x, fmt: str = "{:.3f}") -> str:
+    return "n/a" if x is None else fmt.format(x)
+
+
+def summary_table(s: dict, modes: list[str]) -> str:
+    """The readable result: per-mode medians, per-round gains, the key numbers (all of them,
+    per round, with ``--json``)."""
+    pct = "{:+.1%}"
+    lines = ["mode      critical ms/step  mean rank ms/step  imbalance  tokens/s  TPOT s"]
+    for m in modes:
+        r = s["per_mode_median"][m]
+        lines.append(f"{m:<9} {_f(r['critical_ms_per_step'], '{:.2f}'):>16} "
+                     f"{_f(r['mean_rank_ms_per_step'], '{:.2f}'):>18} {_f(r['imbalance']):>10} "
+                     f"{_f(r['tokens_per_s'], '{:.1f}'):>9} {_f(r['tpot_s']):>7}")
+    lines += ["", "round  wall-clock gain on/off  critical-path gain on/off  perfect balance"]
+    for i, p in enumerate(s["pairs"], 1):
+        lines.append(f"{i:<6} {_f(p['gain'], pct):>23} {_f(p['critical_path_gain'], pct):>26} "
+                     f"{_f(p['critical_gain_perfect'], pct):>16}")
+    keys = [("static imbalance (off)", _f(s["static_imbalance"])),
+            ("critical path shorter with EPLB in every round",
+             str(s["critical_path_shorter_every_pair"])),
+            ("share of perfect balance reached (critical path)",
+             _f(s["critical_gain_over_perfect_median"], "{:.2f}")),
+            ("wall-clock gain (median)", _f(s["gain_median"], pct)),
+            ("cost model: predicted / measured critical-path gain",
+             f"{_f(s.get('predicted_critical_path_gain'), pct)} / "
+             f"{_f(s.get('critical_path_gain_median'), pct)}"),
+            ("generated tokens identical in every mode", str(s["tokens_identical"])),
+            ("load average start -> end", f"{s['load_average_start'][0]:.1f} -> "
+                                         f"{s['load_average_end'][0]:.1f}"),
+            ("run time (s)", str(s["seconds"]))]
+    if "nomove_wall_clock_spread" in s:
+        lo, hi = s["nomove_wall_clock_spread"]
+        keys.insert(4, ("same-placement wall-clock spread (nomove vs off: the noise)",
+                        f"{lo:+.1%} .. {hi:+.1%}"))
+    if "projection" in s:
+        keys += [(f"projection {k}", json.dumps(v, default=str)) for k, v in
+                 s["projection"].items() if k.startswith("ep")]
+    lines += [""] + [f"{k}: {v}" for k, v in keys]
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

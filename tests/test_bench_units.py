@@ -52,3 +52,65 @@ def test_header_shows_the_servers_workload_and_eplb_state():
 def test_bad_arrival_arguments_are_exit_2(args, message):
     r = CliRunner().invoke(bench, ["--url", "http://127.0.0.1:1", *args])
     assert r.exit_code == 2 and message in r.output, r.output
+
+
+def _status(steps, crit, expert, forward, **kw):
+    st = {"enabled": True, "ep_size": 4, "generation": 0, "slots_moved": 0,
+          "critical_path": {"steps": steps, "critical_s": crit, "expert_cpu_s": expert,
+                            "forward_cpu_s": forward}}
+    st.update(kw)
+    return st
+
+
+def test_eplb_section_numbers_come_from_the_status_deltas():
+    from xllm_eplb.commands.bench_eplb import eplb_notes, eplb_numbers, eplb_rows
+
+    before = _status(10, 1.0, 2.0, 6.0, slots_moved=4)
+    # 100 steps: slowest rank 3 ms/step, the 4 ranks 8 ms/step of expert time (2 ms each),
+    # 40 ms/step of forward CPU over the 4 ranks (10 ms each: 8 ms other than experts)
+    after = _status(110, 1.3, 2.8, 10.0, generation=3, slots_moved=10,
+                    initial_balancedness_mean=0.6, balancedness_mean=0.9,
+                    cost_model={"predicted_critical_s": 2.0, "predicted_critical_initial_s": 3.0},
+                    cores={"cpus": 2, "processes": 5, "shared": True})
+    n = eplb_numbers(before, after)
+    assert n["steps"] == 100 and n["slots_moved_during_run"] == 6
+    assert n["critical_s"] == pytest.approx(3e-3) and n["perfect_s"] == pytest.approx(2e-3)
+    assert n["other_s"] == pytest.approx(8e-3)
+    assert n["initial_s"] == pytest.approx(4.5e-3)        # 3 ms x (3.0 / 2.0), the cost model
+    assert n["modelled_gain"] == pytest.approx(12.5 / 11 - 1)
+    assert n["gain_over_perfect_left"] == pytest.approx(11 / 10 - 1)
+    rows = dict(eplb_rows(n))
+    assert rows["MoE critical path (ms/step)"] == "3.000"
+    assert rows["Balancedness initial -> now"] == "0.6000 -> 0.9000"
+    assert rows["Modelled tok/s gain vs initial"].startswith("+13.6%")
+    assert "5 processes (EP ranks + engine) share 2 cores" in eplb_notes(n)[0]
+    # EPLB off: the initial placement is the one served; no cost model needed
+    off = eplb_numbers(_status(0, 0, 0, 0, enabled=False), _status(50, 0.2, 0.4, 1, enabled=False))
+    assert off["initial_s"] == off["critical_s"] and off["modelled_gain"] == 0.0
+    # committed, but the model is not fitted: no modelled figure rather than a wrong one
+    unfit = eplb_numbers(before, _status(20, 1.1, 2.2, 7.0, generation=1))
+    assert unfit["initial_s"] is None and "modelled_gain" not in unfit
+
+
+def test_compare_alternates_and_reports_the_spread_of_the_pairs():
+    from xllm_eplb.commands.bench_eplb import compare, compare_table
+
+    calls = []
+
+    def runner(name, tok):
+        def run():
+            calls.append(name)
+            return {"tokens_per_s": tok.pop(0), "tpot_ms": 10.0, "ttft_ms": 5.0,
+                    "critical_ms": 2.0 if name == "a" else 3.0, "perfect_ms": 1.5,
+                    "imbalance": None, "balancedness": 0.9, "errors": 0,
+                    "enabled": name == "a", "cores": {"shared": True}}
+        return run
+
+    rounds = compare(runner("a", [100.0, 110.0, 90.0]), runner("b", [100.0, 99.0, 99.0]), 3)
+    assert calls == ["a", "b", "b", "a", "a", "b"]
+    text = compare_table("http://x:1", "http://y:2", rounds)
+    tok = next(line for line in text.splitlines() if line.startswith("Output tok/s"))
+    assert tok.split()[2:4] == ["100.0", "99.0"]                      # medians of A and B
+    assert "-10.0% .. +10.0%" in tok and "A: http://x:1 (EPLB on)" in text
+    crit = next(line for line in text.splitlines() if line.startswith("MoE critical path"))
+    assert "+50.0%" in crit and "n/a" in text and "share cores" in text

@@ -134,3 +134,19 @@ def test_expert_series_stay_bounded_while_the_hot_set_moves():
     names = [n for n, _ in _samples(every) if re.match(r"xllm_eplb_expert_(load|rep)", n)]
     assert len(names) == 2 * L * E
     assert _value(every, "xllm_eplb_expert_load_ratio", layer=2, expert=15) == 1.0
+
+
+def test_balance_note_says_why_balancedness_is_below_the_initial():
+    from xllm_eplb.engine.telemetry import balance_note
+
+    st = {"enabled": True, "balancedness_mean": 0.79, "initial_balancedness_mean": 0.83,
+          "layers_rolled_back": 2, "layers_committed": 5}
+    note = balance_note(st, "cost")
+    assert note.startswith("balancedness 0.7900 is below the initial 0.8300: rounds plan on "
+                           "the modelled step critical path")
+    assert "2 layer activations were rolled back" in note and "cost_model.rollbacks" in note
+    off = balance_note({"enabled": False, "balancedness_mean": 0.7,
+                        "initial_balancedness_mean": 0.8}, "cost")
+    assert "EPLB is off" in off and "critical path" not in off and "committed" not in off
+    assert balance_note(dict(st, balancedness_mean=0.9), "cost") is None
+    assert balance_note({"balancedness_mean": 0.5}, "cost") is None     # no initial window yet

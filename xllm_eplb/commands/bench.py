@@ -38,6 +38,7 @@ import click
 import numpy as np
 
 from xllm_eplb.cli import handle_user_errors
+from xllm_eplb.commands import bench_eplb
 from xllm_eplb.errors import UserError
 
 STATS = ("ttft", "tpot", "itl", "e2e")
@@ -277,8 +278,9 @@ def header_rows(url: str, info: dict, res: dict) -> list[tuple[str, str]]:
     return rows
 
 
-def table(url: str, info: dict, r: dict, width: int = 60) -> str:
-    """The readable report (``vllm bench serve``'s layout): header, totals, latencies in ms."""
+def table(url: str, info: dict, r: dict, width: int = 60, eplb: list | None = None) -> str:
+    """The readable report (``vllm bench serve``'s layout): header, totals, latencies in ms;
+    ``eplb``: the EPLB section's rows (:func:`~xllm_eplb.commands.bench_eplb.eplb_rows`)."""
     def row(k: str, v) -> str:
         return f"{k + ':':<34}{v}"
 
@@ -295,6 +297,9 @@ def table(url: str, info: dict, r: dict, width: int = 60) -> str:
     for k in STATS:
         vals = [r[f"{k}_{s}_s"] * 1e3 for s in ("mean", "p50", "p90", "p99")]
         lines.append(f"{k.upper():<8}" + "".join(f"{v:>13.2f}" for v in vals))
+    if eplb:
+        lines.append(" EPLB (server's /eplb/status, this run) ".center(width, "-"))
+        lines += [row(k, v) for k, v in eplb]
     lines.append("=" * width)
     return "\n".join(lines)
 
@@ -323,13 +328,21 @@ def table(url: str, info: dict, r: dict, width: int = 60) -> str:
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--api-key", "--api_key", default="",
               help="bearer token of a server started with --api-key (as the openai client's)")
+@click.option("--compare", "url_b", default=None,
+              help="a second server (e.g. the same model with --enable_eplb=false): the same "
+              "requests against both, alternately, and one side-by-side table")
+@click.option("--pairs", type=click.IntRange(1), default=3, show_default=True,
+              help="--compare: runs per server (alternated A B, B A, ...)")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
               help="also write the numbers to this JSON file")
 @handle_user_errors
 def bench(url, n, concurrency, prompt_len, max_tokens, topics, skew, dataset, max_prompt_chars,
-          request_rate, burstiness, seed, api_key, json_path) -> None:
-    """Drive a running server (streaming) and report throughput, TTFT, TPOT, ITL and E2E."""
+          request_rate, burstiness, seed, api_key, url_b, pairs, json_path) -> None:
+    """Drive a running server (streaming) and report throughput, TTFT, TPOT, ITL and E2E, then
+    what EPLB did during the run (MoE critical path, balancedness, slots moved, modelled gain)."""
     check_url(url)
+    if url_b:
+        check_url(url_b)
     if json_path and not (Path(json_path).parent.is_dir()):
         raise UserError(f"--json={json_path}: folder {Path(json_path).parent} does not exist")
     if burstiness != 1.0 and math.isinf(request_rate):
@@ -337,20 +350,54 @@ def bench(url, n, concurrency, prompt_len, max_tokens, topics, skew, dataset, ma
                         f"--request-rate=inf every request is sent at once)")
     prompts = (sharegpt_prompts(dataset, n, seed, max_prompt_chars) if dataset
                else make_prompts(n, prompt_len, topics, skew, seed))
-    info = server_info(url, api_key=api_key)
-    warn = workload_warning(info.get("status", {}))
-    if warn:
-        click.echo(warn, err=True)
-    res = run_bench(url, prompts, max_tokens, concurrency, seed, request_rate=request_rate,
-                    burstiness=burstiness, api_key=api_key)
-    res.pop("outputs")
-    if res["ok"] == 0 and res["errors"]:
-        raise UserError(f"--url={url}: every request failed; first error: {res['first_error']}")
-    click.echo(table(url, info, res))
-    if res["errors"]:
-        click.echo(f"first error: {res['first_error']}", err=True)
+
+    def measured(u: str) -> tuple[dict, dict, dict]:
+        """(run_bench numbers, status before, status after) of one run against ``u``."""
+        before = server_info(u, api_key=api_key)
+        warn = workload_warning(before.get("status", {}))
+        if warn:
+            click.echo(warn, err=True)
+        r = run_bench(u, prompts, max_tokens, concurrency, seed, request_rate=request_rate,
+                      burstiness=burstiness, api_key=api_key)
+        r.pop("outputs")
+        if r["ok"] == 0 and r["errors"]:
+            raise UserError(f"--url={u}: every request failed; first error: "
+                            f"{r['first_error']}")
+        if r["errors"]:
+            click.echo(f"{u}: first error: {r['first_error']}", err=True)
+        return r, before, server_info(u, api_key=api_key)
+
+    if url_b:
+        _compare(url, url_b, pairs, measured, json_path)
+        return
+    res, info, after = measured(url)
+    eplb = None
+    if "status" in info and "status" in after:
+        eplb = bench_eplb.eplb_numbers(info["status"], after["status"])
+    click.echo(table(url, info, res, eplb=bench_eplb.eplb_rows(eplb) if eplb else None))
+    for line in bench_eplb.eplb_notes(eplb) if eplb else []:
+        click.echo(line)
     if json_path:
         res["request_rate"] = "inf" if math.isinf(request_rate) else request_rate
         res["server"] = info
+        res["eplb"] = eplb
         with open(json_path, "w") as f:
             json.dump(res, f, indent=2)
+
+
+def _compare(url_a: str, url_b: str, pairs: int, measured, json_path: str | None) -> None:
+    """``bench --compare``: alternate runs, one table (``measured(url)``: one run's numbers)."""
+    def one(u: str):
+        def run() -> dict:
+            r, s0, s1 = measured(u)
+            if "status" not in s0 or "status" not in s1:
+                raise UserError(f"--compare: {u} has no /eplb/status (not an xllm-eplb server)")
+            return bench_eplb.run_numbers(r, s0["status"], s1["status"])
+        return run
+
+    rounds = bench_eplb.compare(one(url_a), one(url_b), pairs)
+    click.echo(bench_eplb.compare_table(url_a, url_b, rounds))
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump({"a": url_a, "b": url_b, "pairs": [{"a": a, "b": b} for a, b in rounds]},
+                      f, indent=2)

@@ -27,7 +27,7 @@ from xllm_eplb.engine.failures import WAIT_SLICE, FailureWatch, WorkerFault
 from xllm_eplb.engine.health import StepWatch
 from xllm_eplb.engine.live_stats import LiveStats
 from xllm_eplb.engine.scheduler import Request, Scheduler, is_pure_decode_step
-from xllm_eplb.engine.telemetry import Telemetry, slot_loads
+from xllm_eplb.engine.telemetry import Telemetry, balance_note, slot_loads
 from xllm_eplb.engine.tokenizer import BOS_ID
 from xllm_eplb.engine.workload import workload_status
 from xllm_eplb.eplb.info import NO_TOKEN, EplbInfo
@@ -120,6 +120,8 @@ class Engine:
                                        cfg.model.num_experts, cfg.eplb.eplb_record_trace_max_steps)
         self.membership = None     # --elastic_ep: engine/membership.Membership (after warm-up)
         self.step_no = 0
+        #: /eplb/status ``cores``: this node's cores and processes (set by engine/process)
+        self.cores: dict = {}
         self.state = "starting"
         self.stopping = False
 
@@ -360,6 +362,8 @@ class Engine:
                "init_placement": self.cfg.eplb.eplb_init_placement,
                "record": self.recorder.status()}
         out.update(self.tele.balance_summary())
+        out["balance_note"] = balance_note(out, self.cfg.eplb.eplb_plan_on)
+        out["cores"] = self.cores
         out["critical_path"] = self.tele.critical_path_summary()
         # the policy runner's thread CPU (drain, decode, policy), measured by the manager itself
         out["critical_path"]["manager_thread_cpu_s"] = float(out["policy_cpu_seconds"])

@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import signal
 import time
 from pathlib import Path
 
 from xllm_eplb.child import child_exit, child_setup, parent_alive, send_event
-from xllm_eplb.config import Config
+from xllm_eplb.config import Config, ranks_per_node
 from xllm_eplb.engine.engine import Engine
 from xllm_eplb.engine.failures import SHUTDOWN, WorkerFault
 from xllm_eplb.engine.workload import SyntheticWorkload
@@ -112,6 +113,7 @@ def _serve(cfg: Config, events, parent_pid: int, res: dict, stop: dict) -> int:
     res["rings"] = [inp] + outs
     send_event(events, "engine", "rings")
     res["engine"] = eng = ref["engine"] = Engine(cfg, inp, outs)
+    eng.cores = host_cores(cfg, parent_pid)
     eng.failures.notices = getattr(events, "notice", None)   # the launcher's death notices
     eng.warmup()
     signal.signal(signal.SIGTERM, eng.request_stop)
@@ -127,6 +129,18 @@ def _serve(cfg: Config, events, parent_pid: int, res: dict, stop: dict) -> int:
                    eplb=cfg.eplb.enable_eplb, workload=cfg.serve.workload))
     eng.run()
     return 0
+
+
+def host_cores(cfg: Config, launcher_pid: int) -> dict:
+    """This node's cores (the launcher's CPU set) and processes (its EP ranks + the engine):
+    ``shared`` when there are more processes than cores, so that ranks take turns on them and
+    the wall clock measures their total work, not the slowest rank (``xllm-eplb bench``)."""
+    try:
+        cpus = len(os.sched_getaffinity(launcher_pid))
+    except OSError:
+        cpus = len(os.sched_getaffinity(0))
+    procs = ranks_per_node(cfg) + 1
+    return {"cpus": cpus, "processes": procs, "shared": procs > cpus}
 
 
 def _teardown(res: dict, parent_pid: int, run_id: str, reason: str = SHUTDOWN) -> None:

@@ -291,3 +291,26 @@ class Telemetry:
     def critical_path_summary(self) -> dict:
         with self.lock:
             return dict(self.cp)
+
+
+def balance_note(st: dict, plan_on: str) -> str | None:
+    """Why ``balancedness_mean`` is below ``initial_balancedness_mean`` in ``st`` (the
+    /eplb/status dict), or None when it is not."""
+    now, first = st.get("balancedness_mean"), st.get("initial_balancedness_mean")
+    if now is None or first is None or now >= first:
+        return None
+    why = []
+    if not st.get("enabled"):
+        why.append("EPLB is off: the placement never changes")
+    elif plan_on == "cost":
+        why.append("rounds plan on the modelled step critical path (--eplb_plan_on=cost: "
+                   "expert seconds, a fixed cost per active slot plus one per row), not on "
+                   "token counts: a shorter critical path may count tokens less evenly")
+    if st.get("layers_rolled_back"):
+        why.append(f"{st['layers_rolled_back']} layer activations were rolled back after being "
+                   f"measured slower (cost_model.rollbacks says why)")
+    if st.get("enabled") and not st.get("layers_committed"):
+        why.append("no layer was committed yet")
+    why.append(f"the load moved: the initial figure is the first {RECENT_STEPS} steps' window, "
+               f"this one the last {RECENT_STEPS} steps'")
+    return f"balancedness {now:.4f} is below the initial {first:.4f}: " + "; ".join(why)

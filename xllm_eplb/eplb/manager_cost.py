@@ -151,4 +151,5 @@ def rollback_record(res: CheckResult, steps: int, tol: float) -> dict:
                    f"{res.measured_after * 1e3:.3f} ms over the {steps} steps after the commit "
                    f"vs {res.measured_before * 1e3:.3f} ms before ({-res.measured_gain:+.1%}, "
                    f"more than the {tol:.0%} tolerance){pred}: its previous row was restored "
-                   f"and it sits out the next {HOLD_ROUNDS} rounds"}
+                   f"and it sits out the next {HOLD_ROUNDS} rounds (the two windows also see different "
+                   f"traffic: a change of load between them reads as a change of placement)"}
