@@ -113,6 +113,21 @@ def test_bench_sends_the_api_key(server):
     r = CliRunner().invoke(bench, [*args, "--api-key", KEY])
     assert r.exit_code == 0, r.output
     assert NAME in r.output            # the header read /v1/models with the key
+    # issue 35: the EPLB section, from the server's /eplb/status before and after the run
+    rows = dict(line.split(":", 1) for line in r.output.split(" EPLB (server's")[1].splitlines()
+                if line.startswith(("MoE critical path", "  under perfect", "EPLB:")))
+    assert rows["EPLB"].strip() == "on"
+    crit, perfect = float(rows["MoE critical path (ms/step)"]), float(rows["  under perfect "
+                                                                        "balance"])
+    assert crit >= perfect > 0
+    # 3 processes on this 2-core machine (the note's condition, from the server's cores)
+    import os
+    shared = len(os.sched_getaffinity(0)) < 3
+    assert ("share" in r.output and "cannot show EPLB's gain" in r.output) == shared
+    r = CliRunner().invoke(bench, [*args, "--api-key", KEY, "--compare", server.url,
+                                   "--pairs", "2"])
+    assert r.exit_code == 0, r.output
+    assert "2 pairs, alternated" in r.output and "MoE critical path (ms/step)" in r.output
 
 
 def _log_softmax(logits: np.ndarray) -> np.ndarray:
