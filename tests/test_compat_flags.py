@@ -48,6 +48,9 @@ def test_vllm_and_sglang_names_mean_our_fields(tmp_path):
     ("--pipeline-parallel-size=2", "this engine has no pipeline parallelism"),
     ("--gpu-memory-utilization=0.9", "this engine has no preallocated KV-cache pool"),
     ("--enable-prefix-caching", "this engine has no prefix caching"),
+    ("--quantization=fp8", "this engine takes the quantization from the checkpoint"),
+    ("--kv-cache-dtype=fp8", "this engine keeps the KV cache in the model's --dtype"),
+    ("--enforce-eager", "this engine always runs eagerly"),
 ])
 def test_other_engines_features_are_refused_with_the_reason(flag, why, tmp_path):
     with pytest.raises(ConfigError, match=f"{flag.split('=')[0]}: {why}"):

@@ -59,3 +59,20 @@ def test_objects_of_a_killed_run_are_reclaimed_by_the_next_start(cfg, caplog):
         again = RunShm.create(cfg)
     again.close()
     assert f"shm reclaim stale name=/xllm_eplb_{rid}_in" in caplog.text
+
+
+def test_a_sweep_logs_one_summary_line_not_one_per_object(cfg, caplog):
+    # issue 35: after a launcher kill the console showed 8-16 `shm clean removed` lines
+    rid = cfg.runtime.run_id
+    from xllm_eplb.ipc.objects import clean
+
+    shm = RunShm.create(cfg)                # a killed run's objects (force: held here)
+    objs = [n for n in os.listdir("/dev/shm") if rid in n]
+    assert len(objs) >= 4
+    with caplog.at_level(logging.INFO, logger="xllm_eplb"):
+        removed = clean(rid, force=True)
+    shm.close()
+    lines = [r for r in caplog.records if "shm clean removed" in r.getMessage()
+             and r.levelno >= logging.INFO]
+    assert len(removed) == len(objs) and len(lines) == 1, caplog.text
+    assert f"objects={len(objs)} runs={rid}" in lines[0].getMessage()

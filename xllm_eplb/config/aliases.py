@@ -54,6 +54,13 @@ FOREIGN: dict[str, str] = {
     "speculative_algorithm": "this engine has no speculative decoding",
     "trust_remote_code": "this engine runs no model code from the checkpoint: the four "
                          "families (deepseek_v3, qwen3_moe, qwen2_moe, mixtral) are built in",
+    "quantization": "this engine takes the quantization from the checkpoint's config.json "
+                    "(block-wise FP8 checkpoints are served as they are; --fp8_dequant_cache "
+                    "keeps dequantized copies): no flag chooses it",
+    "kv_cache_dtype": "this engine keeps the KV cache in the model's --dtype: there is no "
+                      "separate KV-cache dtype",
+    "enforce_eager": "this engine always runs eagerly (no CUDA graphs, no torch.compile): "
+                     "there is nothing to turn off; drop the flag",
     "max_num_batched_tokens": "this engine budgets prefill tokens per EP rank per step: use "
                               "--max_prefill_tokens (longer prompts are prefilled in chunks); "
                               "decode rows are bounded by --max_batch_size",

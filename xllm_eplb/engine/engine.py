@@ -325,7 +325,7 @@ class Engine:
         """(serving, info); a step in flight beyond ``--stall_seconds`` is ``stalled`` with the
         ranks it waits on (computed now, from the stored step start)."""
         info = {"status": self.state, "ep_size": self.D, "step": self.step_no,
-                "eplb": self.manager is not None}
+                "eplb": bool(self.cfg.eplb.enable_eplb)}    # the manager starts after warm-up
         if self.state != "serving":
             return False, info
         silent = self.watch.stalled(self.inp, self.outs)

@@ -136,8 +136,11 @@ def clean(run_id: str | None = None, *, force: bool = False) -> list[ShmObject]:
             elif o.kind == "semaphore" and o.run_id not in live_runs:
                 if _unlink(posix_ipc.unlink_semaphore, o.name):
                     removed.append(o)
-    for o in removed:
-        log.info("shm clean removed name=%s kind=%s run=%s", o.name, o.kind, o.run_id)
+    for o in removed:       # one line per object in the debug log; one summary otherwise
+        log.debug("shm clean removed name=%s kind=%s run=%s", o.name, o.kind, o.run_id)
+    if removed:
+        log.info(event("shm clean removed", objects=len(removed),
+                       runs=",".join(sorted({o.run_id for o in removed}))))
     return removed
 
 
@@ -156,9 +159,7 @@ def sweep_run(run_id: str) -> list[ShmObject]:
     except Exception as e:  # noqa: BLE001 - teardown must go on
         log.warning(event("shm sweep failed", run_id=run_id, error=repr(e)))
         return []
-    if removed:
-        log.info(event("shm swept", run_id=run_id, objects=len(removed)))
-    return removed
+    return removed      # clean() logged its one summary line
 
 
 def sweep_until_clean(run_id: str, seconds: float = 10.0) -> None:

@@ -80,8 +80,11 @@ def serve(cfg: Config, digest: str = "") -> int:
     # no --model: generate the default checkpoint once, here, before anything is spawned
     cfg = resolve_runtime(resolve_config(with_default_checkpoint(cfg)), port)
     cfg = launcher_process(cfg, "xllm-eplb:launcher", tag=cfg.runtime.run_id)
+    # the digest's values, less those this line already gives (resolved)
+    rest = " ".join(kv for kv in digest.split() if kv.split("=", 1)[0] not in
+                    ("run_id", "port", "master_port"))
     log.info(event("launcher config", run_id=cfg.runtime.run_id, port=cfg.serve.port,
-                   master_port=cfg.runtime.master_port) + (" " + digest if digest else ""))
+                   master_port=cfg.runtime.master_port) + (" " + rest if rest else ""))
     sweep_dead_at_start()
     progress = Progress(cfg.eplb.ep_size, sys.stderr.isatty())
     return run_launcher(Launcher(cfg, progress=progress), progress, lambda: ready_line(cfg))
@@ -92,13 +95,15 @@ def console_notes(cfg: Config, plan: affinity.AffinityPlan) -> list[str]:
     synthetic workload sharing the engine, or more processes than cores."""
     out = []
     s = cfg.serve
-    if s.workload != "none":
+    engine = cfg.runtime.node_rank == 0             # node n runs workers only
+    if s.workload != "none" and engine:
         out.append(f"note: the built-in {s.workload} workload is on ({s.workload_rate:g} req/s "
                    f"of demo traffic share the engine with your requests; --workload=none "
                    f"turns it off)")
-    procs, cores = ranks_per_node(cfg) + 1, len(affinity.available_cpus())
-    if not plan.pinned and procs > cores:
-        out.append(f"note: {procs - 1} workers + the engine share {cores} cores: every step "
+    workers, cores = ranks_per_node(cfg), len(affinity.available_cpus())
+    if not plan.pinned and workers + engine > cores:
+        who = f"{workers} workers" + (" + the engine" if engine else "")
+        out.append(f"note: {who} share {cores} cores: every step "
                    f"waits for all of them, so a token takes several times longer than on a "
                    f"machine with a core per worker (--ep-size {max(2, cores - 1)} or more cores "
                    f"make requests faster)")

@@ -214,7 +214,8 @@ class NodeLauncher(Launcher):
                                 cause=describe_exit(p.exitcode)))
                 print(f"error: {self.blame(who)}", file=sys.stderr, flush=True)
                 return 1
-        log.info(event("launcher stop", signal=self.stop_signal, node=self.node))
+        log.info(event("launcher stop", signal=signal.Signals(self.stop_signal).name,
+                       node=self.node))
         return 0
 
     def stop(self, graceful: bool) -> list[str]:
