@@ -15,6 +15,27 @@ settings.register_profile("fuzz-long", max_examples=3000, deadline=None,
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
+def pytest_configure(config):
+    """Generated default checkpoints go to one folder of this session (the servers the tests
+    start inherit it), not the clone's .cache/checkpoints (issue 35); removed at the end."""
+    import os
+    import tempfile
+
+    from xllm_eplb.model.default_checkpoint import CACHE_ENV
+
+    if not os.environ.get(CACHE_ENV):
+        config._xllm_cache = tempfile.mkdtemp(prefix="xllm_eplb_test_ckpts_")
+        os.environ[CACHE_ENV] = config._xllm_cache
+
+
+def pytest_unconfigure(config):
+    import shutil
+
+    d = getattr(config, "_xllm_cache", None)
+    if d:
+        shutil.rmtree(d, ignore_errors=True)
+
+
 @pytest.fixture
 def run_id():
     """A fresh run id for tests that create shm objects; afterwards every object of it is

@@ -90,3 +90,17 @@ def test_workers_never_generate_build_model_needs_the_resolved_folder(tmp_path):
     with pytest.raises(ValueError, match="cfg.model.model is empty"):
         build_model(cfg_in(tmp_path / "cache"), 0)
     assert not (tmp_path / "cache").exists()
+
+
+def test_at_its_default_the_cache_folder_comes_from_the_environment(tmp_path, monkeypatch):
+    # issue 35: the suite builds into its own folder (conftest), not the clone's .cache
+    from xllm_eplb.model.default_checkpoint import CACHE_ENV, cache_root
+
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "env"))
+    cfg = Config(eplb=EplbConfig(ep_size=4))
+    assert cache_root(cfg) == tmp_path / "env"
+    assert cache_path(cfg).parent == tmp_path / "env"
+    given = cfg_in(tmp_path / "mine")                     # a folder given wins
+    assert cache_root(given) == tmp_path / "mine"
+    monkeypatch.delenv(CACHE_ENV)
+    assert str(cache_root(cfg)) == ".cache/checkpoints"

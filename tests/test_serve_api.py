@@ -65,14 +65,14 @@ def _wait_for(pred, timeout: float, what: str):
 
 def _served_tokenizer():
     """The tokenizer of the checkpoint a server started with ``FLAGS`` generated (same flags,
-    same cache folder under the repository root, where the servers run)."""
+    same cache folder: the session's, which the servers inherit)."""
     from xllm_eplb.engine.tokenizer import load_tokenizer
     from xllm_eplb.flags import load_config
     from xllm_eplb.model.default_checkpoint import with_default_checkpoint
 
     root = Path(__file__).resolve().parents[1]
     cfg, _ = load_config(["--config", str(root / "configs" / "eplb.yaml"), "--ep-size", "4",
-                          *FLAGS, f"--model_cache_dir={root / '.cache' / 'checkpoints'}"])
+                          *FLAGS])
     return load_tokenizer(with_default_checkpoint(cfg).model.model)
 
 

@@ -51,12 +51,11 @@ def _call(s, method: str, path: str, body: dict | None = None, key: str | None =
 
 
 def _served_config():
-    """The config the server resolved (same flags, the cache folder under the repository)."""
+    """The config the server resolved (same flags, the session's cache folder)."""
     from xllm_eplb.flags import load_config
     from xllm_eplb.model.default_checkpoint import with_default_checkpoint
 
-    cfg, _ = load_config(["--config", str(ROOT / "configs" / "eplb.yaml"), *FLAGS,
-                          f"--model_cache_dir={ROOT / '.cache' / 'checkpoints'}"])
+    cfg, _ = load_config(["--config", str(ROOT / "configs" / "eplb.yaml"), *FLAGS])
     return with_default_checkpoint(cfg)
 
 

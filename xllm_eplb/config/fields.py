@@ -158,7 +158,8 @@ class ModelConfig:
                           choices=("deepseek_v3", "qwen3_moe", "qwen2_moe", "mixtral"))
     model_cache_dir: str = opt(".cache/checkpoints", "generated checkpoint (no --model): the "
                                "cache folder; one sub-folder per shape, seed and generator "
-                               "version, written once")
+                               "version, written once (at this default, the environment's "
+                               "XLLM_EPLB_MODEL_CACHE_DIR when set: the tests' own folder)")
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,7 @@ import time
 from dataclasses import asdict, replace
 from pathlib import Path
 
-from xllm_eplb.config import Config, layout_error
+from xllm_eplb.config import Config, ModelConfig, layout_error
 from xllm_eplb.errors import ConfigError
 from xllm_eplb.model import checkpoint, checkpoint_configs, checkpoint_tokenizer
 from xllm_eplb.obs.logs import event
@@ -96,16 +96,28 @@ def cache_key(arch: str, spec: checkpoint.CheckpointSpec) -> str:
     return h.hexdigest()[:16]
 
 
+#: overrides ``--model_cache_dir``'s default (not a value given): the test suite's own folder
+CACHE_ENV = "XLLM_EPLB_MODEL_CACHE_DIR"
+
+
+def cache_root(cfg: Config) -> Path:
+    """``--model_cache_dir``; at its default, ``$XLLM_EPLB_MODEL_CACHE_DIR`` when set."""
+    d = cfg.model.model_cache_dir
+    if d == ModelConfig().model_cache_dir and os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV])
+    return Path(d)
+
+
 def cache_path(cfg: Config) -> Path:
     """The folder the default checkpoint of ``cfg`` lives in (written or not)."""
     arch, spec = spec_for(cfg)
-    return Path(cfg.model.model_cache_dir) / f"{arch}-{cache_key(arch, spec)}"
+    return cache_root(cfg) / f"{arch}-{cache_key(arch, spec)}"
 
 
 def ensure_checkpoint(cfg: Config) -> Path:
     """The default checkpoint of ``cfg``, generated into the cache unless already there."""
     arch, spec = spec_for(cfg)
-    final = Path(cfg.model.model_cache_dir) / f"{arch}-{cache_key(arch, spec)}"
+    final = cache_root(cfg) / f"{arch}-{cache_key(arch, spec)}"
     if (final / "config.json").is_file():
         return final
     try:
