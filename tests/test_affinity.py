@@ -84,3 +84,20 @@ def test_serve_with_a_core_the_machine_lacks_exits_2_before_starting(tmp_path):
     assert lines[-1].startswith(f"error: --worker_cpu_affinity=0,{bad}: core {bad} is not "
                                 f"available"), r.stderr
     assert "xllm-eplb ready" not in r.stdout
+
+
+def test_the_shared_cores_note_names_the_engine_only_where_it_runs():
+    # issue 35: node 1's note said "+ the engine"; node n runs workers only
+    from xllm_eplb.flags import load_config
+    from xllm_eplb.launcher import console_notes
+
+    cores = len(affinity.available_cpus())
+    ep = 4 * cores                        # more workers per node than cores, on both nodes
+    unpinned = affinity.plan("none", ep // 2)
+    for node, who in ((0, f"{ep // 2} workers + the engine share"),
+                      (1, f"{ep // 2} workers share")):
+        cfg, _ = load_config(["--ep-size", str(ep), "--nnodes", "2", "--node-rank", str(node),
+                              "--master-port", "29500", "--workload=synthetic"])
+        notes = console_notes(cfg, unpinned)
+        assert any(who in n for n in notes), notes
+        assert any("workload is on" in n for n in notes) == (node == 0)
