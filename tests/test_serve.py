@@ -245,6 +245,10 @@ def test_sigterm_during_the_engine_warmup_is_a_clean_stop(start_server):
         assert s.proc.poll() is None and time.monotonic() < deadline, s.err.read_text()
         time.sleep(0.05)
     time.sleep(0.5)                    # the engine is in its warm-up, the workers are starting
+    with pytest.raises(urllib.error.HTTPError) as e:   # /health while starting: 503, EPLB on
+        _get(s.url + "/health")
+    body = json.loads(e.value.read())
+    assert e.value.code == 503 and body["status"] == "starting" and body["eplb"] is True, body
     s.note_children()
     s.proc.send_signal(signal.SIGTERM)
     rc = s.proc.wait(30)

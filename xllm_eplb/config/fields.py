@@ -134,7 +134,9 @@ class ModelConfig:
     vocab_size: int = opt(512, "vocabulary (>= 261: 256 byte tokens + 4 special tokens + 1 "
                           "merge in the generated tokenizer)", lo=261)
     max_position_embeddings: int = opt(2048, "longest sequence (prompt + output; alias "
-                                       "--max-model-len)", lo=2)
+                                       "--max-model-len, --context-length); with --model a "
+                                       "smaller value caps the checkpoint's, a larger one is "
+                                       "refused (2048 reads as not given)", lo=2)
     scoring_func: str = opt("sigmoid", "router scores, reported from the checkpoint (sigmoid: "
                             "deepseek_v3, softmax: the other families); a value set here is "
                             "replaced", choices=("softmax", "sigmoid"))
