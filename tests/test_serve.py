@@ -253,7 +253,8 @@ def test_sigterm_during_the_engine_warmup_is_a_clean_stop(start_server):
     s.proc.send_signal(signal.SIGTERM)
     rc = s.proc.wait(30)
     err = s.err.read_text()
-    assert rc == 0 and "killed (SIGKILL)" not in err, err[-2000:]
+    logs = "\n".join(p.read_text()[-1500:] for p in sorted(s.log_dir.glob("*.log")))
+    assert rc == 0 and "killed (SIGKILL)" not in err, f"rc={rc}\n{err[-2000:]}\n{logs}"
     assert "engine exit code=0" in (s.log_dir / "engine.log").read_text()
     time.sleep(0.3)
     assert s.alive() == [] and shm_objects(s.run_id) == []
