@@ -136,3 +136,21 @@ def test_unwritable_outputs_fail_before_any_file(tmp_path, monkeypatch, extra, m
     assert r.exit_code == 2, r.output
     assert msg in r.output and "Traceback" not in r.output
     assert sorted(p.name for p in tmp_path.iterdir()) == ["loads.json"]
+
+
+def test_a_bad_option_value_is_one_error_line_and_the_default_policy_is_incremental(tmp_path):
+    # issue 35: click's multi-line "Usage: ... Error: ..." block; plan defaulted to balanced
+    from click.testing import CliRunner
+
+    from xllm_eplb.cli import cli
+
+    lf = loads_file(tmp_path)
+    r = CliRunner().invoke(cli, ["plan", "--load", str(lf), "--ep-size", "4", "-o",
+                                 str(tmp_path / "o.json"), "--format", "foo"])
+    assert r.exit_code == 2 and r.output.count("\n") == 1, r.output
+    assert r.output.startswith("error: Invalid value for '--format': 'foo' is not one of")
+    assert r.output.rstrip().endswith("plan --help')")
+    r = CliRunner().invoke(cli, ["plan", "--load", str(lf), "--ep-size", "4", "-o",
+                                 str(tmp_path / "o.json")])
+    assert r.exit_code == 0, r.output
+    assert json.loads((tmp_path / "o.json").read_text())["policy"] == "incremental"
