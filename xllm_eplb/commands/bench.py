@@ -19,7 +19,10 @@ Reported (seconds): request throughput, output tokens/s, TTFT (arrival of the fi
 TPOT ((E2E - TTFT) / (tokens - 1) per request), ITL (gap between consecutive token-carrying
 chunks) and E2E latency, each as mean, P50, P90 and P99. A table on stdout, headed by what the
 server said about itself before the run (``/v1/models``, ``/eplb/status``: model, EP size, EPLB
-policy, the built-in workload); ``--json PATH`` writes every number.
+policy, the built-in workload) and ended by an EPLB section read from ``/eplb/status`` before and
+after the run (:mod:`~xllm_eplb.commands.bench_eplb`: MoE critical path, balancedness, slots
+moved, the modelled gain); ``--compare URL2``: the same load against two servers, alternately,
+one side-by-side table; ``--json PATH`` writes every number.
 """
 
 from __future__ import annotations
