@@ -26,10 +26,12 @@ import os
 
 import numpy as np
 
+from xllm_eplb.eplb.balance import rank_loads_from_phy2log
 from xllm_eplb.eplb.policy import policy_class
 from xllm_eplb.eplb.policy.node_aware import check_topology
 from xllm_eplb.eplb.policy.packing import (
     cyclic_fallback,
+    pack_sequences,
     select_replicas_max_load,
     stabilize_slots,
 )
@@ -215,12 +217,52 @@ def make_layout_policy(kind: str, ranks: int, num_logical: int, slots: int,
     return cls(ranks, num_logical, 0, slots, num_nodes=nodes, num_groups=groups)
 
 
+#: layouts of at most this many slots also get DeepSeek's plan as a candidate
+SMALL_LAYOUT = 64
+
+
+def repeat_candidates(w: np.ndarray, num_replicas: int, num_ranks: int, kind: str,
+                      num_nodes: int, num_groups: int | None) -> np.ndarray | None:
+    """DeepSeek's algorithm's table (an expert may repeat on a rank) where that can beat this
+    project's plan: slots per rank >= half the experts (the granularity of a few slots per rank is
+    coarse there, and two replicas of one expert on a rank split its load under vLLM's, SGLang's
+    and TensorRT-LLM's routing), or a small layout (``R <=`` :data:`SMALL_LAYOUT` slots, where the
+    extra plan costs well under a millisecond per layer). node_aware keeps DeepSeek's node grouping when its
+    rule holds. None elsewhere."""
+    from xllm_eplb.integrations import deepseek_ref
+
+    num_e = w.shape[1]
+    if 2 * (num_replicas // num_ranks) < num_e and num_replicas > SMALL_LAYOUT:
+        return None
+    nodes, groups = int(num_nodes or 1), int(num_groups or 1)
+    if kind != "node_aware" or groups % nodes or num_e % groups or num_ranks % nodes:
+        nodes, groups = 1, 1
+    return deepseek_ref.rebalance_experts(w, num_replicas, groups, nodes, num_ranks)[0]
+
+
+def lowest_peak(table: np.ndarray, other: np.ndarray | None, w: np.ndarray,
+                num_ranks: int) -> np.ndarray:
+    """Per layer, ``other``'s row where its peak rank load is lower by more than 1e-9
+    relative, else ``table``'s (in place on ``table``)."""
+    if other is None:
+        return table
+    pk = rank_loads_from_phy2log(table, w, num_ranks).max(axis=1)
+    po = rank_loads_from_phy2log(other, w, num_ranks).max(axis=1)
+    win = po < pk * (1 - 1e-9)
+    table[win] = other[win]
+    return table
+
+
 def plan_physical(weight, num_replicas: int, num_ranks: int, *, kind: str | None = None,
-                  old=None, num_nodes: int = 1, num_groups: int | None = None) -> np.ndarray:
+                  old=None, num_nodes: int = 1, num_groups: int | None = None,
+                  rank_repeats: bool = True) -> np.ndarray:
     """Plan ``num_replicas`` slots on ``num_ranks`` ranks for ``weight [L, E]`` -> phy2log int64
     [L, R] (numpy). ``old`` [L, R] is the deployed map (rows that are not full maps are
     planned fresh); ``kind`` one of :data:`KINDS` (None: ``XLLM_EPLB_POLICY``, else
-    incremental). LayoutError for an impossible layout."""
+    incremental). ``rank_repeats``: the host routes over replicas on one rank too (vLLM,
+    SGLang, DeepSeek, TensorRT-LLM), so where slots per rank >= half the experts a layer takes
+    the table with repeats (:func:`repeat_candidates`) when its peak is lower; False (vllm-ascend)
+    keeps one replica per rank whenever ``S <= E``. LayoutError for an impossible layout."""
     w = as_loads(weight)
     layers, num_e = w.shape
     slots = check_layout(num_e, int(num_replicas), int(num_ranks))
@@ -236,6 +278,47 @@ def plan_physical(weight, num_replicas: int, num_ranks: int, *, kind: str | None
         table = np.stack([np.asarray(deployed[i] if r is None else r, dtype=np.int64)
                           for i, r in enumerate(rows)])
         fill_fresh(table, w, dv, sv)
+        if rank_repeats:
+            other = repeat_candidates(w, int(num_replicas), int(num_ranks), k, num_nodes,
+                                      num_groups)
+            table = lowest_peak(table, other, w, int(num_ranks))
+        warn_off_bound(k, table, w, int(num_ranks))
     table = keep_slots(table, deployed, int(num_ranks))
-    verify(table, num_e, int(num_ranks), v)
+    verify(table, num_e, int(num_ranks), slots if rank_repeats else v)
     return table
+
+
+#: balanced / greedy warn (once per process and geometry) when a plan's peak is this far above
+#: the layer's lower bound: the geometry is the wrong one for them (docs/integrations.md)
+WARN_SLACK = 0.01
+_warned: set = set()
+
+
+def warn_off_bound(kind: str, table: np.ndarray, w: np.ndarray, num_ranks: int) -> None:
+    """One warning line when ``balanced`` / ``greedy`` plan more than :data:`WARN_SLACK` above a
+    plain reference on this geometry (min-max replica counts packed heaviest replica first onto
+    the least-loaded rank), naming the policy that fits it."""
+    if kind not in ("balanced", "greedy"):
+        return
+    layers, nslots = table.shape
+    wf = np.asarray(w, dtype=np.float64)
+    num_e = wf.shape[1]
+    slots = nslots // num_ranks
+    if slots > num_e:
+        return
+    cnt = select_replicas_max_load(wf, nslots - num_e, num_ranks)
+    items = np.stack([np.repeat(np.arange(num_e), c) for c in cnt])
+    per = np.take_along_axis(wf, items, 1) / np.take_along_axis(cnt, items, 1)
+    order = np.argsort(-per, axis=1, kind="stable")
+    ref, ok = pack_sequences(np.take_along_axis(items, order, 1),
+                             np.take_along_axis(per, order, 1), num_ranks, slots, num_e)
+    if not ok.all():
+        return
+    pk = rank_loads_from_phy2log(table, wf, num_ranks).max(axis=1).sum()
+    pr = rank_loads_from_phy2log(ref, wf, num_ranks).max(axis=1).sum()
+    key = (kind, num_e, nslots, num_ranks)
+    if pr > 0 and pk > pr * (1 + WARN_SLACK) and key not in _warned:
+        _warned.add(key)
+        log.warning("xllm-eplb: %s plans %.4f x a plain packing's peak on %d experts, %d slots, "
+                    "%d ranks (a geometry it does not fit: use incremental, see "
+                    "docs/integrations.md)", kind, pk / pr, num_e, nslots, num_ranks)

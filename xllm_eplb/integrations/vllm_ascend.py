@@ -1,8 +1,9 @@
 """vllm-ascend (legacy dynamic-EPLB path): ``XllmAscendPolicy``, its ``EplbPolicy`` interface.
 
-``rebalance_experts(current_expert_table [L, D, S], expert_workload [L, D, S])`` -> ``(change,
-priority, new_table [L, D, S])``: the workload is per slot (an expert's load is the sum over its
-slots), ``change`` is 1 when any layer's table changed, ``priority`` orders the layers by
+``rebalance_experts(current_expert_table [L, D, S], expert_workload)`` -> ``(change, priority,
+new_table [L, D, S])``: the workload is per slot, ``[L, D, S]`` (an expert's load is the sum over
+its slots) or, from FlashLB's slot (policy type 3), a window ``[T, L, D, S]`` (summed over the
+steps); ``change`` is 1 when any layer's table changed, ``priority`` orders the layers by
 improvement (new peak / old peak, ascending: the most improved first, as vllm-ascend's own
 policies do). vllm-ascend's worker reverts a layer unless every expert is present, no device
 holds an expert twice and every expert that stays on a device keeps its exact slot; the tables
@@ -57,9 +58,12 @@ class XllmAscendPolicy:
     def _plan(self, current_expert_table, expert_workload):
         cur = to_numpy(current_expert_table).astype(np.int64)
         load = to_numpy(expert_workload)
+        if load.ndim == 4 and load.shape[1:] == cur.shape:
+            load = load.sum(axis=0)          # FlashLB's slot (type 3): a window [T, L, D, S]
         if cur.ndim != 3 or load.shape != cur.shape:
-            raise LayoutError(f"tables of shapes {cur.shape} and {load.shape}: need equal "
-                              f"[layers, devices, slots]")
+            raise LayoutError(f"tables of shapes {cur.shape} and {load.shape}: need "
+                              f"[layers, devices, slots] and a workload of that shape or "
+                              f"[steps, layers, devices, slots]")
         layers, num_d, s = cur.shape
         num_e = int(cur.max()) + 1
         if s > num_e:
@@ -67,7 +71,7 @@ class XllmAscendPolicy:
                               f"allows one replica of an expert per device)")
         w = logical_load(cur, load, num_e)
         old = cur.reshape(layers, -1)
-        new = plan_physical(w, num_d * s, num_d, kind=self.policy, old=old)
+        new = plan_physical(w, num_d * s, num_d, kind=self.policy, old=old, rank_repeats=False)
         before = rank_loads_from_phy2log(old, w, num_d).max(axis=1)
         after = rank_loads_from_phy2log(new, w, num_d).max(axis=1)
         ratio = np.where(before > 0, after / np.where(before > 0, before, 1.0), 1.0)

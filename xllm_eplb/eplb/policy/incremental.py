@@ -156,7 +156,9 @@ class IncrementalPolicy(EplbPolicy):
         todo = np.nonzero(~(strict & (c == c0).all(axis=1)))[0]   # steady state: nothing to do
         if todo.size:
             rep[todo], ok[todo] = repair(w[todo], t0[todo], c[todo])
-        traj = [[(0, cur[i])] for i in range(n)]     # point 0 = keep the deployed table
+        # point 0 = keep the deployed table; a layer with nothing deployed has no table to keep
+        # (its seed is an initial layout nobody deployed): point 0 can never win there
+        traj = [[(0, np.inf if unseeded[i] else cur[i])] for i in range(n)]
         moves: list[list] = [[] for _ in range(n)]
         idx = np.nonzero(ok & (fresh | (cur > start)))[0]
         n_fb = 0
