@@ -39,8 +39,11 @@ from xllm_eplb.errors import ConfigError
 
 log = logging.getLogger("xllm_eplb.integrations")
 
-#: the environment variable that opts a host engine in (the one env read of the library)
+#: the environment variable that opts a host engine in (one of the two env reads of the library)
 ENV = "XLLM_EPLB_POLICY"
+#: set (1/true/on/yes) to make every adapter raise instead of falling back to the host's policy,
+#: so that a host's CI can tell who planned
+STRICT_ENV = "XLLM_EPLB_STRICT"
 KINDS = ("incremental", "balanced", "greedy", "node_aware")
 DEFAULT_KIND = "incremental"
 #: incremental's ``cold_slack`` in a host engine: a deployed layer above 1.25 x its lower bound
@@ -69,6 +72,15 @@ def env_kind(environ=None) -> str | None:
         log.warning("xllm-eplb: %s=%r is not one of %s; using %s", ENV, raw, ", ".join(KINDS),
                     DEFAULT_KIND)
     return DEFAULT_KIND
+
+
+def strict_mode(flag: bool | None = None, environ=None) -> bool:
+    """``flag`` when given (an adapter's ``strict`` argument), else ``XLLM_EPLB_STRICT``:
+    True for 1 / true / on / yes."""
+    if flag is not None:
+        return bool(flag)
+    raw = (os.environ if environ is None else environ).get(STRICT_ENV, "").strip().lower()
+    return raw in ("1", "true", "on", "yes")
 
 
 def resolve_kind(kind: str | None) -> str:
@@ -117,7 +129,8 @@ def check_layout(num_logical: int, num_replicas: int, num_ranks: int) -> int:
                           f"num_ranks={num_ranks}")
     if num_replicas < num_logical:
         raise LayoutError(f"num_replicas={num_replicas} must be >= the {num_logical} logical "
-                          f"experts")
+                          f"experts (every expert needs a slot: the router still picks an "
+                          f"expert without one; a partial plan is refused)")
     return num_replicas // num_ranks
 
 
@@ -240,15 +253,15 @@ def repeat_candidates(w: np.ndarray, num_replicas: int, num_ranks: int, kind: st
     return deepseek_ref.rebalance_experts(w, num_replicas, groups, nodes, num_ranks)[0]
 
 
-def lowest_peak(table: np.ndarray, other: np.ndarray | None, w: np.ndarray,
-                num_ranks: int) -> np.ndarray:
-    """Per layer, ``other``'s row where its peak rank load is lower by more than 1e-9
-    relative, else ``table``'s (in place on ``table``)."""
+def lowest_peak(table: np.ndarray, other: np.ndarray | None, w: np.ndarray, num_ranks: int,
+                free: np.ndarray) -> np.ndarray:
+    """Per layer where ``free`` (bool [L]), ``other``'s row when its peak rank load is lower than
+    ``table``'s by more than 1e-9 relative; in place on ``table``."""
     if other is None:
         return table
     pk = rank_loads_from_phy2log(table, w, num_ranks).max(axis=1)
     po = rank_loads_from_phy2log(other, w, num_ranks).max(axis=1)
-    win = po < pk * (1 - 1e-9)
+    win = free & (po < pk * (1 - 1e-9))
     table[win] = other[win]
     return table
 
@@ -281,7 +294,10 @@ def plan_physical(weight, num_replicas: int, num_ranks: int, *, kind: str | None
         if rank_repeats:
             other = repeat_candidates(w, int(num_replicas), int(num_ranks), k, num_nodes,
                                       num_groups)
-            table = lowest_peak(table, other, w, int(num_ranks))
+            # incremental keeps a deployed layer's slots (its hysteresis decides when it moves);
+            # a from-scratch candidate competes on the layers planned fresh
+            free = (deployed < 0).any(axis=1) | (k != "incremental")
+            table = lowest_peak(table, other, w, int(num_ranks), free)
         warn_off_bound(k, table, w, int(num_ranks))
     table = keep_slots(table, deployed, int(num_ranks))
     verify(table, num_e, int(num_ranks), slots if rank_repeats else v)

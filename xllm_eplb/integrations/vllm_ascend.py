@@ -12,7 +12,8 @@ here obey all three (``S <= E``; ``S > E`` cannot obey the second and is refused
 Use: ``PolicyFactory`` maps integers to classes; put ``XllmAscendPolicy`` where the chosen
 ``eplb_policy_type`` is built, e.g. ``XllmAscendPolicy(config, fallback=DefaultEplb(config))``.
 On a failure it logs one line and answers ``fallback``'s plan, or "no change" without one
-(what the worker does with an invalid plan).
+(what the worker does with an invalid plan); ``strict=True`` or ``XLLM_EPLB_STRICT=1`` raises
+instead.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 
 from xllm_eplb.eplb.balance import rank_loads_from_phy2log
-from xllm_eplb.integrations.core import LayoutError, log, plan_physical, to_numpy
+from xllm_eplb.integrations.core import LayoutError, log, plan_physical, strict_mode, to_numpy
 
 __all__ = ["XllmAscendPolicy", "logical_load"]
 
@@ -39,15 +40,20 @@ def logical_load(table: np.ndarray, workload: np.ndarray, num_logical: int) -> n
 class XllmAscendPolicy:
     """``config``: vllm-ascend's ``DynamicConfig`` (kept, unused); ``policy``: one of
     incremental (default), balanced, greedy, node_aware (None: ``XLLM_EPLB_POLICY``);
-    ``fallback``: a vllm-ascend policy object used when planning fails."""
+    ``fallback``: a vllm-ascend policy object used when planning fails; ``strict``: raise
+    instead (None: ``XLLM_EPLB_STRICT``)."""
 
-    def __init__(self, config=None, *, policy: str | None = None, fallback=None):
+    def __init__(self, config=None, *, policy: str | None = None, fallback=None,
+                 strict: bool | None = None):
         self.config, self.policy, self.fallback = config, policy, fallback
+        self.strict = strict
 
     def rebalance_experts(self, current_expert_table, expert_workload):
         try:
             return self._plan(current_expert_table, expert_workload)
         except Exception as e:
+            if strict_mode(self.strict):
+                raise
             log.warning("xllm-eplb: %s: %s; %s", type(e).__name__, e,
                         "using the fallback policy" if self.fallback else "keeping the table")
             if self.fallback is not None:
