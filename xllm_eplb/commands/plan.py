@@ -200,12 +200,17 @@ def run_plan(load: str, ep_size: int, redundant: int, policy: str, previous: str
     return result, before, after, dict(skipped=skipped, layers=layers, moe_total=total)
 
 
+def global_balance(rank_loads: np.ndarray) -> float:
+    """Sum of the mean rank loads over the sum of the largest ones (1.0 when all zero)."""
+    top = rank_loads.max(axis=1).sum()
+    return 1.0 if top <= 0 else float(rank_loads.mean(axis=1).sum() / top)
+
+
 def render_report(result: dict, before: np.ndarray, after: np.ndarray, load: str,
                   layers: range) -> str:
     """Markdown: per-layer balancedness (mean/max rank load) and peak/ideal, before and after."""
     bb, ba = balancedness(before), balancedness(after)
-    gb = before.mean(axis=1).sum() / before.max(axis=1).sum()
-    ga = after.mean(axis=1).sum() / after.max(axis=1).sum()
+    gb, ga = global_balance(before), global_balance(after)
     lines = [
         f"# Placement plan: {result['policy']}", "",
         f"- load file: `{load}` (dense layers skipped: {result['dense_layers_skipped']})",
@@ -285,7 +290,7 @@ def plan(load, ep_size, redundant, policy, previous, moe_layers, output, fmt, re
         for path in written:
             Path(path).unlink(missing_ok=True)
         raise UserError(f"cannot write the plan outputs: {e}") from None
-    ga = after.mean(axis=1).sum() / after.max(axis=1).sum()
+    ga = global_balance(after)
     msg = (f"policy={result['policy']} layers={len(info['layers'])} "
            f"peak_over_ideal={1 / ga:.4f} balancedness={ga:.4f} "
            f"policy_ms={result['policy_seconds'] * 1000:.1f}")
