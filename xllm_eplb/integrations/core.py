@@ -31,7 +31,7 @@ from xllm_eplb.eplb.policy import policy_class
 from xllm_eplb.eplb.policy.node_aware import check_topology
 from xllm_eplb.eplb.policy.packing import (
     cyclic_fallback,
-    pack_sequences,
+    lpt_pack,
     select_replicas_max_load,
     stabilize_slots,
 )
@@ -323,11 +323,7 @@ def warn_off_bound(kind: str, table: np.ndarray, w: np.ndarray, num_ranks: int) 
     if slots > num_e:
         return
     cnt = select_replicas_max_load(wf, nslots - num_e, num_ranks)
-    items = np.stack([np.repeat(np.arange(num_e), c) for c in cnt])
-    per = np.take_along_axis(wf, items, 1) / np.take_along_axis(cnt, items, 1)
-    order = np.argsort(-per, axis=1, kind="stable")
-    ref, ok = pack_sequences(np.take_along_axis(items, order, 1),
-                             np.take_along_axis(per, order, 1), num_ranks, slots, num_e)
+    ref, ok = lpt_pack(wf, cnt, num_ranks, slots)
     if not ok.all():
         return
     pk = rank_loads_from_phy2log(table, wf, num_ranks).max(axis=1).sum()

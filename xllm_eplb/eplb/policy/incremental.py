@@ -55,6 +55,7 @@ from xllm_eplb.eplb.policy.noise_aware import noise_weights
 from xllm_eplb.eplb.policy.packing import (
     cyclic_fallback,
     fast_path_ok,
+    lpt_pack,
     pack_sequences,
     select_replicas_max_load,
     stabilize_slots,
@@ -153,7 +154,15 @@ class IncrementalPolicy(EplbPolicy):
         cur = rank_loads_from_phy2log(base, w, d).max(axis=1)
         rep = t0.copy()
         ok = np.ones(n, dtype=bool)
-        todo = np.nonzero(~(strict & (c == c0).all(axis=1)))[0]   # steady state: nothing to do
+        # a layer with nothing deployed starts from the LPT packing of the min-max counts: no
+        # slot of it is deployed, so no move costs anything (the search then starts near target)
+        lpt = np.zeros(n, dtype=bool)
+        if unseeded.any():
+            u = np.nonzero(unseeded)[0]
+            packed, lpt[u] = lpt_pack(w[u], c_opt[u], d, s)
+            c[u[lpt[u]]] = c_opt[u[lpt[u]]]
+            rep[u[lpt[u]]] = packed[lpt[u]].reshape(-1, d, s)
+        todo = np.nonzero(~(strict & (c == c0).all(axis=1)) & ~lpt)[0]   # steady state: nothing
         if todo.size:
             rep[todo], ok[todo] = repair(w[todo], t0[todo], c[todo])
         # point 0 = keep the deployed table; a layer with nothing deployed has no table to keep
@@ -340,16 +349,9 @@ class IncrementalPolicy(EplbPolicy):
     def _scratch(self, w, counts, target):
         """From-scratch plan: min-max counts, LPT by per-replica load, swap search.
         Returns (tables int64 [k, D, S], peaks [k])."""
-        k, num_e = w.shape
+        k = w.shape[0]
         d, s = self.ep_size, self.slots
-        items = np.stack([np.repeat(np.arange(num_e), counts[i]) for i in range(k)])
-        per = np.take_along_axis(w, items, 1) / np.take_along_axis(counts, items, 1)
-        order = np.argsort(-per, axis=1, kind="stable")
-        items = np.take_along_axis(items, order, 1)
-        table, packed = pack_sequences(items, np.take_along_axis(per, order, 1), d, s, num_e)
-        for i in np.nonzero(~packed)[0]:
-            table[i] = cyclic_fallback(w[i], counts[i], d, s)
-        table = table.reshape(k, d, s)
+        table = lpt_pack(w, counts, d, s)[0].reshape(k, d, s)
         pk, _ = swap_search(table, w, counts.copy(), target, np.zeros(k), self.max_iters)
         return table, pk
 
