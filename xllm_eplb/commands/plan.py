@@ -29,7 +29,7 @@ import numpy as np
 from xllm_eplb.cli import handle_user_errors
 from xllm_eplb.eplb.balance import balancedness, rank_loads_from_phy2log
 from xllm_eplb.eplb.loads import parse_layer_range
-from xllm_eplb.eplb.placement import PlacementError, diff, validate_phy2log
+from xllm_eplb.eplb.placement import diff, validate_table
 from xllm_eplb.errors import InputFileError, UserError
 
 
@@ -99,12 +99,8 @@ def read_previous(path: str, layers: range, total_layers: int, ep_size: int, slo
     if a.shape != want:
         raise InputFileError(f"{p}: previous phy2log has shape {a.shape}, expected {want} "
                              f"(layers x ep_size*slots_per_rank)")
-    for i, row in enumerate(a):
-        try:
-            validate_phy2log(row, num_logical, ep_size, f"{p}: layer {layers.start + i}",
-                             allow_rank_duplicates=True)
-        except PlacementError as e:
-            raise InputFileError(str(e)) from None
+    validate_table(a, num_logical, ep_size, f"{p}: layer {{}}", InputFileError, per_rank_cap=slots,
+                   first_layer=layers.start)
     return a
 
 

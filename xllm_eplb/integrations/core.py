@@ -27,6 +27,7 @@ import os
 import numpy as np
 
 from xllm_eplb.eplb.balance import rank_loads_from_phy2log
+from xllm_eplb.eplb.placement import PlacementError, check_slot_layout, validate_table
 from xllm_eplb.eplb.policy import policy_class
 from xllm_eplb.eplb.policy.node_aware import check_topology
 from xllm_eplb.eplb.policy.packing import (
@@ -119,19 +120,12 @@ def as_loads(weight) -> np.ndarray:
 
 
 def check_layout(num_logical: int, num_replicas: int, num_ranks: int) -> int:
-    """Slots per rank for ``num_replicas`` slots on ``num_ranks`` ranks; LayoutError naming the
-    rule unless ``num_ranks >= 1``, ``num_replicas % num_ranks == 0`` and
-    ``num_replicas >= num_logical``."""
-    if num_ranks < 1:
-        raise LayoutError(f"num_ranks={num_ranks}: must be >= 1")
-    if num_replicas % num_ranks:
-        raise LayoutError(f"num_replicas={num_replicas} must be a multiple of "
-                          f"num_ranks={num_ranks}")
-    if num_replicas < num_logical:
-        raise LayoutError(f"num_replicas={num_replicas} must be >= the {num_logical} logical "
-                          f"experts (every expert needs a slot: the router still picks an "
-                          f"expert without one; a partial plan is refused)")
-    return num_replicas // num_ranks
+    """Slots per rank (:func:`~xllm_eplb.eplb.placement.check_slot_layout`); LayoutError naming
+    the rule."""
+    try:
+        return check_slot_layout(num_logical, num_replicas, num_ranks)
+    except PlacementError as e:
+        raise LayoutError(str(e)) from None
 
 
 def virtual_split(num_logical: int, slots: int) -> int:
@@ -185,21 +179,9 @@ def keep_slots(table: np.ndarray, old: np.ndarray, num_ranks: int) -> np.ndarray
 
 def verify(table: np.ndarray, num_logical: int, num_ranks: int, per_rank_cap: int) -> None:
     """RuntimeError unless every layer holds every expert (ids in range) and no rank holds an
-    expert more than ``per_rank_cap`` times. One bincount over (layer, rank, expert)."""
-    layers, nslots = table.shape
-    if table.min() < 0 or table.max() >= num_logical:
-        raise RuntimeError("an expert id is out of range")
-    rank = np.arange(nslots) // (nslots // num_ranks)
-    key = (np.arange(layers)[:, None] * num_ranks + rank) * num_logical + table
-    cnt = np.bincount(key.ravel(), minlength=layers * num_ranks * num_logical).reshape(
-        layers, num_ranks, num_logical)
-    if cnt.max() > per_rank_cap:
-        i, d, _ = (int(x[0]) for x in np.nonzero(cnt > per_rank_cap))
-        raise RuntimeError(f"layer {i}: rank {d} repeats an expert more than {per_rank_cap} "
-                           f"times")
-    if (cnt.sum(axis=1) == 0).any():
-        i = int(np.nonzero((cnt.sum(axis=1) == 0).any(axis=1))[0][0])
-        raise RuntimeError(f"layer {i}: an expert has no replica")
+    expert more than ``per_rank_cap`` times (the toolkit's ``validate_table``)."""
+    validate_table(table, num_logical, num_ranks, "planned table: layer {}", RuntimeError,
+                   per_rank_cap)
 
 
 def fill_fresh(table: np.ndarray, w: np.ndarray, ranks: int, slots: int) -> None:

@@ -46,6 +46,8 @@ import logging
 import numpy as np
 
 from xllm_eplb.eplb.balance import rank_loads_from_phy2log
+from xllm_eplb.eplb.placement import apply_moves as replay
+from xllm_eplb.eplb.placement import replica_counts, undo_swaps
 from xllm_eplb.eplb.policy.balanced import balanced_items, finish_balanced, plan_balanced
 from xllm_eplb.eplb.policy.base import EplbPolicy
 from xllm_eplb.eplb.policy.excess import excess_search
@@ -61,12 +63,7 @@ from xllm_eplb.eplb.policy.packing import (
     stabilize_slots,
 )
 from xllm_eplb.eplb.policy.repair import adjust_counts, dedup_ranks, repair
-from xllm_eplb.eplb.policy.trajectory import (
-    best_cut,
-    replay,
-    replay_undo,
-    spend_budget,
-)
+from xllm_eplb.eplb.policy.trajectory import best_cut, spend_budget
 from xllm_eplb.errors import ConfigError
 
 __all__ = ["IncrementalPolicy", "best_cut", "dedup_ranks", "replay", "spend_budget"]
@@ -126,7 +123,7 @@ class IncrementalPolicy(EplbPolicy):
         unseeded = (base < 0).any(axis=1)
         base[unseeded] = self.initial_row()
         t0 = dedup_ranks(base.reshape(n, d, s))
-        c0 = np.stack([np.bincount(row[row >= 0], minlength=num_e) for row in t0.reshape(n, -1)])
+        c0 = replica_counts(t0.reshape(n, -1), num_e)          # free slots (-1) not counted
         free = (t0 < 0).sum(axis=(1, 2))
         c_opt = select_replicas_max_load(w, self.num_slots - num_e, d)
         # NOTE: a deployed strict layer keeps its replica counts here; only the excess search's
@@ -289,7 +286,7 @@ class IncrementalPolicy(EplbPolicy):
                              self.max_iters, base=base[redo], must=must[redo])
         rep0 = sub[redo].copy()
         for j, x in enumerate(redo):                 # undo the excess moves: the repaired table
-            rep0[j] = replay_undo(rep0[j], mv[x])
+            rep0[j] = undo_swaps(rep0[j], mv[x])
         pb, mb = swap_search(rep0, w[redo], c[redo].copy(), target[redo], slot_cost[redo],
                              self.max_iters, base=base[redo], must=must[redo])
         for j, x in enumerate(redo):
