@@ -63,13 +63,16 @@ class XllmEplbPolicy:
 
 
 def install(registry: dict, kind: str, abstract=None) -> type:
-    """Replace ``registry["default"]`` by a subclass of :class:`XllmEplbPolicy` (and of
-    ``abstract``, vLLM's ``AbstractEplbPolicy``, when given) that falls back to the replaced
-    class. Idempotent. Returns the installed class."""
+    """Replace ``registry["default"]`` by a subclass of :class:`XllmEplbPolicy` and of the
+    replaced class (else of ``abstract``, vLLM's ``AbstractEplbPolicy``, when given) that falls
+    back to the replaced class. Idempotent. Returns the installed class."""
     cur = registry.get("default")
     if getattr(cur, "_xllm_eplb", False):
         return cur
-    bases = (XllmEplbPolicy,) + ((abstract,) if abstract is not None else ())
+    # a subclass of the replaced class too: vLLM code calling its other class methods (e.g.
+    # DefaultEplbPolicy.preserve_intragpu_slots) still finds them
+    host = (cur,) if isinstance(cur, type) else ()
+    bases = (XllmEplbPolicy,) + (host or ((abstract,) if abstract is not None else ()))
     cls = type("XllmEplbPolicy", bases, {"kind": kind, "host_default": cur,
                                          "__module__": __name__})
     registry["default"] = cls
