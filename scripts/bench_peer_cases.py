@@ -5,7 +5,7 @@ Per case and policy: peak/ideal (sum of the largest rank loads over the sum of t
 the difference to the host default's, TensorRT-LLM's max - min rank load where the case states
 that bound, vllm-ascend's mean max/mean where it states a bar, whether every invariant held
 (every expert present, ids in range), and the planning time (process CPU ms, best of
-``--repeats``).
+``--repeats`` after a warm-up call).
 
 Usage: ``OMP_NUM_THREADS=1 .venv/bin/python scripts/bench_peer_cases.py [--quick] [--json
 PATH] [--layers N]`` (``--quick``: one repeat, 2 layers on the synthetic large cases).
@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+import timeit
 from pathlib import Path
 
 import numpy as np
@@ -31,12 +32,9 @@ from xllm_eplb.testing.peer_cases import (
 
 
 def _timed(fn, repeats: int):
-    best, out = np.inf, None
-    for _ in range(repeats):
-        t0 = time.process_time()
-        out = fn()
-        best = min(best, time.process_time() - t0)
-    return out, best * 1000
+    """(result, best process-CPU ms over ``repeats`` calls after one warm-up call)."""
+    out = fn()
+    return out, 1000 * min(timeit.Timer(fn, timer=time.process_time).repeat(repeats, 1))
 
 
 def valid(table: np.ndarray, num_e: int) -> bool:
