@@ -15,6 +15,12 @@ Layouts beyond the engine's rules (``config.layout_rules``):
   possible, whenever that divides ``S``). Balanced virtual ranks make balanced ranks (a rank's
   load is their sum).
 
+On a small layout (slots per rank >= half the experts, or at most ``SMALL_LAYOUT`` slots) a
+layer planned fresh also gets DeepSeek's algorithm's table, where an expert may repeat on a rank
+(vLLM, SGLang and TensorRT-LLM route over such replicas), and keeps the one with the lower peak
+(``rank_repeats=False``, vllm-ascend's adapter: never). ``balanced`` / ``greedy`` warn once per
+geometry where they plan far above a plain packing (``warn_off_bound``).
+
 Afterwards every rank keeps the experts it keeps in their old slots (``keep_slots``), the
 retained-slot rule of vLLM's and vllm-ascend's callers.
 """

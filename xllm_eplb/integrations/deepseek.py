@@ -12,10 +12,10 @@ left-packed, X = the largest replica count), ``logcnt [L, E]``, int64 on the CPU
 for a torch ``weight``, numpy arrays otherwise). Differences: the policy (``policy=`` or
 ``XLLM_EPLB_POLICY``: incremental (default), balanced, greedy, node_aware), the optional
 ``old_phy2log`` (the deployed ``[L, R]`` map: migration-aware re-planning that keeps retained
-experts in their slots), and replicas of one expert share a GPU only when ``R / num_gpus > E``
-(see :mod:`xllm_eplb.integrations.core`: at most V per GPU). ``num_groups`` / ``num_nodes`` shape the plan only for node_aware
-(hierarchical under DeepSeek's rule ``num_groups % num_nodes == 0``); the other policies plan
-globally. A layout DeepSeek refuses (``num_replicas % num_gpus``, ``num_gpus % num_nodes``,
+experts in their slots), and replicas of one expert share a GPU only where the layout forces it
+or, on a small layout, where that lowers the peak (see :mod:`xllm_eplb.integrations.core`).
+``num_groups`` / ``num_nodes`` shape the plan only for node_aware (hierarchical under DeepSeek's
+rule ``num_groups % num_nodes == 0``); the other policies plan globally. A layout DeepSeek refuses (``num_replicas % num_gpus``, ``num_gpus % num_nodes``,
 ``R < E``) raises :class:`~xllm_eplb.integrations.core.LayoutError` (an AssertionError, as
 DeepSeek's asserts); any other failure logs one line and returns DeepSeek's own algorithm's plan
 (:mod:`xllm_eplb.integrations.deepseek_ref`), or raises with ``strict=True`` /
