@@ -7,8 +7,13 @@ that bound, vllm-ascend's mean max/mean where it states a bar, whether every inv
 (every expert present, ids in range), and the planning time (process CPU ms, best of
 ``--repeats`` after a warm-up call).
 
+``--adapters``: also one fresh EP32+32 plan (``decode_in1000out1000`` of the DeepSeek dumps,
+288 slots on 32 ranks, nothing deployed) through the DeepSeek, vLLM and SGLang adapters, best of
+``--repeats`` (skipped when the dumps are absent).
+
 Usage: ``OMP_NUM_THREADS=1 .venv/bin/python scripts/bench_peer_cases.py [--quick] [--json
-PATH] [--layers N]`` (``--quick``: one repeat, 2 layers on the synthetic large cases).
+PATH] [--layers N] [--adapters]`` (``--quick``: one repeat, 2 layers on the synthetic large
+cases).
 """
 
 from __future__ import annotations
@@ -69,14 +74,46 @@ def run(layers: int, repeats: int) -> list[dict]:
     return rows
 
 
+DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "sglang_ep_statistics"
+
+
+def adapter_rows(repeats: int) -> list[dict]:
+    """Fresh EP32+32 through each adapter (module doc); [] without the DeepSeek dumps."""
+    path = DATA / "decode_in1000out1000.json"
+    if not path.is_file():
+        return []
+    import torch
+
+    from xllm_eplb.eplb.loads import read_loads
+    from xllm_eplb.integrations import deepseek, sglang
+    from xllm_eplb.integrations.vllm import XllmEplbPolicy
+
+    a = read_loads(path).loads
+    t = torch.from_numpy(a)
+    fns = {"deepseek.rebalance_experts": lambda: deepseek.rebalance_experts(a, 288, 1, 1, 32)[0],
+           "vllm.XllmEplbPolicy": lambda: XllmEplbPolicy.rebalance_experts(t, 288, 1, 1, 32),
+           "sglang.rebalance_experts": lambda: sglang.rebalance_experts(t[None], 288, 9, None,
+                                                                        1)[0]}
+    out = []
+    for name, fn in fns.items():
+        table, ms = _timed(fn, repeats)
+        out.append(dict(adapter=name, ms=round(ms, 2),
+                        peak_over_ideal=round(imbalance(np.asarray(table), a, 32), 4)))
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="one repeat, 2 synthetic layers")
     ap.add_argument("--json", type=Path, default=None, help="write the rows here")
     ap.add_argument("--layers", type=int, default=8, help="layers of the synthetic cases")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--adapters", action="store_true", help="fresh EP32+32 through the adapters")
     a = ap.parse_args()
     rows = run(2 if a.quick else a.layers, 1 if a.quick else a.repeats)
+    extra = adapter_rows(1 if a.quick else max(a.repeats, 5)) if a.adapters else []
+    for r in extra:
+        print(f"fresh EP32+32 {r['adapter']}: {r['ms']} ms, peak/ideal {r['peak_over_ideal']}")
     print("| case | geometry | policy | peak/ideal | vs host | bound | valid | ms |")
     print("|---|---|---|---:|---:|---|---|---:|")
     for r in rows:
@@ -88,7 +125,7 @@ def main() -> None:
         print(f"| {r['case']} | {r['geometry']} | {r['policy']} | {r['peak_over_ideal']:.4f} | "
               f"{r['vs_host']:+.4f} | {bound} | {r['valid']} | {r['ms']} |")
     if a.json:
-        a.json.write_text(json.dumps(rows, indent=1) + "\n")
+        a.json.write_text(json.dumps({"cases": rows, "adapters": extra}, indent=1) + "\n")
 
 
 if __name__ == "__main__":
