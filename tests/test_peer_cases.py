@@ -6,7 +6,6 @@ one (load windows, tied loads, repeats on a rank, other engines' files, zero loa
 fallback and strict mode). No host package is imported."""
 
 import json
-import logging
 
 import numpy as np
 import pytest
@@ -198,4 +197,3 @@ def test_strict_mode_reads_the_argument_then_the_environment(monkeypatch):
     load[0, 0, 0] = np.nan
     with pytest.raises(ValueError, match="NaN"):
         XllmAscendPolicy(None).rebalance_experts(tab, load)
-    logging.getLogger("xllm_eplb.integrations").debug("strict checked")
