@@ -116,7 +116,7 @@ def test_install_replaces_default_and_falls_back_on_failure(caplog):
     with caplog.at_level("WARNING", logger="xllm_eplb.integrations"):
         got = cls.rebalance_experts(bad, 16, 4, 2, 8)
     assert DeepSeekPolicy.calls == 1 and got.shape == (2, 16)
-    assert len([r for r in caplog.records if "using vLLM's" in r.getMessage()]) == 1
+    assert len([r for r in caplog.records if "planned by vLLM's" in r.getMessage()]) == 1
 
 
 @needs_vllm

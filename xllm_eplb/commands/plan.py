@@ -29,7 +29,7 @@ import numpy as np
 from xllm_eplb.cli import handle_user_errors
 from xllm_eplb.eplb.balance import balancedness, rank_loads_from_phy2log
 from xllm_eplb.eplb.loads import parse_layer_range
-from xllm_eplb.eplb.placement import PlacementError, diff, validate_phy2log
+from xllm_eplb.eplb.placement import diff, validate_table
 from xllm_eplb.errors import InputFileError, UserError
 
 
@@ -99,12 +99,8 @@ def read_previous(path: str, layers: range, total_layers: int, ep_size: int, slo
     if a.shape != want:
         raise InputFileError(f"{p}: previous phy2log has shape {a.shape}, expected {want} "
                              f"(layers x ep_size*slots_per_rank)")
-    for i, row in enumerate(a):
-        try:
-            validate_phy2log(row, num_logical, ep_size, f"{p}: layer {layers.start + i}",
-                             allow_rank_duplicates=True)
-        except PlacementError as e:
-            raise InputFileError(str(e)) from None
+    validate_table(a, num_logical, ep_size, f"{p}: layer {{}}", InputFileError, per_rank_cap=slots,
+                   first_layer=layers.start)
     return a
 
 
@@ -137,7 +133,7 @@ def run_plan(load: str, ep_size: int, redundant: int, policy: str, previous: str
     from xllm_eplb.eplb.policy import normalize_kind
     from xllm_eplb.integrations.recordings import read_any
 
-    lf = read_any(load)
+    lf = read_any(load, zero_ok=True)
     total, num_e = lf.loads.shape
     layers = parse_layer_range(moe_layers, total)
     loads = lf.loads[layers.start:layers.stop]
@@ -145,6 +141,9 @@ def run_plan(load: str, ep_size: int, redundant: int, policy: str, previous: str
         raise UserError(f"--ep-size={ep_size}: must be > 1")
     if budget_slots < 0:
         raise UserError(f"--budget-slots={budget_slots}: must be >= 0 (0 = auto)")
+    if budget_slots and fmt != "native":
+        raise UserError(f"--budget-slots={budget_slots}: applies to --format native only (another "
+                        f"engine's file is a static plan: nothing of ours is deployed there)")
     if num_nodes < 1 or num_groups < 0:
         raise UserError(f"--num-nodes={num_nodes} --num-groups={num_groups}: need "
                         f"num_nodes >= 1 and num_groups >= 0")
@@ -155,19 +154,33 @@ def run_plan(load: str, ep_size: int, redundant: int, policy: str, previous: str
                              f"--ep-size={ep_size} (this engine's layout rule; --format "
                              f"sglang|vllm-ascend|trtllm plan any expert count)")
     slots = -(-num_e // ep_size) + redundant
-    if slots > num_e:
+    if slots > num_e and fmt in ("native", "vllm-ascend"):
         raise UserError(f"--redundant-experts-num={redundant}: {slots} slots per rank exceed "
                         f"the {num_e} experts (one replica of an expert per rank)")
     kind = normalize_kind(policy)
-    prev = (read_previous(previous, layers, total, ep_size, slots, num_e) if previous else
-            np.tile(initial_phy2log_any(num_e, ep_size, slots), (len(layers), 1)))
-    pol = make_layout_policy(kind, ep_size, num_e, redundant, slots,
-                             _policy_opts(kind, num_nodes, num_groups, budget_slots))
+    initial = np.tile(initial_phy2log_any(num_e, ep_size, slots), (len(layers), 1))
+    prev = read_previous(previous, layers, total, ep_size, slots, num_e) if previous else None
     t0 = time.perf_counter()
-    cands = pol.plan(loads, prev)
+    if fmt == "native":
+        # this engine starts from xLLM's initial layout: without --previous that is deployed
+        dep = initial if prev is None else prev
+        pol = make_layout_policy(kind, ep_size, num_e, redundant, slots,
+                                 _policy_opts(kind, num_nodes, num_groups, budget_slots))
+        cands = pol.plan(loads, dep)
+        table = np.stack([dep[i] if c is None else np.asarray(c, np.int64)
+                          for i, c in enumerate(cands)])
+    else:
+        # another engine: nothing of ours is deployed there, so without --previous every layer
+        # is planned fresh; the adapters' planner (an expert may repeat on a rank where that
+        # engine routes over such replicas: SGLang, TensorRT-LLM)
+        from xllm_eplb.integrations.core import plan_physical
+
+        dep = initial if prev is None else prev
+        table = plan_physical(loads, ep_size * slots, ep_size, kind=kind, old=prev,
+                              num_nodes=num_nodes, num_groups=num_groups or None,
+                              rank_repeats=fmt != "vllm-ascend")
+        cands = list(table)
     seconds = time.perf_counter() - t0
-    table = np.stack([prev[i] if c is None else np.asarray(c, np.int64)
-                      for i, c in enumerate(cands)])
     result = {
         "ep_size": ep_size, "slots_per_rank": slots, "num_logical_experts": num_e,
         "policy": kind, "moe_layers": [layers.start, layers.stop],
@@ -177,18 +190,23 @@ def run_plan(load: str, ep_size: int, redundant: int, policy: str, previous: str
     if previous:
         d = diff(prev, table, ep_size)
         result["moved_slots"], result["weight_copies"] = d.moved_slots, d.weight_copies
-    before = rank_loads_from_phy2log(prev, loads, ep_size)
+    before = rank_loads_from_phy2log(dep, loads, ep_size)
     after = rank_loads_from_phy2log(table, loads, ep_size)
     skipped = [i for i, c in enumerate(cands) if c is None]
     return result, before, after, dict(skipped=skipped, layers=layers, moe_total=total)
+
+
+def global_balance(rank_loads: np.ndarray) -> float:
+    """Sum of the mean rank loads over the sum of the largest ones (1.0 when all zero)."""
+    top = rank_loads.max(axis=1).sum()
+    return 1.0 if top <= 0 else float(rank_loads.mean(axis=1).sum() / top)
 
 
 def render_report(result: dict, before: np.ndarray, after: np.ndarray, load: str,
                   layers: range) -> str:
     """Markdown: per-layer balancedness (mean/max rank load) and peak/ideal, before and after."""
     bb, ba = balancedness(before), balancedness(after)
-    gb = before.mean(axis=1).sum() / before.max(axis=1).sum()
-    ga = after.mean(axis=1).sum() / after.max(axis=1).sum()
+    gb, ga = global_balance(before), global_balance(after)
     lines = [
         f"# Placement plan: {result['policy']}", "",
         f"- load file: `{load}` (dense layers skipped: {result['dense_layers_skipped']})",
@@ -242,6 +260,9 @@ def plan(load, ep_size, redundant, policy, previous, moe_layers, output, fmt, re
     result, before, after, info = run_plan(load, ep_size, redundant, policy, previous,
                                            moe_layers, num_nodes, num_groups, budget_slots,
                                            fmt)
+    if not before.any():
+        click.echo(f"every layer of {load} has zero load: planned as MoE layers without load "
+                   f"information (even replica counts)")
     if result["dense_layers_skipped"]:
         click.echo(f"skipped {result['dense_layers_skipped']} leading all-zero (dense) layers "
                    f"of {load}")
@@ -266,7 +287,7 @@ def plan(load, ep_size, redundant, policy, previous, moe_layers, output, fmt, re
         for path in written:
             Path(path).unlink(missing_ok=True)
         raise UserError(f"cannot write the plan outputs: {e}") from None
-    ga = after.mean(axis=1).sum() / after.max(axis=1).sum()
+    ga = global_balance(after)
     msg = (f"policy={result['policy']} layers={len(info['layers'])} "
            f"peak_over_ideal={1 / ga:.4f} balancedness={ga:.4f} "
            f"policy_ms={result['policy_seconds'] * 1000:.1f}")

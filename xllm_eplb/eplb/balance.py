@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from xllm_eplb.eplb.placement import replica_counts
+
 
 def rank_loads_from_phy2log(phy2log: np.ndarray, logical: np.ndarray, ep_size: int) -> np.ndarray:
     """Estimated per-rank load when each expert's load splits evenly over its replicas.
@@ -14,9 +16,7 @@ def rank_loads_from_phy2log(phy2log: np.ndarray, logical: np.ndarray, ep_size: i
     p = np.atleast_2d(np.asarray(phy2log, dtype=np.int64))
     lg = np.atleast_2d(np.asarray(logical, dtype=np.float64))
     layers, nslots = p.shape
-    num_e = lg.shape[1]
-    flat = (p + (np.arange(layers) * num_e)[:, None]).ravel()
-    cnt = np.bincount(flat, minlength=layers * num_e).reshape(layers, num_e).astype(np.float64)
+    cnt = replica_counts(p, lg.shape[1]).astype(np.float64)
     per_slot = np.take_along_axis(lg, p, 1) / np.take_along_axis(cnt, p, 1)
     out = per_slot.reshape(layers, ep_size, nslots // ep_size).sum(axis=2)
     return out if np.ndim(phy2log) == 2 else out[0]

@@ -33,6 +33,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from xllm_eplb.eplb.placement import replica_counts
+
 #: rank-steps a layer needs before its fit is used
 MIN_SAMPLES = 24
 #: ring capacity in steps (each step adds ep_size observations per layer)
@@ -126,14 +128,6 @@ def _nnls2(a: np.ndarray, n: np.ndarray, y: np.ndarray, w: np.ndarray) -> np.nda
         if e < err:
             best, err = cand, e
     return best
-
-
-def replica_counts(placement: np.ndarray, num_logical: int) -> np.ndarray:
-    """Replicas of every logical expert: placement int [L, N] -> int64 [L, E]."""
-    p = np.atleast_2d(np.asarray(placement, dtype=np.int64))
-    layers = p.shape[0]
-    flat = (p + (np.arange(layers) * num_logical)[:, None]).ravel()
-    return np.bincount(flat, minlength=layers * num_logical).reshape(layers, num_logical)
 
 
 def slot_rates(rate: np.ndarray, placement: np.ndarray) -> np.ndarray:

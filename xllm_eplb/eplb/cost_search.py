@@ -6,9 +6,9 @@ costs a second fixed cost, and a swap of two experts between ranks would often b
 for free. :func:`refine_row` starts from a valid row (the deployed one, or a policy's candidate)
 and applies, while one improves the objective, the best of two kinds of move:
 
-- **swap** the experts of a slot on the slowest rank and a slot on another rank (replica counts
+- **swap** (``SWAP`` in the placement toolkit's move vocabulary) the experts of a slot on the slowest rank and a slot on another rank (replica counts
   unchanged, so only those two ranks' costs change);
-- **re-target** a slot whose expert has two or more replicas to another expert that rank does
+- **re-target** (a ``SET`` move) a slot whose expert has two or more replicas to another expert that rank does
   not hold: either a replica of an expert of the slowest rank (replication, paid with a second
   fixed cost) or of one of the coldest experts (a replica nobody's rows split much: the cheap
   place for a slot no hot expert needs).
@@ -22,6 +22,8 @@ number of moves is capped (``max_moves``; a swap changes two slots, a re-target 
 from __future__ import annotations
 
 import numpy as np
+
+from xllm_eplb.eplb.placement import SET, SWAP, apply_moves, replica_counts
 
 #: coldest experts tried as re-target destinations per move
 COLD_TARGETS = 4
@@ -51,7 +53,7 @@ class _Row:
         self.refresh()
 
     def refresh(self) -> None:
-        self.cnt = np.bincount(self.row, minlength=self.E)
+        self.cnt = replica_counts(self.row, self.E)
         self.c = slot_cost(self.f, self.r, self.rate[self.row] / self.cnt[self.row])
         self.rank = self.c.reshape(self.D, self.S).sum(axis=1)
         self.on = np.zeros((self.D, self.E), dtype=bool)
@@ -136,7 +138,7 @@ def refine_row(fixed: float, row_s: float, rate: np.ndarray, start: np.ndarray, 
         cur = st.key(st.rank)
         p = int(np.argmax(st.rank))
         swap, ret = _best_swap(st, p), _best_retarget(st, p)
-        cands = [("swap", swap), ("retarget", ret)]
+        cands = [(SWAP, swap), (SET, ret)]
         cands = [(kind, m) for kind, m in cands if m is not None]
         if not cands:
             break
@@ -145,10 +147,7 @@ def refine_row(fixed: float, row_s: float, rate: np.ndarray, start: np.ndarray, 
         if not (new_max < cur[0] - tol_max
                 or (new_max <= cur[0] + tol_max and new_sq < cur[1] - tol_sq)):
             break
-        if kind == "swap":
-            st.row[x], st.row[y] = st.row[y], st.row[x]
-        else:
-            st.row[x] = y
+        apply_moves(st.row, [(kind, x, y)])
         st.refresh()
         moves += 1
     return st.row, moves

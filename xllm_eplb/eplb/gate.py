@@ -4,7 +4,7 @@ publication gate (pure functions; the caller owns every table).
 A round (:func:`propose`) takes the policy's candidate rows (``policy.plan(logical, deployed)``,
 one ``[D*S]`` row or None per layer) and keeps a layer only when
 
-1. its row obeys the strict invariants (:func:`valid_rows`): ids in ``[0, E)``, every expert
+1. its row obeys the strict invariants (:func:`~xllm_eplb.eplb.placement.valid_rows`): ids in ``[0, E)``, every expert
    present, at most one replica of an expert per rank. A row that breaks them is logged and
    skipped;
 2. the row differs from the deployed one;
@@ -38,6 +38,7 @@ import numpy as np
 from xllm_eplb.eplb import cost_model
 from xllm_eplb.eplb.balance import rank_loads_from_phy2log
 from xllm_eplb.eplb.cost_search import align_row, pack_row, refine_row
+from xllm_eplb.eplb.placement import valid_rows
 from xllm_eplb.errors import ConfigError
 from xllm_eplb.obs.logs import event
 
@@ -75,20 +76,6 @@ def check_min_improvement(value: float) -> float:
     if not 0.0 <= float(value) <= 1.0:
         raise ConfigError(f"eplb_min_peak_load_improvement={value} must be in [0, 1]")
     return float(value)
-
-
-def valid_rows(table: np.ndarray, num_logical: int, ep_size: int) -> np.ndarray:
-    """Strict invariants per row of ``[L, D*S]``: ids in range, every expert present, at most one
-    replica per rank. Returns bool [L]."""
-    t = np.asarray(table, dtype=np.int64)
-    layers, _ = t.shape
-    in_range = ((t >= 0) & (t < num_logical)).all(axis=1)
-    safe = np.where(in_range[:, None], t, 0)
-    per_rank = np.sort(safe.reshape(layers, ep_size, -1), axis=2)
-    no_dup = ~(per_rank[..., 1:] == per_rank[..., :-1]).any(axis=(1, 2))
-    flat = (safe + (np.arange(layers) * num_logical)[:, None]).ravel()
-    cnt = np.bincount(flat, minlength=layers * num_logical).reshape(layers, num_logical)
-    return in_range & no_dup & (cnt > 0).all(axis=1)
 
 
 def gate(logical: np.ndarray, deployed: np.ndarray, proposed: np.ndarray,

@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from xllm_eplb.eplb.placement import replica_counts
+
 
 class JoinError(ValueError):
     """The joiner's row cannot be planned (names the numbers)."""
@@ -62,7 +64,7 @@ def plan_join(table: np.ndarray, ep_size: int, num_experts: int,
     row = np.empty((L, S), dtype=np.int64)
     plan = JoinPlan(np.empty((L, (ep_size + 1) * S), dtype=np.int64), row)
     for ml in range(L):
-        count = np.bincount(t[ml], minlength=num_experts)[:num_experts].astype(np.float64)
+        count = replica_counts(t[ml], num_experts).astype(np.float64)
         if (count == 0).any():
             raise JoinError(f"layer {ml}: expert {int(np.argmin(count))} has no replica on the "
                             "serving ranks")

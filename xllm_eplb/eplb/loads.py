@@ -1,8 +1,10 @@
 """Read expert-load files: ``[layers][experts]`` token counts per logical expert.
 
 Formats: an SGLang expert-distribution dump ``{"logical_count": [[...], ...]}`` (``.json``), a JSON
-list of lists, or a 2-D ``.npy`` array. Leading all-zero rows are dense layers (DeepSeek's first 3)
-and are dropped; the caller reports how many. Errors name the file and the problem.
+list of lists, or a 2-D ``.npy`` array. Leading all-zero rows before a loaded one are dense layers
+(DeepSeek's first 3) and are dropped; the caller reports how many. A table whose every row is zero
+is refused, or with ``zero_ok`` kept whole (MoE layers without load information). Errors name the
+file and the problem.
 """
 
 from __future__ import annotations
@@ -75,8 +77,9 @@ def to_matrix(data, where: str) -> np.ndarray:
     return a
 
 
-def read_loads(path: str | Path, skip_dense: bool = True) -> LoadFile:
-    """Read and validate a load file (see module doc)."""
+def read_loads(path: str | Path, skip_dense: bool = True, zero_ok: bool = False) -> LoadFile:
+    """Read and validate a load file (see module doc). ``zero_ok``: a table whose every layer
+    is zero is kept whole (``xllm-eplb plan``: even replica counts) instead of refused."""
     p = Path(path)
     if not p.is_file():
         raise InputFileError(f"{p}: load file not found")
@@ -84,9 +87,11 @@ def read_loads(path: str | Path, skip_dense: bool = True) -> LoadFile:
     skipped = 0
     if skip_dense:
         nz = np.nonzero(a.any(axis=1))[0]
-        if nz.size == 0:
+        if nz.size == 0 and not zero_ok:
             raise InputFileError(f"{p}: every layer has zero load (no MoE layer to plan)")
-        skipped = int(nz[0])
+        # zero_ok and every layer zero: no dense layer can be told apart, so every row is a MoE
+        # layer without load information (planned with even replica counts)
+        skipped = int(nz[0]) if nz.size else 0
         a = a[skipped:]
     if (a == np.round(a)).all() and a.max() < 2.0 ** 53:
         a = a.astype(np.int64)

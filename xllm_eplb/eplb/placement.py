@@ -1,8 +1,21 @@
-"""Placement of logical experts on physical slots, per MoE layer.
+"""Placement of logical experts on physical slots, per MoE layer: the one toolkit of slot
+tables (the policies, the gate, shrink/join planning, the loader checks and ``integrations/``
+use it; a rule is written here once).
 
 Glossary: ``phy2log[global_slot] -> logical id`` (length ``ep_size * slots_per_rank``, rank-major:
 slot ``s`` lives on rank ``s // slots_per_rank``); ``log2phy`` = logical -> its global slots;
 ``logcnt[e]`` = replica count of logical expert ``e``.
+
+- replica counts: :func:`replica_counts` (``logcnt``);
+- validity: :func:`valid_rows` (a mask over layers), :func:`validate_phy2log` (one row, the
+  message naming the rule), :func:`validate_table` (every row, one error class);
+- layout rules: :func:`check_slot_layout` (any layout the peers plan) and
+  :func:`slots_per_rank` (this engine's flag rules, ``config.layout_error``);
+- maps: :func:`log2phy` (one row or a table), :func:`build_log2phy` (a rank's routing map);
+- local-search moves (the vocabulary of ``policy/excess.py``, ``policy/localsearch.py`` and
+  ``cost_search.py``): ``(SWAP, x, y)`` exchanges the experts of flat slots ``x`` and ``y``;
+  ``(SET, x, e)`` points slot ``x`` at expert ``e`` (a replica moves from one expert to another);
+  :func:`apply_moves`, :func:`undo_swaps`.
 """
 
 from __future__ import annotations
@@ -57,14 +70,75 @@ def initial_phy2log_any(num_logical: int, ep_size: int, slots: int) -> np.ndarra
     return out.reshape(-1)
 
 
+def check_slot_layout(num_logical: int, num_slots: int, ep_size: int) -> int:
+    """Slots per rank of any layout the peers plan: ``ep_size >= 1``, ``num_slots`` a multiple of
+    it and at least ``num_logical`` (every expert needs a slot: the router still picks an expert
+    without one, so a partial plan is refused). PlacementError naming the rule."""
+    if ep_size < 1:
+        raise PlacementError(f"num_ranks={ep_size}: must be >= 1")
+    if num_slots % ep_size:
+        raise PlacementError(f"num_replicas={num_slots} must be a multiple of "
+                             f"num_ranks={ep_size}")
+    if num_slots < num_logical:
+        raise PlacementError(f"num_replicas={num_slots} must be >= the {num_logical} logical "
+                             f"experts (every expert needs a slot: the router still picks an "
+                             f"expert without one; a partial plan is refused)")
+    return num_slots // ep_size
+
+
+def replica_counts(table: np.ndarray, num_logical: int) -> np.ndarray:
+    """Replica count per logical expert: int64 ``[E]`` for one row ``[D*S]``, ``[L, E]`` for a
+    table ``[L, D*S]`` (one bincount). Ids outside ``[0, E)`` (free slots: -1) are not counted."""
+    p = np.asarray(table, dtype=np.int64)
+    t = np.atleast_2d(p)
+    layers = t.shape[0]
+    key = np.where((t >= 0) & (t < num_logical), t + (np.arange(layers) * num_logical)[:, None],
+                   layers * num_logical)
+    cnt = np.bincount(key.ravel(), minlength=layers * num_logical + 1)[:-1]
+    cnt = cnt.reshape(layers, num_logical)
+    return cnt if p.ndim == 2 else cnt[0]
+
+
+def valid_rows(table: np.ndarray, num_logical: int, ep_size: int,
+               per_rank_cap: int = 1) -> np.ndarray:
+    """Per row of ``[L, D*S]``: ids in range, every expert present, no rank holding an expert
+    more than ``per_rank_cap`` times (1: the strict invariant). bool [L]; one bincount over
+    (layer, rank, expert)."""
+    t = np.atleast_2d(np.asarray(table, dtype=np.int64))
+    layers, nslots = t.shape
+    in_range = ((t >= 0) & (t < num_logical)).all(axis=1)
+    safe = np.where(in_range[:, None], t, 0)
+    rank = np.arange(nslots) // (nslots // ep_size)
+    key = (np.arange(layers)[:, None] * ep_size + rank) * num_logical + safe
+    cnt = np.bincount(key.ravel(), minlength=layers * ep_size * num_logical).reshape(
+        layers, ep_size, num_logical)
+    return in_range & (cnt.max(axis=(1, 2)) <= per_rank_cap) & (cnt.sum(axis=1) > 0).all(axis=1)
+
+
+def validate_table(table: np.ndarray, num_logical: int, ep_size: int, label: str,
+                   error: type[Exception] = PlacementError, per_rank_cap: int = 1,
+                   first_layer: int = 0) -> None:
+    """Every row of ``[L, D*S]`` through :func:`validate_phy2log`; the first broken rule raises
+    ``error``, its message starting with ``label.format(first_layer + i)`` (e.g. ``"plan.json:
+    layer {}"``)."""
+    t = np.asarray(table, dtype=np.int64)
+    for i in np.nonzero(~valid_rows(t, num_logical, ep_size, per_rank_cap))[0]:
+        try:
+            validate_phy2log(t[i], num_logical, ep_size, label.format(first_layer + int(i)),
+                             per_rank_cap=per_rank_cap)
+        except PlacementError as e:
+            raise error(str(e)) from None
+
+
 def validate_phy2log(phy2log: np.ndarray, num_logical: int, ep_size: int,
-                     what: str = "placement", allow_rank_duplicates: bool = False) -> None:
+                     what: str = "placement", allow_rank_duplicates: bool = False,
+                     per_rank_cap: int = 1) -> None:
     """Raise PlacementError unless every expert is present, ids are in range and no rank holds
-    two replicas of one expert. phy2log: [D*S] for one layer.
+    an expert more than ``per_rank_cap`` times (default one). phy2log: [D*S] for one layer.
 
     NOTE: xLLM's *initial* layout fills redundant slots with the rank's last expert, so it holds
-    same-rank duplicates; pass ``allow_rank_duplicates=True`` for it. Every policy output must
-    pass the strict check."""
+    same-rank duplicates; pass ``allow_rank_duplicates=True`` for it (no cap). Every policy
+    output must pass the strict check."""
     p = np.asarray(phy2log)
     if p.ndim != 1 or p.size % ep_size:
         raise PlacementError(f"{what}: slot table of shape {p.shape} is not [ep_size*slots] "
@@ -81,34 +155,63 @@ def validate_phy2log(phy2log: np.ndarray, num_logical: int, ep_size: int,
                              f"({missing.size} missing)")
     if allow_rank_duplicates:
         return
-    per_rank = np.sort(p.reshape(ep_size, -1), axis=1)
-    dup = per_rank[:, 1:] == per_rank[:, :-1]
-    if dup.any():
-        r, j = (int(x[0]) for x in np.nonzero(dup))
-        e = int(per_rank[r, j])
-        n = int((per_rank[r] == e).sum())
-        raise PlacementError(f"{what}: rank {r} holds expert {e} {n} times "
-                             f"(at most one replica per rank)")
+    cnt = np.stack([np.bincount(r, minlength=num_logical) for r in p.reshape(ep_size, -1)])
+    if cnt.max() > per_rank_cap:
+        r, e = (int(x[0]) for x in np.nonzero(cnt > per_rank_cap))
+        rule = "one replica" if per_rank_cap == 1 else f"{per_rank_cap} replicas"
+        raise PlacementError(f"{what}: rank {r} holds expert {e} {int(cnt[r, e])} times "
+                             f"(at most {rule} per rank)")
 
 
 def logcnt(phy2log: np.ndarray, num_logical: int) -> np.ndarray:
-    """Replica count per logical expert, int64 [E] (or [layers, E] for a 2-D table)."""
-    p = np.asarray(phy2log, dtype=np.int64)
-    if p.ndim == 1:
-        return np.bincount(p, minlength=num_logical)
-    return np.stack([np.bincount(row, minlength=num_logical) for row in p])
+    """Replica count per logical expert (:func:`replica_counts`), int64 [E] or [layers, E]."""
+    return replica_counts(phy2log, num_logical)
 
 
-def log2phy(phy2log: np.ndarray, num_logical: int) -> np.ndarray:
-    """logical -> its global slots, padded with -1: int64 [E, max_replicas] (one layer)."""
+def log2phy(phy2log: np.ndarray, num_logical: int, width: int | None = None) -> np.ndarray:
+    """logical -> its global slots, ascending, left-packed, padded with -1: int64 [E, X] for one
+    row [D*S], [L, E, X] for a table [L, D*S]; ``X`` = ``width`` or the largest replica count
+    (over every layer; at least 1)."""
     p = np.asarray(phy2log, dtype=np.int64)
-    cnt = np.bincount(p, minlength=num_logical)
-    out = np.full((num_logical, max(1, int(cnt.max()))), -1, dtype=np.int64)
-    order = np.argsort(p, kind="stable")
-    starts = np.concatenate(([0], np.cumsum(cnt)[:-1]))
-    for e in range(num_logical):
-        out[e, : cnt[e]] = order[starts[e]: starts[e] + cnt[e]]
-    return out
+    t = np.atleast_2d(p)
+    layers, nslots = t.shape
+    cnt = replica_counts(t, num_logical)
+    x = max(1, int(cnt.max())) if width is None else int(width)
+    order = np.argsort(t, axis=1, kind="stable")                 # slots grouped by expert
+    expert = np.take_along_axis(t, order, 1)
+    start = np.concatenate([np.zeros((layers, 1), np.int64), np.cumsum(cnt, axis=1)[:, :-1]],
+                           axis=1)
+    col = np.arange(nslots)[None, :] - np.take_along_axis(start, expert, 1)
+    out = np.full((layers, num_logical, x), -1, dtype=np.int64)
+    li = np.repeat(np.arange(layers), nslots)
+    out[li, expert.ravel(), col.ravel()] = order.ravel()
+    return out if p.ndim == 2 else out[0]
+
+
+#: local-search move kinds (module doc): exchange two slots' experts / point a slot at an expert
+SWAP, SET = 0, 1
+
+
+def apply_moves(table: np.ndarray, moves) -> np.ndarray:
+    """Apply moves ``(kind, x, y, ...)`` to a flat table [D*S] in place (``SWAP``: slots x and
+    y exchange experts; ``SET``: slot x holds expert y). Returns the table."""
+    for kind, x, y, *_ in moves:
+        if kind == SWAP:
+            table[x], table[y] = table[y], table[x]
+        else:
+            table[x] = y
+    return table
+
+
+def undo_swaps(table: np.ndarray, moves) -> np.ndarray:
+    """Undo ``SWAP`` moves on a table (any shape; flat slot indices), last first, in place. A
+    ``SET`` cannot be undone without the expert it replaced: ValueError."""
+    flat = table.reshape(-1)
+    for kind, x, y, *_ in reversed(moves):
+        if kind != SWAP:
+            raise ValueError("undo_swaps: only swaps can be undone")
+        flat[x], flat[y] = flat[y], flat[x]
+    return table
 
 
 def build_log2phy(phy2log: np.ndarray, num_logical: int, ep_rank: int) -> np.ndarray:

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from xllm_eplb.config import Config
-from xllm_eplb.eplb.placement import PlacementError, initial_phy2log, validate_phy2log
+from xllm_eplb.eplb.placement import initial_phy2log, validate_table
 from xllm_eplb.errors import InputFileError
 
 FLAG = "--eplb_init_placement"
@@ -97,12 +97,8 @@ def read_placement_file(path: str, *, num_logical: int, ep_size: int, redundant:
     data = _load_json(path)
     slots = _check_sizes(data, where, num_logical, ep_size, redundant, num_moe_layers)
     table = _table(data["phy2log"], where, num_moe_layers, ep_size * slots)
-    for i, row in enumerate(table):
-        try:
-            validate_phy2log(row, num_logical, ep_size, f"{where}: phy2log[{i}]",
-                             allow_rank_duplicates=True)
-        except PlacementError as e:
-            raise InputFileError(str(e)) from None
+    validate_table(table, num_logical, ep_size, f"{where}: phy2log[{{}}]", InputFileError,
+                   per_rank_cap=slots)
     return table
 
 

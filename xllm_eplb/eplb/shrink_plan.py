@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from xllm_eplb.eplb.placement import replica_counts
+
 
 class ShrinkError(ValueError):
     """The survivors cannot hold every expert (names the rule and the numbers)."""
@@ -83,7 +85,7 @@ def plan_shrink(table: np.ndarray, dead: int, ep_size: int, num_experts: int,
 def _layer(ml: int, rows: np.ndarray, num_experts: int, w: np.ndarray, spread: list[int],
            reloads: list) -> int:
     """Fill the orphans of one layer in place (``rows`` [D-1, S]); returns the kept slots."""
-    count = np.bincount(rows.reshape(-1), minlength=num_experts)
+    count = replica_counts(rows.reshape(-1), num_experts)
     orphans = [int(e) for e in np.nonzero(count == 0)[0]]
     # the hottest orphan picks first (it gets the coldest donor)
     orphans.sort(key=lambda e: (-w[e], e))

@@ -8,6 +8,7 @@
 - :mod:`.vllm_ascend` -- ``XllmAscendPolicy`` (vllm-ascend's legacy ``EplbPolicy``);
 - :mod:`.formats` -- placement files for ``xllm-eplb plan --format`` and their read-back checks.
 
-Opt-in: the entry points do nothing unless ``XLLM_EPLB_POLICY`` is set (the one environment
-variable the library reads). See docs/integrations.md.
+Opt-in: the entry points do nothing unless ``XLLM_EPLB_POLICY`` is set; ``XLLM_EPLB_STRICT=1``
+makes every adapter raise instead of falling back to the host's policy (the two environment
+variables the library reads). See docs/integrations.md.
 """

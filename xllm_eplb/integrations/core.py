@@ -15,6 +15,12 @@ Layouts beyond the engine's rules (``config.layout_rules``):
   possible, whenever that divides ``S``). Balanced virtual ranks make balanced ranks (a rank's
   load is their sum).
 
+On a small layout (slots per rank >= half the experts, or at most ``SMALL_LAYOUT`` slots) a
+layer planned fresh also gets DeepSeek's algorithm's table, where an expert may repeat on a rank
+(vLLM, SGLang and TensorRT-LLM route over such replicas), and keeps the one with the lower peak
+(``rank_repeats=False``, vllm-ascend's adapter: never). ``balanced`` / ``greedy`` warn once per
+geometry where they plan far above a plain packing (``warn_off_bound``).
+
 Afterwards every rank keeps the experts it keeps in their old slots (``keep_slots``), the
 retained-slot rule of vLLM's and vllm-ascend's callers.
 """
@@ -26,10 +32,13 @@ import os
 
 import numpy as np
 
+from xllm_eplb.eplb.balance import rank_loads_from_phy2log
+from xllm_eplb.eplb.placement import PlacementError, check_slot_layout, validate_table
 from xllm_eplb.eplb.policy import policy_class
 from xllm_eplb.eplb.policy.node_aware import check_topology
 from xllm_eplb.eplb.policy.packing import (
     cyclic_fallback,
+    lpt_pack,
     select_replicas_max_load,
     stabilize_slots,
 )
@@ -37,8 +46,11 @@ from xllm_eplb.errors import ConfigError
 
 log = logging.getLogger("xllm_eplb.integrations")
 
-#: the environment variable that opts a host engine in (the one env read of the library)
+#: the environment variable that opts a host engine in (one of the two env reads of the library)
 ENV = "XLLM_EPLB_POLICY"
+#: set (1/true/on/yes) to make every adapter raise instead of falling back to the host's policy,
+#: so that a host's CI can tell who planned
+STRICT_ENV = "XLLM_EPLB_STRICT"
 KINDS = ("incremental", "balanced", "greedy", "node_aware")
 DEFAULT_KIND = "incremental"
 #: incremental's ``cold_slack`` in a host engine: a deployed layer above 1.25 x its lower bound
@@ -67,6 +79,15 @@ def env_kind(environ=None) -> str | None:
         log.warning("xllm-eplb: %s=%r is not one of %s; using %s", ENV, raw, ", ".join(KINDS),
                     DEFAULT_KIND)
     return DEFAULT_KIND
+
+
+def strict_mode(flag: bool | None = None, environ=None) -> bool:
+    """``flag`` when given (an adapter's ``strict`` argument), else ``XLLM_EPLB_STRICT``:
+    True for 1 / true / on / yes."""
+    if flag is not None:
+        return bool(flag)
+    raw = (os.environ if environ is None else environ).get(STRICT_ENV, "").strip().lower()
+    return raw in ("1", "true", "on", "yes")
 
 
 def resolve_kind(kind: str | None) -> str:
@@ -105,18 +126,12 @@ def as_loads(weight) -> np.ndarray:
 
 
 def check_layout(num_logical: int, num_replicas: int, num_ranks: int) -> int:
-    """Slots per rank for ``num_replicas`` slots on ``num_ranks`` ranks; LayoutError naming the
-    rule unless ``num_ranks >= 1``, ``num_replicas % num_ranks == 0`` and
-    ``num_replicas >= num_logical``."""
-    if num_ranks < 1:
-        raise LayoutError(f"num_ranks={num_ranks}: must be >= 1")
-    if num_replicas % num_ranks:
-        raise LayoutError(f"num_replicas={num_replicas} must be a multiple of "
-                          f"num_ranks={num_ranks}")
-    if num_replicas < num_logical:
-        raise LayoutError(f"num_replicas={num_replicas} must be >= the {num_logical} logical "
-                          f"experts")
-    return num_replicas // num_ranks
+    """Slots per rank (:func:`~xllm_eplb.eplb.placement.check_slot_layout`); LayoutError naming
+    the rule."""
+    try:
+        return check_slot_layout(num_logical, num_replicas, num_ranks)
+    except PlacementError as e:
+        raise LayoutError(str(e)) from None
 
 
 def virtual_split(num_logical: int, slots: int) -> int:
@@ -170,21 +185,9 @@ def keep_slots(table: np.ndarray, old: np.ndarray, num_ranks: int) -> np.ndarray
 
 def verify(table: np.ndarray, num_logical: int, num_ranks: int, per_rank_cap: int) -> None:
     """RuntimeError unless every layer holds every expert (ids in range) and no rank holds an
-    expert more than ``per_rank_cap`` times. One bincount over (layer, rank, expert)."""
-    layers, nslots = table.shape
-    if table.min() < 0 or table.max() >= num_logical:
-        raise RuntimeError("an expert id is out of range")
-    rank = np.arange(nslots) // (nslots // num_ranks)
-    key = (np.arange(layers)[:, None] * num_ranks + rank) * num_logical + table
-    cnt = np.bincount(key.ravel(), minlength=layers * num_ranks * num_logical).reshape(
-        layers, num_ranks, num_logical)
-    if cnt.max() > per_rank_cap:
-        i, d, _ = (int(x[0]) for x in np.nonzero(cnt > per_rank_cap))
-        raise RuntimeError(f"layer {i}: rank {d} repeats an expert more than {per_rank_cap} "
-                           f"times")
-    if (cnt.sum(axis=1) == 0).any():
-        i = int(np.nonzero((cnt.sum(axis=1) == 0).any(axis=1))[0][0])
-        raise RuntimeError(f"layer {i}: an expert has no replica")
+    expert more than ``per_rank_cap`` times (the toolkit's ``validate_table``)."""
+    validate_table(table, num_logical, num_ranks, "planned table: layer {}", RuntimeError,
+                   per_rank_cap)
 
 
 def fill_fresh(table: np.ndarray, w: np.ndarray, ranks: int, slots: int) -> None:
@@ -215,12 +218,52 @@ def make_layout_policy(kind: str, ranks: int, num_logical: int, slots: int,
     return cls(ranks, num_logical, 0, slots, num_nodes=nodes, num_groups=groups)
 
 
+#: layouts of at most this many slots also get DeepSeek's plan as a candidate
+SMALL_LAYOUT = 64
+
+
+def repeat_candidates(w: np.ndarray, num_replicas: int, num_ranks: int, kind: str,
+                      num_nodes: int, num_groups: int | None) -> np.ndarray | None:
+    """DeepSeek's algorithm's table (an expert may repeat on a rank) where that can beat this
+    project's plan: slots per rank >= half the experts (the granularity of a few slots per rank is
+    coarse there, and two replicas of one expert on a rank split its load under vLLM's, SGLang's
+    and TensorRT-LLM's routing), or a small layout (``R <=`` :data:`SMALL_LAYOUT` slots, where the
+    extra plan costs well under a millisecond per layer). node_aware keeps DeepSeek's node grouping when its
+    rule holds. None elsewhere."""
+    from xllm_eplb.integrations import deepseek_ref
+
+    num_e = w.shape[1]
+    if 2 * (num_replicas // num_ranks) < num_e and num_replicas > SMALL_LAYOUT:
+        return None
+    nodes, groups = int(num_nodes or 1), int(num_groups or 1)
+    if kind != "node_aware" or groups % nodes or num_e % groups or num_ranks % nodes:
+        nodes, groups = 1, 1
+    return deepseek_ref.rebalance_experts(w, num_replicas, groups, nodes, num_ranks)[0]
+
+
+def lowest_peak(table: np.ndarray, other: np.ndarray | None, w: np.ndarray, num_ranks: int,
+                free: np.ndarray) -> np.ndarray:
+    """Per layer where ``free`` (bool [L]), ``other``'s row when its peak rank load is lower than
+    ``table``'s by more than 1e-9 relative; in place on ``table``."""
+    if other is None:
+        return table
+    pk = rank_loads_from_phy2log(table, w, num_ranks).max(axis=1)
+    po = rank_loads_from_phy2log(other, w, num_ranks).max(axis=1)
+    win = free & (po < pk * (1 - 1e-9))
+    table[win] = other[win]
+    return table
+
+
 def plan_physical(weight, num_replicas: int, num_ranks: int, *, kind: str | None = None,
-                  old=None, num_nodes: int = 1, num_groups: int | None = None) -> np.ndarray:
+                  old=None, num_nodes: int = 1, num_groups: int | None = None,
+                  rank_repeats: bool = True) -> np.ndarray:
     """Plan ``num_replicas`` slots on ``num_ranks`` ranks for ``weight [L, E]`` -> phy2log int64
     [L, R] (numpy). ``old`` [L, R] is the deployed map (rows that are not full maps are
     planned fresh); ``kind`` one of :data:`KINDS` (None: ``XLLM_EPLB_POLICY``, else
-    incremental). LayoutError for an impossible layout."""
+    incremental). ``rank_repeats``: the host routes over replicas on one rank too (vLLM,
+    SGLang, DeepSeek, TensorRT-LLM), so where slots per rank >= half the experts a layer takes
+    the table with repeats (:func:`repeat_candidates`) when its peak is lower; False (vllm-ascend)
+    keeps one replica per rank whenever ``S <= E``. LayoutError for an impossible layout."""
     w = as_loads(weight)
     layers, num_e = w.shape
     slots = check_layout(num_e, int(num_replicas), int(num_ranks))
@@ -236,6 +279,46 @@ def plan_physical(weight, num_replicas: int, num_ranks: int, *, kind: str | None
         table = np.stack([np.asarray(deployed[i] if r is None else r, dtype=np.int64)
                           for i, r in enumerate(rows)])
         fill_fresh(table, w, dv, sv)
+        if rank_repeats:
+            other = repeat_candidates(w, int(num_replicas), int(num_ranks), k, num_nodes,
+                                      num_groups)
+            # incremental keeps a deployed layer's slots (its hysteresis decides when it moves);
+            # a from-scratch candidate competes on the layers planned fresh
+            free = (deployed < 0).any(axis=1) | (k != "incremental")
+            table = lowest_peak(table, other, w, int(num_ranks), free)
+        warn_off_bound(k, table, w, int(num_ranks))
     table = keep_slots(table, deployed, int(num_ranks))
-    verify(table, num_e, int(num_ranks), v)
+    verify(table, num_e, int(num_ranks), slots if rank_repeats else v)
     return table
+
+
+#: balanced / greedy warn (once per process and geometry) when a plan's peak is this far above
+#: the layer's lower bound: the geometry is the wrong one for them (docs/integrations.md)
+WARN_SLACK = 0.01
+_warned: set = set()
+
+
+def warn_off_bound(kind: str, table: np.ndarray, w: np.ndarray, num_ranks: int) -> None:
+    """One warning line when ``balanced`` / ``greedy`` plan more than :data:`WARN_SLACK` above a
+    plain reference on this geometry (min-max replica counts packed heaviest replica first onto
+    the least-loaded rank), naming the policy that fits it."""
+    if kind not in ("balanced", "greedy"):
+        return
+    layers, nslots = table.shape
+    wf = np.asarray(w, dtype=np.float64)
+    num_e = wf.shape[1]
+    slots = nslots // num_ranks
+    if slots > num_e:
+        return
+    cnt = select_replicas_max_load(wf, nslots - num_e, num_ranks)
+    ref, ok = lpt_pack(wf, cnt, num_ranks, slots)
+    if not ok.all():
+        return
+    pk = rank_loads_from_phy2log(table, wf, num_ranks).max(axis=1).sum()
+    pr = rank_loads_from_phy2log(ref, wf, num_ranks).max(axis=1).sum()
+    key = (kind, num_e, nslots, num_ranks)
+    if pr > 0 and pk > pr * (1 + WARN_SLACK) and key not in _warned:
+        _warned.add(key)
+        log.warning("xllm-eplb: %s plans %.4f x a plain packing's peak on %d experts, %d slots, "
+                    "%d ranks (a geometry it does not fit: use incremental, see "
+                    "docs/integrations.md)", kind, pk / pr, num_e, nslots, num_ranks)

@@ -12,13 +12,14 @@ left-packed, X = the largest replica count), ``logcnt [L, E]``, int64 on the CPU
 for a torch ``weight``, numpy arrays otherwise). Differences: the policy (``policy=`` or
 ``XLLM_EPLB_POLICY``: incremental (default), balanced, greedy, node_aware), the optional
 ``old_phy2log`` (the deployed ``[L, R]`` map: migration-aware re-planning that keeps retained
-experts in their slots), and replicas of one expert share a GPU only when ``R / num_gpus > E``
-(see :mod:`xllm_eplb.integrations.core`: at most V per GPU). ``num_groups`` / ``num_nodes`` shape the plan only for node_aware
-(hierarchical under DeepSeek's rule ``num_groups % num_nodes == 0``); the other policies plan
-globally. A layout DeepSeek refuses (``num_replicas % num_gpus``, ``num_gpus % num_nodes``,
+experts in their slots), and replicas of one expert share a GPU only where the layout forces it
+or, on a small layout, where that lowers the peak (see :mod:`xllm_eplb.integrations.core`).
+``num_groups`` / ``num_nodes`` shape the plan only for node_aware (hierarchical under DeepSeek's
+rule ``num_groups % num_nodes == 0``); the other policies plan globally. A layout DeepSeek refuses (``num_replicas % num_gpus``, ``num_gpus % num_nodes``,
 ``R < E``) raises :class:`~xllm_eplb.integrations.core.LayoutError` (an AssertionError, as
 DeepSeek's asserts); any other failure logs one line and returns DeepSeek's own algorithm's plan
-(:mod:`xllm_eplb.integrations.deepseek_ref`).
+(:mod:`xllm_eplb.integrations.deepseek_ref`), or raises with ``strict=True`` /
+``XLLM_EPLB_STRICT=1``.
 """
 
 from __future__ import annotations
@@ -26,14 +27,22 @@ from __future__ import annotations
 import numpy as np
 
 from xllm_eplb.integrations import deepseek_ref
-from xllm_eplb.integrations.core import LayoutError, as_loads, log, plan_physical, to_numpy
+from xllm_eplb.integrations.core import (
+    LayoutError,
+    as_loads,
+    log,
+    plan_physical,
+    strict_mode,
+    to_numpy,
+)
 from xllm_eplb.integrations.maps import logical_maps
 
 __all__ = ["rebalance_experts"]
 
 
 def rebalance_experts(weight, num_replicas: int, num_groups: int, num_nodes: int,
-                      num_gpus: int, *, policy: str | None = None, old_phy2log=None):
+                      num_gpus: int, *, policy: str | None = None, old_phy2log=None,
+                      strict: bool | None = None):
     """See the module doc. -> (phy2log, log2phy, logcnt)."""
     w = as_loads(weight)
     if num_nodes < 1 or num_gpus % num_nodes:
@@ -45,6 +54,8 @@ def rebalance_experts(weight, num_replicas: int, num_groups: int, num_nodes: int
     except (LayoutError, ValueError):
         raise
     except Exception as e:                        # never fail the caller's rebalance loop
+        if strict_mode(strict):
+            raise
         log.warning("xllm-eplb: policy failed (%s: %s); using DeepSeek's algorithm",
                     type(e).__name__, e)
         phy2log, log2phy, logcnt = deepseek_ref.rebalance_experts(w, num_replicas, num_groups,

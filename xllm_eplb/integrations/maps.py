@@ -8,23 +8,14 @@ from __future__ import annotations
 
 import numpy as np
 
+from xllm_eplb.eplb.placement import log2phy, replica_counts
+
 
 def logical_maps(phy2log: np.ndarray, num_logical: int) -> tuple[np.ndarray, np.ndarray]:
-    """phy2log int64 [L, R] -> (log2phy int64 [L, E, X], logcnt int64 [L, E])."""
+    """phy2log int64 [L, R] -> (log2phy int64 [L, E, X], logcnt int64 [L, E]) (the toolkit's
+    :func:`~xllm_eplb.eplb.placement.log2phy` and ``replica_counts``)."""
     p = np.asarray(phy2log, dtype=np.int64)
-    layers, nslots = p.shape
-    flat = (p + (np.arange(layers) * num_logical)[:, None]).ravel()
-    cnt = np.bincount(flat, minlength=layers * num_logical).reshape(layers, num_logical)
-    width = max(1, int(cnt.max()))
-    order = np.argsort(p, axis=1, kind="stable")                 # slots grouped by expert
-    expert = np.take_along_axis(p, order, 1)
-    start = np.concatenate([np.zeros((layers, 1), np.int64), np.cumsum(cnt, axis=1)[:, :-1]],
-                           axis=1)
-    col = np.arange(nslots)[None, :] - np.take_along_axis(start, expert, 1)
-    out = np.full((layers, num_logical, width), -1, dtype=np.int64)
-    li = np.repeat(np.arange(layers), nslots)
-    out[li, expert.ravel(), col.ravel()] = order.ravel()
-    return out, cnt
+    return log2phy(p, num_logical), replica_counts(p, num_logical)
 
 
 def check_triple(phy2log, log2phy, logcnt, num_logical: int) -> list[str]:

@@ -58,6 +58,9 @@ def read_trtllm_statistics(folder: str | Path) -> LoadFile:
     return LoadFile(a, layers[0], str(p))
 
 
-def read_any(path: str | Path) -> LoadFile:
-    """A TensorRT-LLM statistic folder, else a load file :func:`read_loads` reads."""
-    return read_trtllm_statistics(path) if Path(path).is_dir() else read_loads(path)
+def read_any(path: str | Path, zero_ok: bool = False) -> LoadFile:
+    """A TensorRT-LLM statistic folder, else a load file :func:`read_loads` reads (``zero_ok``:
+    an all-zero table is kept whole)."""
+    if Path(path).is_dir():
+        return read_trtllm_statistics(path)
+    return read_loads(path, zero_ok=zero_ok)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from xllm_eplb.integrations.core import env_kind, log, plan_physical, to_numpy
+from xllm_eplb.integrations.core import env_kind, log, plan_physical, strict_mode, to_numpy
 from xllm_eplb.integrations.maps import logical_maps
 
 TARGET = "sglang.srt.eplb.eplb_algorithms.rebalance_experts"
@@ -60,10 +60,13 @@ def rebalance_experts(tokens_per_expert, num_physical_experts: int,
 
 
 def around(original_fn, *args, **kwargs):
-    """The AROUND hook: our plan, or SGLang's on any failure (one log line)."""
+    """The AROUND hook: our plan, or SGLang's on any failure (one log line); with
+    ``XLLM_EPLB_STRICT=1`` a failure raises."""
     try:
         return rebalance_experts(*args, **kwargs)
     except Exception as e:
+        if strict_mode():
+            raise
         log.warning("xllm-eplb: %s: %s; using SGLang's EPLB algorithm", type(e).__name__, e)
         return original_fn(*args, **kwargs)
 

@@ -73,10 +73,6 @@ def validate_phy2log(cfg: Config, phy2log: np.ndarray) -> np.ndarray:
     if p.shape != want:
         raise InputFileError(f"placement: shape {list(p.shape)} does not match the config "
                              f"[num_moe_layers={want[0]}, ep_size*slots={want[1]}]")
-    for ml in range(want[0]):
-        try:
-            placement.validate_phy2log(p[ml], cfg.model.num_experts, cfg.eplb.ep_size,
-                                       what=f"placement layer {ml}", allow_rank_duplicates=True)
-        except placement.PlacementError as exc:
-            raise InputFileError(str(exc)) from None
+    placement.validate_table(p, cfg.model.num_experts, cfg.eplb.ep_size, "placement layer {}",
+                             InputFileError, per_rank_cap=S)
     return p

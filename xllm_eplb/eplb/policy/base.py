@@ -12,7 +12,12 @@ from abc import ABC, abstractmethod
 
 import numpy as np
 
-from xllm_eplb.eplb.placement import PlacementError, initial_phy2log_any, slots_per_rank
+from xllm_eplb.eplb.placement import (
+    PlacementError,
+    check_slot_layout,
+    initial_phy2log_any,
+    slots_per_rank,
+)
 from xllm_eplb.errors import ConfigError
 
 
@@ -40,11 +45,14 @@ class EplbPolicy(ABC):
                                   f"expert per rank)")
         else:                              # any layout (the integrations): D*S >= E, S <= E
             self.slots = int(slots)
-            if ep_size < 1 or not 1 <= self.slots <= num_logical or \
-                    ep_size * self.slots < num_logical:
-                raise ConfigError(f"layout ep_size={ep_size} x slots={slots}: needs "
-                                  f"1 <= slots <= num_experts={num_logical} and "
-                                  f"ep_size * slots >= num_experts")
+            try:                           # the placement toolkit's rule for any layout
+                check_slot_layout(num_logical, ep_size * self.slots, ep_size)
+            except PlacementError as e:
+                raise ConfigError(f"layout ep_size={ep_size} x slots={slots}: {e}") from None
+            if not 1 <= self.slots <= num_logical:
+                raise ConfigError(f"layout ep_size={ep_size} x slots={slots}: needs 1 <= slots "
+                                  f"<= num_experts={num_logical} (one replica of an expert per "
+                                  f"rank)")
         self.ep_size, self.num_logical, self.redundant = ep_size, num_logical, redundant
         self.num_slots = ep_size * self.slots
 

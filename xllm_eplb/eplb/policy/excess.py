@@ -7,9 +7,9 @@ even split of each expert over its replicas, target ``T``). A layer is done when
 iteration takes, per layer, the move with the largest excess reduction per newly moved slot
 among two kinds, both anchored on the most loaded rank ``m``:
 
-- *swap* (2 slots): one slot of ``m`` with one slot of a light partner rank (as
+- *swap*, a ``SWAP`` move (2 slots): one slot of ``m`` with one slot of a light partner rank (as
   ``localsearch.swap_search``);
-- *rewrite* (1 slot): a slot on rank ``q`` holding a replica of an expert ``x`` with ``c_x >= 2``
+- *rewrite*, a ``SET`` move (1 slot): a slot on rank ``q`` holding a replica of an expert ``x`` with ``c_x >= 2``
   is re-pointed to an expert ``y`` held by ``m``. Every holder of ``y`` drops by
   ``w_y / (c_y (c_y + 1))`` at once, every other holder of ``x`` rises by
   ``w_x / (c_x (c_x - 1))``, ``q`` swaps ``w_x / c_x`` for ``w_y / (c_y + 1)``.
@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from xllm_eplb.eplb.placement import SET, SWAP
 from xllm_eplb.eplb.policy.localsearch import apply_swaps, presence, slot_values
 
 #: denominator added to the moved-slot count of a move, so moves that undo earlier moves
@@ -161,8 +162,8 @@ def excess_search(table, w, counts, target, max_iters: int, base=None, start=Non
     min_gain float [n] the least excess reduction per moved slot a move must bring (default 0).
     ``rewrites`` enables the single-slot rewrite moves (replica counts change).
     Returns (peaks [n], moves): moves[i] lists ``(kind, x, y, peak_after, moved_after)``,
-    kind 0 = swap flat slots x and y, kind 1 = set flat slot x to expert y
-    (``incremental.replay``)."""
+    kind ``SWAP`` (flat slots x and y) or ``SET`` (flat slot x to expert y): the toolkit's move
+    vocabulary (:func:`~xllm_eplb.eplb.placement.apply_moves`)."""
     n, num_d, s = table.shape
     num_e = w.shape[1]
     base = table.copy() if base is None else np.asarray(base)
@@ -229,7 +230,7 @@ def _apply_swaps(st, lay, dm, dp, i, j, dmov, moved, moves):
     s = table.shape[2]
     moved[lay] += dmov
     apply_swaps(table, v, r, has, lay, dm, dp, i, j)
-    moves.append((0, lay, dm * s + i, dp * s + j, r[lay].max(axis=1), moved[lay]))
+    moves.append((SWAP, lay, dm * s + i, dp * s + j, r[lay].max(axis=1), moved[lay]))
 
 
 def _apply_rewrites(st, lay, q, y, dmov, moved, moves):
@@ -245,4 +246,4 @@ def _apply_rewrites(st, lay, q, y, dmov, moved, moves):
     has[lay, d, y] = True
     st["v"][lay] = slot_values(table[lay], w[lay], c[lay])
     st["r"][lay] = st["v"][lay].sum(axis=2)
-    moves.append((1, lay, q, y, st["r"][lay].max(axis=1), moved[lay]))
+    moves.append((SET, lay, q, y, st["r"][lay].max(axis=1), moved[lay]))

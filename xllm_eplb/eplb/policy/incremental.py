@@ -46,6 +46,8 @@ import logging
 import numpy as np
 
 from xllm_eplb.eplb.balance import rank_loads_from_phy2log
+from xllm_eplb.eplb.placement import apply_moves as replay
+from xllm_eplb.eplb.placement import replica_counts, undo_swaps
 from xllm_eplb.eplb.policy.balanced import balanced_items, finish_balanced, plan_balanced
 from xllm_eplb.eplb.policy.base import EplbPolicy
 from xllm_eplb.eplb.policy.excess import excess_search
@@ -55,17 +57,13 @@ from xllm_eplb.eplb.policy.noise_aware import noise_weights
 from xllm_eplb.eplb.policy.packing import (
     cyclic_fallback,
     fast_path_ok,
+    lpt_pack,
     pack_sequences,
     select_replicas_max_load,
     stabilize_slots,
 )
 from xllm_eplb.eplb.policy.repair import adjust_counts, dedup_ranks, repair
-from xllm_eplb.eplb.policy.trajectory import (
-    best_cut,
-    replay,
-    replay_undo,
-    spend_budget,
-)
+from xllm_eplb.eplb.policy.trajectory import best_cut, spend_budget
 from xllm_eplb.errors import ConfigError
 
 __all__ = ["IncrementalPolicy", "best_cut", "dedup_ranks", "replay", "spend_budget"]
@@ -125,7 +123,7 @@ class IncrementalPolicy(EplbPolicy):
         unseeded = (base < 0).any(axis=1)
         base[unseeded] = self.initial_row()
         t0 = dedup_ranks(base.reshape(n, d, s))
-        c0 = np.stack([np.bincount(row[row >= 0], minlength=num_e) for row in t0.reshape(n, -1)])
+        c0 = replica_counts(t0.reshape(n, -1), num_e)          # free slots (-1) not counted
         free = (t0 < 0).sum(axis=(1, 2))
         c_opt = select_replicas_max_load(w, self.num_slots - num_e, d)
         # NOTE: a deployed strict layer keeps its replica counts here; only the excess search's
@@ -153,10 +151,20 @@ class IncrementalPolicy(EplbPolicy):
         cur = rank_loads_from_phy2log(base, w, d).max(axis=1)
         rep = t0.copy()
         ok = np.ones(n, dtype=bool)
-        todo = np.nonzero(~(strict & (c == c0).all(axis=1)))[0]   # steady state: nothing to do
+        # a layer with nothing deployed starts from the LPT packing of the min-max counts: no
+        # slot of it is deployed, so no move costs anything (the search then starts near target)
+        lpt = np.zeros(n, dtype=bool)
+        if unseeded.any():
+            u = np.nonzero(unseeded)[0]
+            packed, lpt[u] = lpt_pack(w[u], c_opt[u], d, s)
+            c[u[lpt[u]]] = c_opt[u[lpt[u]]]
+            rep[u[lpt[u]]] = packed[lpt[u]].reshape(-1, d, s)
+        todo = np.nonzero(~(strict & (c == c0).all(axis=1)) & ~lpt)[0]   # steady state: nothing
         if todo.size:
             rep[todo], ok[todo] = repair(w[todo], t0[todo], c[todo])
-        traj = [[(0, cur[i])] for i in range(n)]     # point 0 = keep the deployed table
+        # point 0 = keep the deployed table; a layer with nothing deployed has no table to keep
+        # (its seed is an initial layout nobody deployed): point 0 can never win there
+        traj = [[(0, np.inf if unseeded[i] else cur[i])] for i in range(n)]
         moves: list[list] = [[] for _ in range(n)]
         idx = np.nonzero(ok & (fresh | (cur > start)))[0]
         n_fb = 0
@@ -278,7 +286,7 @@ class IncrementalPolicy(EplbPolicy):
                              self.max_iters, base=base[redo], must=must[redo])
         rep0 = sub[redo].copy()
         for j, x in enumerate(redo):                 # undo the excess moves: the repaired table
-            rep0[j] = replay_undo(rep0[j], mv[x])
+            rep0[j] = undo_swaps(rep0[j], mv[x])
         pb, mb = swap_search(rep0, w[redo], c[redo].copy(), target[redo], slot_cost[redo],
                              self.max_iters, base=base[redo], must=must[redo])
         for j, x in enumerate(redo):
@@ -338,16 +346,9 @@ class IncrementalPolicy(EplbPolicy):
     def _scratch(self, w, counts, target):
         """From-scratch plan: min-max counts, LPT by per-replica load, swap search.
         Returns (tables int64 [k, D, S], peaks [k])."""
-        k, num_e = w.shape
+        k = w.shape[0]
         d, s = self.ep_size, self.slots
-        items = np.stack([np.repeat(np.arange(num_e), counts[i]) for i in range(k)])
-        per = np.take_along_axis(w, items, 1) / np.take_along_axis(counts, items, 1)
-        order = np.argsort(-per, axis=1, kind="stable")
-        items = np.take_along_axis(items, order, 1)
-        table, packed = pack_sequences(items, np.take_along_axis(per, order, 1), d, s, num_e)
-        for i in np.nonzero(~packed)[0]:
-            table[i] = cyclic_fallback(w[i], counts[i], d, s)
-        table = table.reshape(k, d, s)
+        table = lpt_pack(w, counts, d, s)[0].reshape(k, d, s)
         pk, _ = swap_search(table, w, counts.copy(), target, np.zeros(k), self.max_iters)
         return table, pk
 

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from xllm_eplb.eplb.placement import SWAP
+
 
 def slot_values(table: np.ndarray, w: np.ndarray, counts: np.ndarray) -> np.ndarray:
     """Per-slot even-split load: table [n, D, S], w [n, E], counts [n, E] -> float64 [n, D, S]."""
@@ -58,7 +60,8 @@ def swap_search(table, w, counts, target, slot_cost, max_iters: int, partners: i
     pays. While a layer's peak is above ``must`` [n] the slot cost is only a tie-breaker: reaching
     ``must`` is worth the moves. ``groups`` int [D] restricts swaps to ranks of one group (node).
     Returns (peaks [n], moves): moves[x] lists ``(kind, x, y, peak_after, moved_after)`` with
-    kind 0 = swap slots x and y (the only kind produced here; kind 1 = set slot x to expert y)."""
+    kind ``SWAP`` (slots x and y; the only kind produced here) of the toolkit's move vocabulary
+    (:mod:`xllm_eplb.eplb.placement`)."""
     n, num_d, s = table.shape
     num_e = w.shape[1]
     base = table.copy() if base is None else np.asarray(base)
@@ -116,7 +119,7 @@ def swap_search(table, w, counts, target, slot_cost, max_iters: int, partners: i
             apply_swaps(table, v, r, has, lay, dm, dp, i, j)
             pk = r[lay].max(axis=1)
             for t in range(lay.size):
-                moves[lay[t]].append((0, int(dm[t] * s + i[t]), int(dp[t] * s + j[t]),
+                moves[lay[t]].append((SWAP, int(dm[t] * s + i[t]), int(dp[t] * s + j[t]),
                                       float(pk[t]), int(moved[lay[t]])))
         keep = acc.copy()
         keep[acc] = r[act[acc]].max(axis=1) > target[act[acc]]

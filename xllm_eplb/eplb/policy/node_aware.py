@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from xllm_eplb.eplb.placement import replica_counts
 from xllm_eplb.eplb.policy.base import EplbPolicy
 from xllm_eplb.eplb.policy.localsearch import swap_search
 from xllm_eplb.eplb.policy.packing import (
@@ -78,7 +79,7 @@ def plan_node_aware(loads, ep_size: int, slots: int, num_nodes: int, num_groups:
             raise ValueError(f"node_aware: no placement for node subproblem {i}")
         local[i] = fb
     table = np.take_along_axis(experts, local, 1).reshape(layers, ep_size, slots)
-    counts = np.stack([np.bincount(t.ravel(), minlength=num_e) for t in table])
+    counts = replica_counts(table.reshape(table.shape[0], -1), num_e)
     groups = np.arange(ep_size) // gpn
     ideal = w.sum(axis=1) / ep_size
     swap_search(table, w, counts, ideal * (1 + 1e-9), np.zeros(layers), max_iters,

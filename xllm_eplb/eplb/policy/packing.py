@@ -93,6 +93,25 @@ def pack_sequences(items: np.ndarray, eff: np.ndarray, ep_size: int, slots: int,
     return out, ok
 
 
+def lpt_pack(loads: np.ndarray, counts: np.ndarray, ep_size: int, slots: int):
+    """The replicas of ``counts`` [k, E] (rows summing to ``ep_size * slots``), heaviest
+    per-replica load first, each on the least-loaded rank with a free slot that does not hold its
+    expert (:func:`pack_sequences`); the cyclic fallback where that dead-ends.
+    loads float [k, E] -> (tables int64 [k, D*S], ok bool [k])."""
+    w = as_float(loads)
+    k, num_e = w.shape
+    items = np.stack([np.repeat(np.arange(num_e), counts[i]) for i in range(k)])
+    per = np.take_along_axis(w, items, 1) / np.take_along_axis(counts, items, 1)
+    order = np.argsort(-per, axis=1, kind="stable")
+    table, ok = pack_sequences(np.take_along_axis(items, order, 1),
+                               np.take_along_axis(per, order, 1), ep_size, slots, num_e)
+    for i in np.nonzero(~ok)[0]:
+        fb = cyclic_fallback(w[i], counts[i], ep_size, slots)
+        if fb is not None:
+            table[i], ok[i] = fb, True
+    return table, ok
+
+
 def cyclic_fallback(load: np.ndarray, rc: np.ndarray, ep_size: int, slots: int):
     """xLLM's safe fallback for one layer: experts by L/c descending (ties: id), their replicas
     dealt round-robin over ranks. Since c <= D the replicas of one expert land on distinct

@@ -1,33 +1,11 @@
-"""The incremental policy's move trajectories: replaying search moves on a slot table, and
-choosing where to cut a layer's trajectory (one layer: :func:`best_cut`; a move budget shared
+"""The incremental policy's move trajectories: choosing where to cut a layer's trajectory (one layer: :func:`best_cut`; a move budget shared
 by every layer: :func:`spend_budget`). A trajectory is ``[(moved_slots, peak), ...]``, point 0
-being the deployed table."""
+being the deployed table. The moves themselves (``SWAP`` / ``SET``, applied with
+:func:`~xllm_eplb.eplb.placement.apply_moves`) are the placement toolkit's."""
 
 from __future__ import annotations
 
 import numpy as np
-
-
-def replay(table: np.ndarray, moves) -> np.ndarray:
-    """Apply search moves ``(kind, x, y, ...)`` to a flat table [D*S] (in place): kind 0 swaps
-    slots x and y, kind 1 sets slot x to expert y."""
-    for kind, x, y, *_ in moves:
-        if kind == 0:
-            table[x], table[y] = table[y], table[x]
-        else:
-            table[x] = y
-    return table
-
-
-def replay_undo(table: np.ndarray, moves) -> np.ndarray:
-    """Undo swap moves (kind 0) on a [D, S] table, last first (in place). Rewrites (kind 1)
-    cannot be undone without the old expert, so they are not allowed here."""
-    flat = table.reshape(-1)
-    for kind, x, y, *_ in reversed(moves):
-        if kind != 0:
-            raise ValueError("replay_undo: only swaps can be undone")
-        flat[x], flat[y] = flat[y], flat[x]
-    return table
 
 
 def best_cut(traj: list[tuple[int, float]], cur: float, slot_cost: float, must: float) -> int:
