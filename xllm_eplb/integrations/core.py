@@ -35,7 +35,7 @@ from xllm_eplb.eplb.policy.packing import (
 )
 from xllm_eplb.errors import ConfigError
 
-log = logging.getLogger("xllm_eplb.integrations")
+log = logging.getLogger(__name__)
 
 #: the environment variable that opts a host engine in (the one env read of the library)
 ENV = "XLLM_EPLB_POLICY"
