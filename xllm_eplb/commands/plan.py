@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 import time
 from pathlib import Path
 
@@ -29,23 +28,10 @@ import numpy as np
 from xllm_eplb.cli import handle_user_errors
 from xllm_eplb.eplb.balance import balancedness, rank_loads_from_phy2log
 from xllm_eplb.eplb.loads import parse_layer_range
-from xllm_eplb.eplb.placement import PlacementError, diff, validate_phy2log
+from xllm_eplb.eplb.placement import diff
+from xllm_eplb.eplb.placement_file import validate_rows
 from xllm_eplb.errors import InputFileError, UserError
-
-
-def write_atomic(path: str | Path, text: str) -> None:
-    p = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", dir=p.parent if str(p.parent) else ".")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        mask = os.umask(0)
-        os.umask(mask)
-        os.chmod(tmp, 0o666 & ~mask)      # mkstemp makes 0600; an output is an ordinary file
-        os.replace(tmp, p)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+from xllm_eplb.obs.files import write_atomic
 
 
 def check_outputs(output: str, report: str | None, plot: str | None) -> None:
@@ -99,12 +85,7 @@ def read_previous(path: str, layers: range, total_layers: int, ep_size: int, slo
     if a.shape != want:
         raise InputFileError(f"{p}: previous phy2log has shape {a.shape}, expected {want} "
                              f"(layers x ep_size*slots_per_rank)")
-    for i, row in enumerate(a):
-        try:
-            validate_phy2log(row, num_logical, ep_size, f"{p}: layer {layers.start + i}",
-                             allow_rank_duplicates=True)
-        except PlacementError as e:
-            raise InputFileError(str(e)) from None
+    validate_rows(a, num_logical, ep_size, lambda i: f"{p}: layer {layers.start + i}")
     return a
 
 

@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
 from xllm_eplb.config import Config
+from xllm_eplb.eplb.loads import read_json
 from xllm_eplb.eplb.placement import PlacementError, initial_phy2log, validate_phy2log
 from xllm_eplb.errors import InputFileError
 
@@ -35,12 +37,7 @@ def _load_json(path: str) -> dict:
     where = f"{FLAG}={path}"
     if not p.is_file():
         raise InputFileError(f"{where}: placement file not found")
-    try:
-        data = json.loads(p.read_text())
-    except (OSError, UnicodeDecodeError) as e:
-        raise InputFileError(f"{where}: cannot read ({e})") from None
-    except json.JSONDecodeError as e:
-        raise InputFileError(f"{where}: invalid JSON ({e.msg} at line {e.lineno})") from None
+    data = read_json(p, where)
     if not isinstance(data, dict):
         raise InputFileError(f"{where}: expected a JSON object as `xllm-eplb plan --output` "
                              f"writes, got a {type(data).__name__}")
@@ -97,13 +94,20 @@ def read_placement_file(path: str, *, num_logical: int, ep_size: int, redundant:
     data = _load_json(path)
     slots = _check_sizes(data, where, num_logical, ep_size, redundant, num_moe_layers)
     table = _table(data["phy2log"], where, num_moe_layers, ep_size * slots)
+    validate_rows(table, num_logical, ep_size, lambda i: f"{where}: phy2log[{i}]")
+    return table
+
+
+def validate_rows(table: np.ndarray, num_logical: int, ep_size: int,
+                  name: Callable[[int], str]) -> None:
+    """Every row of an int64 ``[layers, D*S]`` table is a valid placement (ids in range, every
+    logical expert on some slot; same-rank duplicates allowed, as in xLLM's initial layout).
+    The first bad row raises :class:`~xllm_eplb.errors.InputFileError` naming it ``name(i)``."""
     for i, row in enumerate(table):
         try:
-            validate_phy2log(row, num_logical, ep_size, f"{where}: phy2log[{i}]",
-                             allow_rank_duplicates=True)
+            validate_phy2log(row, num_logical, ep_size, name(i), allow_rank_duplicates=True)
         except PlacementError as e:
             raise InputFileError(str(e)) from None
-    return table
 
 
 def initial_placement(cfg: Config) -> np.ndarray:
