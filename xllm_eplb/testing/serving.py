@@ -31,6 +31,9 @@ from xllm_eplb.testing.dist import free_port
 ROOT = Path(__file__).resolve().parents[2]
 #: a worker's process title contains this (``xllm-eplb:ep<rank>``)
 WORKER_TITLE = "xllm-eplb:ep"
+# the oracle and the checkpoints are local folders: never ask the Hub (set before a script
+# imports transformers)
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
 def engine_serves_checkpoints() -> bool:
