@@ -56,7 +56,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-
 from xllm_eplb.commands.bench import make_prompts, run_bench  # noqa: E402
 from xllm_eplb.testing.serving import Server  # noqa: E402
 

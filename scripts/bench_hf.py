@@ -43,7 +43,6 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-
 from xllm_eplb.engine.workload import TopicPrompts, zipf_probs  # noqa: E402
 from xllm_eplb.model.checkpoint import make_checkpoint  # noqa: E402
 from xllm_eplb.testing.serving import (  # noqa: E402
