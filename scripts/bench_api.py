@@ -25,8 +25,6 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
-import os
-import signal
 import subprocess
 import sys
 import tarfile
@@ -37,9 +35,9 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(ROOT))
 
-from bench_util import free_port, wait_ready  # noqa: E402
+from xllm_eplb.testing.serving import Server, complete  # noqa: E402
 
 BODY = {"prompt_token_ids": [256, 104, 105], "max_tokens": 1, "temperature": 0.0}
 
@@ -52,31 +50,6 @@ def unpack_rev(rev: str, dest: Path) -> Path:
     with tarfile.open(tar) as t:
         t.extractall(dest, filter="data")
     return dest
-
-
-class Server:
-    """One ``xllm-eplb serve --ep-size 2`` from source tree ``src`` (its own process group)."""
-
-    def __init__(self, src: Path, log_dir: Path):
-        self.port = free_port()
-        env = dict(os.environ, PYTHONPATH=str(src))
-        cmd = [sys.executable, "-m", "xllm_eplb", "serve", "--ep-size", "2", "--config",
-               str(ROOT / "configs" / "eplb.yaml"), "--workload=none", "--enable_eplb=false",
-               "--port", str(self.port), "--log_dir", str(log_dir)]
-        self.out = log_dir.parent / f"{log_dir.name}.out"
-        self.proc = subprocess.Popen(cmd, cwd=str(src), env=env, stdout=self.out.open("w"),
-                                     stderr=subprocess.STDOUT, start_new_session=True)
-
-    def wait_ready(self, timeout: float = 300.0) -> None:
-        wait_ready(self.proc, self.out, timeout)
-
-    def stop(self) -> None:
-        try:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            self.proc.wait(30)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(10)
 
 
 def step_totals(conn: http.client.HTTPConnection) -> tuple[float, float]:
@@ -139,25 +112,17 @@ def concurrent_clients(port: int, clients: int) -> dict:
 
 def stream_matches(port: int, n: int = 8) -> bool:
     """Seeded sampled requests: streamed token ids == non-streamed token ids."""
-    sys.path.insert(0, str(ROOT))
-    from xllm_eplb.commands.bench import stream_one
-
     same = True
     for i in range(n):
         body = {"prompt": f"request {i}", "max_tokens": 16, "temperature": 1.0, "seed": i,
                 "ignore_eos": True, "return_token_ids": True}
-        c = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
-        c.request("POST", "/v1/completions", body=json.dumps(body).encode(),
-                  headers={"Content-Type": "application/json"})
-        full = json.loads(c.getresponse().read())["choices"][0]["token_ids"]
-        c.close()
-        streamed = stream_one("127.0.0.1", port, dict(body, stream=True), 60)["ids"]
-        same &= streamed == full
+        same &= complete(port, body, stream=True, timeout=60) == complete(port, body, timeout=60)
     return same
 
 
 def run_one(name: str, src: Path, tmp: Path, n: int, warm: int, clients: int = 0) -> dict:
-    s = Server(src, tmp / f"logs_{name}")
+    s = Server(None, tmp / f"logs_{name}", ["--config", str(ROOT / "configs" / "eplb.yaml"),
+                                             "--enable_eplb=false"], ep=2, src=src)
     try:
         s.wait_ready()
         res = measure(s.port, n, warm)

@@ -58,11 +58,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
-
-from bench_util import Server  # noqa: E402
 
 from xllm_eplb.commands.bench import make_prompts, run_bench  # noqa: E402
+from xllm_eplb.testing.serving import Server  # noqa: E402
 
 MODES = {
     "off": ["--enable_eplb=false"],
@@ -269,7 +267,7 @@ def main(argv=None) -> int:
         try:
             for m in modes:
                 print(f"bench_e2e: starting {m}", file=sys.stderr, flush=True)
-                servers[m] = Server(ckpt, 2, _mode_flags(args, m), Path(tmp) / m)
+                servers[m] = Server.start(ckpt, Path(tmp) / m, _mode_flags(args, m), ep=2)
             warmed = {m: warm(servers[m], m, warm_p, args) for m in modes}
             for i in range(args.pairs):
                 order = modes if i % 2 == 0 else modes[::-1]

@@ -45,9 +45,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import elastic_load as L  # noqa: E402
-import elastic_measure as M  # noqa: E402
 from elastic_overhead import overhead  # noqa: E402
-from soak import Server  # noqa: E402
+
+from xllm_eplb.testing import elastic_measure as M  # noqa: E402
+from xllm_eplb.testing.serving import Server, kill_worker  # noqa: E402
 
 KINDS = {"prefill": 1, "decode": 1, "migration": 1, "reprefill": 2}
 
@@ -186,7 +187,7 @@ def throughput(mode: str, a, model: Path, tmp: Path, bodies, ref, rng) -> dict:
         s.wait_ready(300)
         load = L.ClosedLoop(s.port, bodies, ref, a.streams)
         time.sleep(3.0 + a.before_s)
-        t_kill = L._kill(s, rng)
+        t_kill = kill_worker(s, rng)
         time.sleep(10.5)
         load.close()
     finally:

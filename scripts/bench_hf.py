@@ -42,12 +42,16 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from bench_util import Server, engine_serves_checkpoints, hf_greedy, hf_model, write_json  # noqa: E402
 
 from xllm_eplb.engine.workload import TopicPrompts, zipf_probs  # noqa: E402
 from xllm_eplb.model.checkpoint import make_checkpoint  # noqa: E402
+from xllm_eplb.testing.serving import (  # noqa: E402
+    Server,
+    engine_serves_checkpoints,
+    hf_greedy,
+    hf_model,
+    write_json,
+)
 
 BATCH = 32
 CONFIGS = {
@@ -110,9 +114,10 @@ def bench_single(model_dir: Path, prompts, new: int) -> tuple[float, list[list[i
 def bench_engine(model_dir: Path, prompts, new: int, log_dir: Path, *,
                  dtype: str = "float32", extra: tuple[str, ...] = ()):
     P = len(prompts[0])
-    srv = Server(model_dir, 2, ["--enable_eplb=true", "--eplb_update_interval=2",
-                                f"--dtype={dtype}", f"--max_batch_size={len(prompts)}",
-                                f"--max_prefill_tokens={len(prompts) * P}", *extra], log_dir)
+    srv = Server.start(model_dir, log_dir, ["--enable_eplb=true", "--eplb_update_interval=2",
+                                            f"--dtype={dtype}", f"--max_batch_size={len(prompts)}",
+                                            f"--max_prefill_tokens={len(prompts) * P}", *extra],
+                       ep=2)
     try:
         srv.complete_all(prompts[:4], 2)                      # warm-up
         t0 = time.perf_counter()

@@ -55,11 +55,10 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_util import Server, engine_serves_checkpoints, write_json  # noqa: E402
 
 from xllm_eplb.model.checkpoint import make_checkpoint  # noqa: E402
+from xllm_eplb.testing.serving import Server, engine_serves_checkpoints, write_json  # noqa: E402
 
 SIZES = dict(hidden_size=256, num_experts=32, top_k=2, moe_intermediate_size=1024,
              intermediate_size=512, num_layers=4, max_position_embeddings=256)
@@ -83,10 +82,10 @@ def baseline_child() -> None:
 
     import torch
     import torch.distributed as dist
-    from bench_util import free_port
 
     import xllm_eplb.model.decoder  # noqa: F401
     import xllm_eplb.worker.worker  # noqa: F401
+    from xllm_eplb.testing.dist import free_port
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
@@ -146,7 +145,7 @@ def measure(model_dir: Path, ep: int, eplb: bool, log_dir: Path, *, dtype: str =
     """Peak RSS of every worker after one request; ``resident`` gets their RSS once ready."""
     flags = [f"--dtype={dtype}", "--max_batch_size=1", "--max_prefill_tokens=64",
              f"--enable_eplb={'true' if eplb else 'false'}", "--eplb_update_interval=1000"]
-    srv = Server(model_dir, ep, flags, log_dir)
+    srv = Server.start(model_dir, log_dir, flags, ep=ep)
     try:
         if resident is not None:
             resident.extend(vm_rss(pid) for pid in sorted(srv.worker_pids()))

@@ -47,14 +47,19 @@ def queries(node, where: str = "") -> list[tuple[str, str]]:
     return out
 
 
+def _not_a_dashboard(why: str) -> None:
+    print(f"error: {why}", file=sys.stderr)
+    raise SystemExit(2)
+
+
 def check(path: Path) -> tuple[list[str], int]:
     """(problems, number of metric references) for the dashboard at ``path``."""
     try:
         dash = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as e:
-        raise SystemExit(f"error: {path}: not a readable JSON dashboard ({e})") from None
+        _not_a_dashboard(f"{path}: not a readable JSON dashboard ({e})")
     if not isinstance(dash, dict) or not isinstance(dash.get("panels"), list):
-        raise SystemExit(f"error: {path}: no 'panels' list (not a Grafana dashboard)")
+        _not_a_dashboard(f"{path}: no 'panels' list (not a Grafana dashboard)")
     known = exported_names()
     problems, refs = [], 0
     for where, q in queries(dash):

@@ -41,9 +41,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_util import Server, engine_serves_checkpoints, hf_model, write_json  # noqa: E402
+from xllm_eplb.testing.serving import Server, engine_serves_checkpoints, hf_model, write_json  # noqa: E402
 
 QUESTION = "What is the capital of France?"
 NUM_EXPERTS, TOP_K = 4, 2
@@ -157,9 +156,10 @@ def main() -> int:
               f"{res['hf_loading_info'] or 'clean'}; MoE vs dense max|dlogit| {diff:.2e}")
         print(f"transformers: {res['hf_text']!r}")
         if engine_serves_checkpoints():
-            srv = Server(out, 2, ["--enable_eplb=true", "--eplb_update_interval=1",
-                                  "--dtype=float32", "--max_batch_size=2",
-                                  "--max_prefill_tokens=256"], Path(tmp) / "logs")
+            srv = Server.start(out, Path(tmp) / "logs", ["--enable_eplb=true",
+                                                         "--eplb_update_interval=1",
+                                                         "--dtype=float32", "--max_batch_size=2",
+                                                         "--max_prefill_tokens=256"], ep=2)
             try:
                 got = srv.complete(prompt, new, ignore_eos=False)
                 res["engine_status"] = {k: v for k, v in srv.status().items()

@@ -7,13 +7,13 @@ EPLB round in flight, the re-prefill just after a recovery), closed-loop load ar
 from __future__ import annotations
 
 import contextlib
-import http.client
-import json
 import threading
 import time
 
 import psutil
-from soak import complete as soak_complete
+
+from xllm_eplb.testing import serving
+from xllm_eplb.testing.serving import kill_worker, stream_completion
 
 PROMPTS = ["the engine", "a rank dies", "experts move", "no request is lost", "seeded",
            "tokens stay", "x", "balance the load"]
@@ -28,60 +28,10 @@ def body(i: int, n: int) -> dict:
 
 def complete(port: int, b: dict) -> list[int]:
     """Token ids of one non-streaming completion (the reference run); raises on an error."""
-    got = soak_complete(port, b, stream=False)
+    got = serving.complete(port, b, stream=False)
     if isinstance(got, str):
         raise RuntimeError(f"reference request: {got}")
     return got
-
-
-def stream(port: int, b: dict, rec: dict) -> None:
-    """One streamed completion into ``rec``: ``ids``, ``times`` (epoch s per token),
-    ``status`` (HTTP), ``error`` ('' when none), ``done``."""
-    rec.update(ids=[], times=[], status=0, error="", done=False)
-    c = http.client.HTTPConnection("127.0.0.1", port, timeout=300)
-    try:
-        c.request("POST", "/v1/completions", body=json.dumps(dict(b, stream=True)).encode(),
-                  headers={"Content-Type": "application/json"})
-        r = c.getresponse()
-        rec["status"] = r.status
-        if r.status != 200:
-            rec["error"] = f"HTTP {r.status}: {r.read()[:200]!r}"
-            return
-        for line in r:
-            if not line.startswith(b"data: "):
-                continue
-            data = line[6:].strip()
-            if data == b"[DONE]":
-                rec["done"] = True
-                break
-            obj = json.loads(data)
-            if "error" in obj:
-                rec["error"] = str(obj["error"])[:300]
-                return
-            new = [i for ch in obj.get("choices", []) for i in ch.get("token_ids", [])]
-            now = time.time()
-            rec["ids"] += new
-            rec["times"] += [now] * len(new)
-    except (OSError, http.client.HTTPException, ValueError) as e:
-        rec["error"] = f"{type(e).__name__}: {e}"
-    finally:
-        c.close()
-
-
-def workers(server) -> list[psutil.Process]:
-    out = []
-    for p in server.procs():
-        with contextlib.suppress(psutil.Error):
-            if p.pid != server.proc.pid and "xllm-eplb:ep" in " ".join(p.cmdline()):
-                out.append(p)
-    return out
-
-
-def _kill(server, rng) -> float:
-    victim = rng.choice(workers(server))
-    t = time.time()
-    victim.kill()
-    return t
 
 
 def _wait(cond, timeout: float, step: float = 0.01) -> bool:
@@ -102,7 +52,7 @@ def kill_trial(server, bodies: list[dict], kind: str, rng) -> dict:
     ``reprefill`` (a decode kill, then a second one 0-0.3 s after its recovery resumed: the
     requests are being re-prefilled). Returns the streams and the kill times with labels."""
     recs = [{} for _ in bodies]
-    th = [threading.Thread(target=stream, args=(server.port, b, r), daemon=True)
+    th = [threading.Thread(target=stream_completion, args=(server.port, b, r), daemon=True)
           for b, r in zip(bodies, recs, strict=True)]
     for t in th:
         t.start()
@@ -112,21 +62,21 @@ def kill_trial(server, bodies: list[dict], kind: str, rng) -> dict:
         time.sleep(rng.uniform(0.0, 0.04))
         first = max(len(r.get("ids", ())) for r in recs) == 0
         label = "prefill" if first else "decode"
-        kills.append((_kill(server, rng), label))
+        kills.append((kill_worker(server, rng), label))
     elif kind == "migration":
         _wait(lambda: ntok() >= 2, 60)
         hit = _wait(lambda: server.get("/eplb/status").get("round_in_progress"), 15, 0.02)
-        kills.append((_kill(server, rng), "migration" if hit else "decode"))
+        kills.append((kill_worker(server, rng), "migration" if hit else "decode"))
     else:
         want = rng.randint(2, 12)
         _wait(lambda: ntok() >= want, 60)
         before = server.get("/eplb/status")["membership"].get("recoveries", 0)
-        kills.append((_kill(server, rng), "decode"))
+        kills.append((kill_worker(server, rng), "decode"))
         if kind == "reprefill":
             ok = _wait(lambda: server.get("/eplb/status")["membership"].get("recoveries", 0)
                        > before, 60, 0.02)
             time.sleep(rng.uniform(0.0, 0.3))
-            kills.append((_kill(server, rng), "reprefill" if ok else "late"))
+            kills.append((kill_worker(server, rng), "reprefill" if ok else "late"))
     for t in th:
         t.join(240)
     return {"recs": recs, "kills": kills}
@@ -137,7 +87,7 @@ def idle_kill(server, rng) -> float:
     its recovery. Returns the kill time."""
     before = server.get("/eplb/status")["membership"].get("recoveries", 0)
     time.sleep(rng.uniform(0.3, 1.0))
-    t = _kill(server, rng)
+    t = kill_worker(server, rng)
     _wait(lambda: server.get("/eplb/status")["membership"].get("recoveries", 0) > before, 60,
           0.05)
     return t
@@ -186,7 +136,7 @@ class ClosedLoop:
         k = i
         while not self.stop.is_set():
             rec: dict = {}
-            stream(self.port, self.bodies[k % len(self.bodies)], rec)
+            stream_completion(self.port, self.bodies[k % len(self.bodies)], rec)
             with self.lock:
                 self.times += rec["times"]
                 if rec["error"] or not rec["done"]:

@@ -18,6 +18,7 @@ identical, every layer covering every expert) or **cleanly stopped** (the server
 
     .venv/bin/python scripts/nested_faults.py --json /tmp/nested.json          # ~5 min
     .venv/bin/python scripts/nested_faults.py --only switch_serving
+    .venv/bin/python scripts/nested_faults.py --quick    # two_joiners_rule only
 """
 
 from __future__ import annotations
@@ -34,8 +35,9 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import elastic_load as L  # noqa: E402
-import elastic_measure as M  # noqa: E402
-from soak import Server  # noqa: E402
+
+from xllm_eplb.testing import elastic_measure as M  # noqa: E402
+from xllm_eplb.testing.serving import Server, stream_completion, workers  # noqa: E402
 
 BASE = ["--dtype=float64", "--elastic_ep=true", "--elastic_silence_seconds=2",
         "--max_batch_size=8", "--elastic_max_restarts=20", "--enable_eplb=false",
@@ -46,7 +48,7 @@ SWITCH_TOKENS = 320
 
 
 def _worker(s: Server, w: int):
-    return next(p for p in L.workers(s) if f"xllm-eplb:ep{w}" in " ".join(p.cmdline()))
+    return next(p for p in workers(s.proc.pid) if f"xllm-eplb:ep{w}" in " ".join(p.cmdline()))
 
 
 def _until(cond, timeout: float, step: float = 0.005) -> bool:
@@ -78,7 +80,7 @@ def _start(s: Server, bodies, recs: list) -> list:
     th = []
     for b in bodies:
         recs.append({})
-        th.append(threading.Thread(target=L.stream, args=(s.port, b, recs[-1]), daemon=True))
+        th.append(threading.Thread(target=stream_completion, args=(s.port, b, recs[-1]), daemon=True))
         th[-1].start()
     return th
 
@@ -197,8 +199,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", type=Path, help="write the results here")
     ap.add_argument("--only", default=",".join(SCENARIOS), help="comma list of scenarios")
+    ap.add_argument("--quick", action="store_true",
+                    help="one scenario, two_joiners_rule (about a minute)")
     ap.add_argument("--keep-logs", type=Path, help="copy each scenario's logs here")
     a = ap.parse_args()
+    if a.quick:
+        a.only = "two_joiners_rule"
     from xllm_eplb.model.checkpoint import make_checkpoint
 
     res = []

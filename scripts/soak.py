@@ -34,16 +34,12 @@ recovered (``/eplb/status`` ``membership``), the recovery seconds of each kill r
 from __future__ import annotations
 
 import argparse
-import http.client
 import json
 import os
-import random
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -51,148 +47,11 @@ import psutil
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
 
-from bench_util import free_port, wait_ready  # noqa: E402
-from soak_chaos import Chaos, elastic_flags, recoveries  # noqa: E402
+from xllm_eplb.testing.elastic_measure import recoveries  # noqa: E402
+from xllm_eplb.testing.serving import Chaos, Clients, Server, complete, elastic_flags, prompt_pool  # noqa: E402
 
-from xllm_eplb.commands.bench import stream_one  # noqa: E402
-
-WORDS = ("the engine moves experts between ranks while requests keep flowing and every token "
-         "stays the same as before the balancer ran").split()
 RSS_PERIOD_S = 5.0
-
-
-def prompt_pool(n: int = 12) -> list[dict]:
-    """Fixed request bodies: short/long prompts, greedy (control) and seeded-sampled."""
-    rng = random.Random(17)
-    pool = []
-    for i in range(n):
-        long = i % 3 == 0
-        words = [rng.choice(WORDS) for _ in range(rng.randint(40, 90) if long
-                                                   else rng.randint(2, 8))]
-        body = {"prompt": " ".join(words), "max_tokens": 48 if long else 12,
-                "ignore_eos": True, "return_token_ids": True}
-        body.update({"temperature": 0.0} if i % 2 == 0 else
-                    {"temperature": 0.9, "seed": 100 + i, "top_k": 40})
-        pool.append(body)
-    return pool
-
-
-class Server:
-    """One ``xllm-eplb serve`` in its own process group."""
-
-    def __init__(self, model: Path, log_dir: Path, flags: list[str]):
-        self.port = free_port()
-        self.run_id = f"s{self.port}"
-        cmd = [sys.executable, "-m", "xllm_eplb", "serve", "--ep-size", "4", "--model",
-               str(model), "--workload=none", "--port", str(self.port), "--run_id",
-               self.run_id, "--log_dir", str(log_dir), *flags]
-        self.out = log_dir.parent / f"{log_dir.name}.out"
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self.out.open("w"),
-                                     stderr=subprocess.STDOUT, start_new_session=True)
-
-    def wait_ready(self, timeout: float = 300.0) -> None:
-        wait_ready(self.proc, self.out, timeout)
-
-    def procs(self) -> list[psutil.Process]:
-        try:
-            p = psutil.Process(self.proc.pid)
-            return [p, *p.children(recursive=True)]
-        except psutil.NoSuchProcess:
-            return []
-
-    def get(self, path: str) -> dict:
-        c = http.client.HTTPConnection("127.0.0.1", self.port, timeout=30)
-        try:
-            c.request("GET", path)
-            return json.loads(c.getresponse().read())
-        finally:
-            c.close()
-
-    def stop(self) -> int:
-        try:
-            self.proc.send_signal(signal.SIGTERM)
-            return self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(10)
-            return -9
-
-
-def complete(port: int, body: dict, stream: bool) -> list[int] | str:
-    """Token ids of one completion, or an error string."""
-    try:
-        if stream:
-            r = stream_one("127.0.0.1", port, dict(body, stream=True), 300)
-            return r.get("error") or r["ids"]
-        c = http.client.HTTPConnection("127.0.0.1", port, timeout=300)
-        try:
-            c.request("POST", "/v1/completions", body=json.dumps(body).encode(),
-                      headers={"Content-Type": "application/json"})
-            r = c.getresponse()
-            raw = r.read()
-            if r.status != 200:
-                return f"HTTP {r.status}: {raw[:200]!r}"
-            return json.loads(raw)["choices"][0]["token_ids"]
-        finally:
-            c.close()
-    except (OSError, http.client.HTTPException, ValueError, KeyError) as e:
-        return f"{type(e).__name__}: {e}"
-
-
-class Clients:
-    """``n`` threads, one request in flight each; ``pause`` stops new requests."""
-
-    def __init__(self, port: int, pool: list[dict], ref: list[list[int]], n: int):
-        self.port, self.pool, self.ref = port, pool, ref
-        self.lock = threading.Lock()
-        self.ok = self.failed = self.mismatches = 0
-        self.errors: list[str] = []
-        self.stop, self.go = threading.Event(), threading.Event()
-        self.idle = [threading.Event() for _ in range(n)]
-        self.threads = [threading.Thread(target=self._run, args=(i,), daemon=True)
-                        for i in range(n)]
-
-    def start(self) -> None:
-        self.go.set()
-        for t in self.threads:
-            t.start()
-
-    def _run(self, i: int) -> None:
-        rng = random.Random(i)
-        while not self.stop.is_set():
-            if not self.go.is_set():
-                self.idle[i].set()
-                self.go.wait(0.2)
-                continue
-            self.idle[i].clear()
-            k = rng.randrange(len(self.pool))
-            got = complete(self.port, self.pool[k], stream=rng.random() < 0.5)
-            with self.lock:
-                if isinstance(got, str):
-                    self.failed += 1
-                    self.errors.append(got)
-                else:
-                    self.ok += 1
-                    self.mismatches += got != self.ref[k]
-        self.idle[i].set()
-
-    def pause(self) -> None:
-        self.go.clear()
-        for e in self.idle:
-            e.wait(300)
-
-    def resume(self) -> None:
-        for e in self.idle:
-            e.clear()
-        self.go.set()
-
-    def close(self) -> None:
-        self.stop.set()
-        self.go.set()
-        for t in self.threads:
-            t.join(300)
 
 
 def snapshot(server: Server) -> dict:

@@ -1,11 +1,8 @@
-"""``drift_floor`` (scripts/bench_policy.py): the lower bound quoted in docs/benchmarks.md for the
-slots a count-preserving re-plan must change. Checked on a case solved by hand, and checked to
+"""``drift_floor`` (``xllm_eplb/testing/bounds.py``; ``scripts/bench_policy.py`` reports it): the
+lower bound quoted in docs/benchmarks.md for the slots a count-preserving re-plan must change. Checked on a case solved by hand, and checked to
 stay below what the real ``incremental`` policy moves on random drifts."""
 
 from __future__ import annotations
-
-import importlib.util
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,12 +11,7 @@ from xllm_eplb.eplb.balance import rank_loads_from_phy2log
 from xllm_eplb.eplb.gate import propose
 from xllm_eplb.eplb.placement import diff, initial_phy2log, logcnt
 from xllm_eplb.eplb.policy import make_policy
-
-_SPEC = importlib.util.spec_from_file_location(
-    "bench_policy", Path(__file__).resolve().parents[1] / "scripts" / "bench_policy.py")
-bench_policy = importlib.util.module_from_spec(_SPEC)
-_SPEC.loader.exec_module(bench_policy)
-drift_floor = bench_policy.drift_floor
+from xllm_eplb.testing.bounds import drift_floor
 
 
 def test_hand_solved_swap():

@@ -1,22 +1,16 @@
 """The arithmetic behind the elastic acceptance numbers in docs/benchmarks.md
-(``scripts/elastic_measure.py``, used by ``scripts/bench_elastic.py``): log lines matched to
-kills, coverage, rates around a kill, the stream verdicts. Pure functions, real log lines as
+(``xllm_eplb/testing/elastic_measure.py``, used by ``scripts/bench_elastic.py``): log lines
+matched to kills, coverage, rates around a kill, the stream verdicts. Pure functions, real log lines as
 the engine and launcher write them (``obs/logs.py`` formatter): no processes."""
 
 from __future__ import annotations
 
-import importlib.util
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("elastic_measure",
-                                               ROOT / "scripts" / "elastic_measure.py")
-M = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(M)
+from xllm_eplb.testing import elastic_measure as M
 
 
 def _line(t: float, msg: str, level: str = "WARNING", tag: str = "engine") -> str:

@@ -5,7 +5,8 @@ finishes with exactly the tokens of a fault-free run (float64, greedy and seeded
 no token repeated or skipped (only the dead rank's requests are re-prefilled: the survivors'
 keep their KV caches and recompute the void step); twice in a row, and a SIGSTOPped worker is
 fenced (SIGKILLed) after ``--elastic_silence_seconds`` and recovered the same way. Then the chaos
-soak's short run in CI (``scripts/soak.py --chaos``'s clients and kill thread): closed-loop
+soak's short run in CI (``scripts/soak.py --chaos``'s clients and kill thread, from
+``xllm_eplb/testing/serving.py``): closed-loop
 clients while a random worker is SIGKILLed every few seconds; 0 failed, 0 mismatches. Nothing is
 left behind."""
 
@@ -16,7 +17,6 @@ import json
 import os
 import re
 import signal
-import sys
 import threading
 import time
 from pathlib import Path
@@ -26,10 +26,7 @@ import psutil
 import pytest
 from serve_util import shm_objects
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
-import soak  # noqa: E402  (scripts/soak.py: the chaos soak's clients)
-from soak_chaos import Chaos  # noqa: E402
+from xllm_eplb.testing.serving import Chaos, Clients, complete, prompt_pool
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="needs POSIX shm")]
@@ -185,11 +182,11 @@ def _chaos_short_run(s, every: float = 6.0, kills: int = 2) -> dict:
     """``scripts/soak.py --chaos`` in short: its closed-loop clients (greedy and seeded-sampled
     requests, half streamed, every reply compared with the same requests answered before the
     kills) while its kill thread SIGKILLs a random worker every ``every`` s."""
-    pool = soak.prompt_pool(6)
-    ref = [soak.complete(s.port, b, stream=False) for b in pool]
+    pool = prompt_pool(6)
+    ref = [complete(s.port, b, stream=False) for b in pool]
     assert all(isinstance(r, list) for r in ref), ref
     before = _status(s)["membership"]["recoveries"]
-    clients, chaos = soak.Clients(s.port, pool, ref, 3), None
+    clients, chaos = Clients(s.port, pool, ref, 3), None
     try:
         clients.start()
         chaos = Chaos(s, every)

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 import time
 from pathlib import Path
 
@@ -31,21 +30,7 @@ from xllm_eplb.eplb.balance import balancedness, rank_loads_from_phy2log
 from xllm_eplb.eplb.loads import parse_layer_range
 from xllm_eplb.eplb.placement import diff, validate_table
 from xllm_eplb.errors import InputFileError, UserError
-
-
-def write_atomic(path: str | Path, text: str) -> None:
-    p = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", dir=p.parent if str(p.parent) else ".")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        mask = os.umask(0)
-        os.umask(mask)
-        os.chmod(tmp, 0o666 & ~mask)      # mkstemp makes 0600; an output is an ordinary file
-        os.replace(tmp, p)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+from xllm_eplb.obs.files import write_atomic
 
 
 def check_outputs(output: str, report: str | None, plot: str | None) -> None:

@@ -17,7 +17,7 @@ from xllm_eplb.config.fields import (
     ServeConfig,
 )
 
-log = logging.getLogger("xllm_eplb.config")
+log = logging.getLogger(__name__)
 
 # --- schema helpers -------------------------------------------------------------------------
 

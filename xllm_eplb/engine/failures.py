@@ -22,7 +22,7 @@ import time
 
 from xllm_eplb.obs.logs import FILE_ONLY, event
 
-log = logging.getLogger("xllm_eplb.engine.engine")
+log = logging.getLogger(__name__)
 
 #: the engine waits for a rank's output in slices this long (seconds) between checks
 WAIT_SLICE = 0.25

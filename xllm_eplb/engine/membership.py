@@ -47,7 +47,7 @@ from xllm_eplb.ipc.store import put_members, put_placement
 from xllm_eplb.model.batch import RankBatch
 from xllm_eplb.obs.logs import event
 
-log = logging.getLogger("xllm_eplb.engine.engine")
+log = logging.getLogger(__name__)
 
 #: a survivor's answer to the void step is awaited at least this long (seconds): on a loaded
 #: machine failing a collective and writing ``peer_lost`` can take longer than a short

@@ -21,7 +21,7 @@ from xllm_eplb.ipc.objects import sweep_until_clean
 from xllm_eplb.ipc.ring import InputRing, OutputRing
 from xllm_eplb.obs.logs import FILE_ONLY, event, setup_logging
 
-log = logging.getLogger("xllm_eplb.engine.engine")
+log = logging.getLogger(__name__)
 
 
 def _make_manager(cfg: Config, placement):

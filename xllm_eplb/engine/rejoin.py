@@ -55,7 +55,7 @@ from xllm_eplb.ipc.store import decide, join_key, joined_key, put_members, put_p
 from xllm_eplb.model.batch import RankBatch
 from xllm_eplb.obs.logs import event
 
-log = logging.getLogger("xllm_eplb.engine.engine")
+log = logging.getLogger(__name__)
 
 #: the store key of the generation counter (shared with the launcher, ``launcher/elastic.py``)
 GENERATION_KEY = "generation"

@@ -37,7 +37,7 @@ from xllm_eplb.ipc.store import put_members, put_placement
 from xllm_eplb.model.batch import RankBatch
 from xllm_eplb.obs.logs import event
 
-log = logging.getLogger("xllm_eplb.engine.engine")
+log = logging.getLogger(__name__)
 
 
 def shrink(ms, rank: int, generation: int) -> dict:

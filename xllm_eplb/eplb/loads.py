@@ -28,6 +28,17 @@ class LoadFile:
     path: str
 
 
+def read_json(p: Path, where: str):
+    """The JSON value in file ``p``; a file that cannot be read or parsed raises
+    :class:`~xllm_eplb.errors.InputFileError` starting with ``where``."""
+    try:
+        return json.loads(p.read_text())
+    except (OSError, UnicodeDecodeError) as e:
+        raise InputFileError(f"{where}: cannot read ({e})") from None
+    except json.JSONDecodeError as e:
+        raise InputFileError(f"{where}: invalid JSON ({e.msg} at line {e.lineno})") from None
+
+
 def _read_raw(p: Path):
     suffix = p.suffix.lower()
     if suffix == ".npy":
@@ -37,12 +48,7 @@ def _read_raw(p: Path):
             raise InputFileError(f"{p}: not a readable .npy array ({e})") from None
     if suffix != ".json":
         raise InputFileError(f"{p}: unknown load-file type {suffix!r} (expected .json or .npy)")
-    try:
-        data = json.loads(p.read_text())
-    except (OSError, UnicodeDecodeError) as e:
-        raise InputFileError(f"{p}: cannot read ({e})") from None
-    except json.JSONDecodeError as e:
-        raise InputFileError(f"{p}: invalid JSON ({e.msg} at line {e.lineno})") from None
+    data = read_json(p, str(p))
     if isinstance(data, dict):
         if "logical_count" not in data:
             raise InputFileError(f"{p}: JSON object without a 'logical_count' key (SGLang dump "

@@ -13,7 +13,7 @@ from xllm_eplb.eplb.cost_check import CheckResult, CostChecks
 from xllm_eplb.eplb.cost_model import CostModel, CostSnapshot, critical_path
 from xllm_eplb.obs.logs import event
 
-log = logging.getLogger("xllm_eplb.eplb.manager")
+log = logging.getLogger(__name__)
 
 #: rounds a rolled-back layer is left out of
 HOLD_ROUNDS = 2

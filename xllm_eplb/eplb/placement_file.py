@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from xllm_eplb.config import Config
+from xllm_eplb.eplb.loads import read_json
 from xllm_eplb.eplb.placement import initial_phy2log, validate_table
 from xllm_eplb.errors import InputFileError
 
@@ -35,12 +36,7 @@ def _load_json(path: str) -> dict:
     where = f"{FLAG}={path}"
     if not p.is_file():
         raise InputFileError(f"{where}: placement file not found")
-    try:
-        data = json.loads(p.read_text())
-    except (OSError, UnicodeDecodeError) as e:
-        raise InputFileError(f"{where}: cannot read ({e})") from None
-    except json.JSONDecodeError as e:
-        raise InputFileError(f"{where}: invalid JSON ({e.msg} at line {e.lineno})") from None
+    data = read_json(p, where)
     if not isinstance(data, dict):
         raise InputFileError(f"{where}: expected a JSON object as `xllm-eplb plan --output` "
                              f"writes, got a {type(data).__name__}")

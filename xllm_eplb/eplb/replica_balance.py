@@ -19,8 +19,8 @@ broadcast. No float enters the solve: keep it so (``np.bincount``'s float64 sums
 are exact below 2**53).
 
 Cost at 256 experts, EP32 + 32 redundant slots: well under 100 us per layer on a quiet CPU
-(``scripts/bench_routing.py``): ~10 numpy calls, then a few augmenting passes in plain integer
-Python over the ~30 flexible experts' cells. (A vectorised Jacobi scheme was slower: each numpy
+(docs/benchmarks.md, "Per-step replica routing"): ~10 numpy calls, then a few augmenting passes
+in plain integer Python over the ~30 flexible experts' cells. (A vectorised Jacobi scheme was slower: each numpy
 call costs microseconds on arrays of ~30 x 3, and it needed ~8 rounds of ~30 calls.)
 """
 

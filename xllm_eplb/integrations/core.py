@@ -44,7 +44,7 @@ from xllm_eplb.eplb.policy.packing import (
 )
 from xllm_eplb.errors import ConfigError
 
-log = logging.getLogger("xllm_eplb.integrations")
+log = logging.getLogger(__name__)
 
 #: the environment variable that opts a host engine in (one of the two env reads of the library)
 ENV = "XLLM_EPLB_POLICY"

@@ -6,11 +6,11 @@ plotting functions here or elsewhere.
 
 from __future__ import annotations
 
-import os
-import tempfile
 from pathlib import Path
 
 import numpy as np
+
+from xllm_eplb.obs.files import write_atomic
 
 
 def pyplot():
@@ -25,19 +25,7 @@ def pyplot():
 
 def save_atomic(fig, path: str | Path, dpi: int = 110) -> None:
     """Save a figure through a temp file + rename, so a failure never leaves a partial file."""
-    p = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=p.suffix or ".png",
-                               dir=p.parent if str(p.parent) else ".")
-    os.close(fd)
-    try:
-        fig.savefig(tmp, dpi=dpi)
-        mask = os.umask(0)
-        os.umask(mask)
-        os.chmod(tmp, 0o666 & ~mask)      # mkstemp makes 0600; an output is an ordinary file
-        os.replace(tmp, p)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    write_atomic(path, lambda tmp: fig.savefig(tmp, dpi=dpi), suffix=Path(path).suffix or ".png")
 
 
 def plot_rank_loads(before: np.ndarray, after: np.ndarray, path: str | Path,

@@ -37,28 +37,15 @@ class InjectedFault(RuntimeError):
     """Raised by an injected ``prepare_fail`` / ``p2p_fail``."""
 
 
+def _no_op(self, where: int) -> None:
+    """A hook point (a layer or a step) with nothing to inject: returns at once."""
+
+
 class NoFaults:
-    """Fault injection off: every hook is a no-op."""
+    """Fault injection off: every hook is a no-op (the module docstring lists them)."""
 
     enabled = False
-
-    def prepare(self, layer: int) -> None:
-        pass
-
-    def before_activate(self, layer: int) -> None:
-        pass
-
-    def mid_transfer(self, layer: int) -> None:
-        pass
-
-    def p2p_wait(self, layer: int) -> None:
-        pass
-
-    def after_activate(self, layer: int) -> None:
-        pass
-
-    def step(self, step: int) -> None:
-        pass
+    prepare = before_activate = mid_transfer = p2p_wait = after_activate = step = _no_op
 
     def corrupt(self, step: int) -> bool:
         return False

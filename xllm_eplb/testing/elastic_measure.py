@@ -1,7 +1,9 @@
-"""The arithmetic of ``scripts/bench_elastic.py`` (issue #23 acceptance), kept free of processes
-so ``tests/test_elastic_measure.py`` checks it cheaply: the ``EPLB elastic`` log lines read back
-with their stamps, each kill matched to the lines that follow it (detect, resume and the phases
-of the recovery), expert coverage of a deployed table, token rates around a kill, percentiles.
+"""The arithmetic of the elastic benchmarks (``scripts/bench_elastic.py``,
+``scripts/nested_faults.py``, ``scripts/soak.py --chaos``; issue #23 acceptance), free of
+processes so ``tests/test_elastic_measure.py`` checks it cheaply: the ``EPLB elastic`` log lines
+read back with their stamps, each kill matched to the lines that follow it (detect, resume and
+the phases of the recovery), expert coverage of a deployed table, token rates around a kill,
+percentiles, the chaos soak's recovery times.
 """
 
 from __future__ import annotations
@@ -130,3 +132,19 @@ def token_faults(got: list[int], ref: list[int]) -> str:
     if len(got) < len(ref):
         return "skipped"
     return "changed"
+
+
+def recoveries(log_dir: Path, kills: list[tuple[float, str]]) -> dict:
+    """The chaos soak's recovery times (``scripts/soak.py --chaos``), from the launcher's and
+    the engine's logs, per kill (``kills``: (epoch time, victim)): kill -> the launcher saw the
+    exit, -> the engine's ``EPLB elastic detect`` (recovery starts), -> ``EPLB elastic
+    resume``; and the engine's own ``detect_s`` (launcher notice -> engine) and re-form
+    seconds."""
+    lines = elastic_lines(log_dir)
+    rows = per_kill(lines, sorted(t for t, _ in kills))
+    return {"detect_s": [float(f["detect_s"]) for _, f in lines["detect"]],
+            "recovery_s": [float(f["seconds"]) for _, f in lines["resume"]],
+            "reform_s": [float(f["reform_s"]) for _, f in lines["resume"]],
+            "kill_to_launcher_s": [r["launcher_s"] for r in rows],
+            "kill_to_detect_s": [r["detect_s"] for r in rows],
+            "kill_to_resume_s": [r["resume_s"] for r in rows]}
