@@ -226,20 +226,31 @@ def test_a_retired_reader_never_holds_the_producer_back(run_id):
 
 def test_elastic_cpu_is_accounted_only_with_elasticity():
     """The steady-state cost of ``--elastic_ep`` (docs/benchmarks.md): the silent-rank check
-    between output slices reports its CPU only when elasticity set ``kill``; the telemetry sums
+    between output slices reports its CPU only with elasticity (its recovery object); the telemetry sums
     it (``/eplb/status`` ``critical_path``), idle wakes apart."""
+    import numpy as np
+
+    from xllm_eplb.elastic.notices import NoticeBox
+    from xllm_eplb.elastic.recovery import EngineRecovery
     from xllm_eplb.engine.failures import FailureWatch
     from xllm_eplb.engine.health import StepWatch
     from xllm_eplb.engine.telemetry import Telemetry
     from xllm_eplb.obs.metrics import EngineMetrics
 
-    tele = Telemetry(EngineMetrics(2, 1), 1, 2)
-    fw = FailureWatch(None, StepWatch(2, 100.0), 100.0, on_elastic=tele.on_elastic)
+    class Port:                  # what EngineRecovery reads at construction
+        ep_size, active_placement = 2, np.zeros((1, 4), dtype=np.int64)
+
+    m = EngineMetrics(2, 1)
+    tele = Telemetry(m, 1, 2)
+    fw = FailureWatch(None, StepWatch(2, 100.0), 100.0)
     fw.between_slices(1, None, None)                     # elasticity off: nothing accounted
     assert tele.critical_path_summary()["elastic_engine_s"] == 0.0
-    fw.kill, fw.silence_seconds = (lambda who: None), 5.0
+    rec = EngineRecovery(Port(), NoticeBox(), None, num_experts=2, slots=2, num_layers=1,
+                         silence_s=5.0, join_timeout_s=5.0, metrics=m, on_cpu=tele.on_elastic,
+                         kill=lambda w: None)
     for _ in range(3):
         fw.between_slices(1, None, None)
+        rec.between_slices(1, 0.1, lambda: [])
     tele.on_elastic(0.001, idle=True)
     tele.on_elastic(0.002, idle=True)
     cp = tele.critical_path_summary()

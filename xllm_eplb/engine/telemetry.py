@@ -130,6 +130,18 @@ class Telemetry:
         self.last_commit_at: float | None = None
         self.serving = ServingStats()
 
+    def resize(self, ep_size: int) -> None:
+        """A new membership of ``ep_size`` ranks (elastic shrink or grow, one node): the per-rank
+        views start over; the run's totals (critical path, step counts, serving stats, EPLB
+        stats, last commit) are kept."""
+        with self.lock:
+            self.D = self.ranks_per_node = ep_size
+            self.recent = RecentLoad(self.L, ep_size)
+            self.initial_balance = None
+            self.exec_seen, self.prep_seen = [0] * ep_size, [0] * ep_size
+            self.last_output_at = [0.0] * ep_size
+            self.hb = {}
+
     # --- per step --------------------------------------------------------------------------
     def on_step(self, kind: str, outputs, seconds: float, eplb_engine_s: float = 0.0) -> None:
         """``kind``: warmup / prefill / decode / mixed / idle; ``eplb_engine_s``: step-loop CPU

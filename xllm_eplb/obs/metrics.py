@@ -210,7 +210,7 @@ class EngineMetrics:
         self._zero_series()
 
     def _define_elastic(self):
-        """``--elastic_ep`` (#23): membership and recoveries (engine/membership.py)."""
+        """``--elastic_ep`` (#23): membership and recoveries (elastic/recovery.py)."""
         self.rank_active = self._g("rank_active", "1 while the EP rank is a member of the "
                                    "current process-group generation", ("rank",))
         self.pg_generation = self._g("generation", "process-group generation (1 at start, "
