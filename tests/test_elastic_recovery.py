@@ -83,7 +83,7 @@ class FakeEngine:
     says otherwise."""
 
     def __init__(self, D=4):
-        self.ep_size, self.step_no = D, 10
+        self.ep_size, self.step_no, self.stopping = D, 10, False
         self.workers = list(range(D))
         self.active_placement = np.tile(np.arange(D * S) % E, (L, 1)).astype(np.int64)
         self.q: dict[int, list] = {w: [] for w in range(8)}     # worker -> frames

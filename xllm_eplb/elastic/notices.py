@@ -116,6 +116,9 @@ class NoticeBox:
         self.joins: list[JoinReady | JoinDropped] = []
         self.switching: int | None = None
         self.joiner_lost = ""
+        #: a :meth:`wait_death` ran out: the fault had no notice (the run stops on it), so the
+        #: stop's own explanation does not wait again
+        self.gave_up = False
 
     @property
     def death(self) -> str:
@@ -140,9 +143,12 @@ class NoticeBox:
     def wait_death(self, wait: float) -> bool:
         """Poll up to ``wait`` s for a death notice (a survivor's failed collective is only the
         consequence: the launcher's notice names the dead one)."""
+        if self.gave_up:          # a wait for this fault's notice already ran out
+            return self.poll(min(wait, 0.1))
         deadline = time.monotonic() + wait
         while not self.poll(min(0.1, max(0.0, deadline - time.monotonic()))):
             if time.monotonic() >= deadline:
+                self.gave_up = wait > 0
                 return False
         return True
 
@@ -169,7 +175,7 @@ class NoticeBox:
         return self.attached.pop(0) if self.attached else None
 
     def clear_death(self) -> None:
-        self.died = None
+        self.died, self.gave_up = None, False
 
     def watch_joiner(self, worker: int | None) -> None:
         self.switching, self.joiner_lost = worker, ""

@@ -31,6 +31,7 @@ ranks switched, a second death while re-forming, a shrink the redundancy rule re
 joiner alone lost after every member voted go, or ``--elastic_join_timeout_seconds``.
 
 The engine is reached through a narrow port (``engine/engine.py``): ``ep_size``, ``step_no``,
+``stopping``,
 ``active_placement``, ``expert_load()``, ``read_output``, ``end_void_step``,
 ``abort_eplb_round``, ``awaited_token``, ``send_regroup``, ``resize``, ``idle_step``; the tests
 drive this class with a fake one (tests/test_elastic_recovery.py).
@@ -225,7 +226,7 @@ class EngineRecovery:
         eng, box = self.eng, self.box
         t0 = time.monotonic()
         self._to(P.DETECT)
-        box.wait_death(NOTICE_WAIT)
+        box.wait_death(0.0 if eng.stopping else NOTICE_WAIT)    # a stop: no recovery
         d = box.died
         if not isinstance(d, WorkerDied) or not d.mode:
             self._stop(fault)

@@ -15,7 +15,7 @@ from xllm_eplb.child import child_exit, child_setup, parent_alive, send_event
 from xllm_eplb.config import Config
 from xllm_eplb.elastic.notices import NoticeBox
 from xllm_eplb.engine.engine import Engine
-from xllm_eplb.engine.failures import SHUTDOWN, WorkerFault
+from xllm_eplb.engine.failures import NOTICE_WAIT, SHUTDOWN, WorkerFault
 from xllm_eplb.engine.manager_build import make_manager
 from xllm_eplb.engine.workload import SyntheticWorkload
 from xllm_eplb.ipc.objects import sweep_until_clean
@@ -168,7 +168,8 @@ def engine_main(cfg: Config, events, parent_pid: int) -> None:
     except WorkerFault as e:
         # clients are told which rank died (the launcher's notice), not the survivor's error
         eng = res.get("engine")
-        reason = eng.failures.explain(e) if eng is not None else str(e)
+        reason = (eng.failures.explain(e, wait=0.0 if eng.stopping else NOTICE_WAIT)
+                  if eng is not None else str(e))
         # the launcher prints the one summary line (with this reason when the engine stops)
         log.error(event("engine worker fault", error=str(e), reason=reason), extra=FILE_ONLY)
         send_event(events, "engine", "error", str(e))

@@ -127,7 +127,7 @@ class NodeLauncher(Launcher):
         return any(q.exitcode is not None for w, q in self.procs.items()
                    if w.startswith("bridge"))
 
-    def _local_line(self, who: str, during: str) -> str:
+    def _local_line(self, who: str, during: str = "serving") -> str:
         return f"node {self.node}: " + Launcher.death_message(self, who, during)
 
     def blame(self, who: str, during: str = "serving") -> str:
