@@ -21,24 +21,27 @@ def _cfg(*flags):
                         *flags])[0]
 
 
-def test_elastic_needs_redundancy_that_survives_one_loss():
-    with pytest.raises(ConfigError) as e:
-        _cfg("--elastic_ep=true", "--redundant_experts_num=0")      # 3 x 2 < 8
+def test_elastic_is_on_by_default_and_refuses_only_what_no_mode_serves():
+    from xllm_eplb.elastic.supervisor import replacement_mode
+
+    cfg = _cfg("--redundant_experts_num=0")                 # 3 x 2 < 8: no rejoin, respawn
+    assert cfg.runtime.elastic_ep
+    mode, why = replacement_mode(cfg, 4, 0)
+    assert mode == "respawn" and "--redundant_experts_num >= 1" in why, why
+    assert replacement_mode(_cfg("--redundant_experts_num=1"), 4, 0)[0] == "rejoin"
+    assert replacement_mode(cfg, 4, 3)[0] == "shrink"      # restarts used up
+    with pytest.raises(ConfigError) as e:                   # shrink only: the rule must hold
+        _cfg("--elastic_restart=false", "--redundant_experts_num=0")
     msg = str(e.value)
     assert "--redundant_experts_num=0" in msg and "(ep_size-1) x slots_per_rank" in msg
     assert "needs --redundant_experts_num >= 1" in msg and "--elastic_ep=false" in msg
-    assert _cfg("--elastic_ep=true", "--redundant_experts_num=1").runtime.elastic_ep
-    assert not _cfg("--redundant_experts_num=0").runtime.elastic_ep       # off: no rule
-    # across nodes: respawn in place only (tests/test_multinode.py runs it)
-    two = ("--elastic_ep=true", "--redundant_experts_num=1", "--nnodes=2", "--master_port=1")
-    with pytest.raises(ConfigError, match=r"--elastic_rejoin=true: must be false: with "
-                       r"--elastic_ep and --nnodes=2 a dead worker can only be respawned in "
-                       r"place \(no shrink or rejoin across nodes\)"):
-        _cfg(*two)
+    assert not _cfg("--elastic_ep=false", "--elastic_restart=false").runtime.elastic_ep
+    # across nodes: respawn in place (tests/test_multinode.py runs it)
+    two = ("--redundant_experts_num=1", "--nnodes=2", "--master_port=1")
+    assert replacement_mode(_cfg(*two), 4, 0)[0] == "respawn"
     with pytest.raises(ConfigError, match=r"--elastic_restart=false: must be true: with "
                        r"--elastic_ep and --nnodes=2"):
-        _cfg(*two, "--elastic_rejoin=false", "--elastic_restart=false")
-    assert _cfg(*two, "--elastic_rejoin=false").runtime.nnodes == 2
+        _cfg(*two, "--elastic_restart=false")
 
 
 def test_store_carries_the_placement_of_a_generation():

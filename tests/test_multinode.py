@@ -190,7 +190,8 @@ def test_kill9_of_node0_launcher_stops_node1(ckpt, cluster):
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_worker_death_on_node1_is_named_on_every_node(ckpt, cluster):
-    c = cluster("--model", str(ckpt), "--workload=synthetic", "--workload_rate=4")
+    c = cluster("--model", str(ckpt), "--workload=synthetic", "--workload_rate=4",
+                "--elastic_ep=false")             # a death stops every node (not respawned)
     c.wait_ready(300)
     ep2 = next(p for p in c.nodes[1].pids if _title(p) == "xllm-eplb:ep2")
     t0 = time.monotonic()

@@ -185,7 +185,8 @@ def test_killed_worker_stops_the_run_naming_the_rank(start_server):
     # steps in flight when the rank dies: every survivor fails its all-to-all
     import openai
 
-    s = start_server("--workload=synthetic", "--workload_rate=20", "--enable_eplb=false")
+    s = start_server("--workload=synthetic", "--workload_rate=20", "--enable_eplb=false",
+                     "--elastic_ep=false")        # a death stops the run (not replaced)
     s.wait_ready()
     # a streaming client in flight is told which rank died, not "server shutting down" (#26)
     c = openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0, timeout=60)

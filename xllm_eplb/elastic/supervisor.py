@@ -35,6 +35,7 @@ import os
 import signal
 import time
 
+from xllm_eplb.config import elastic_redundancy_needed
 from xllm_eplb.elastic.notices import Attached, JoinDropped, JoinReady, WorkerDied
 from xllm_eplb.elastic.protocol import next_pg_generation
 from xllm_eplb.eplb.shrink_plan import ShrinkError, check_rule
@@ -73,17 +74,9 @@ def replacement_mode(cfg, serving: int, restarts: int) -> tuple[str, str]:
         return "respawn", "--elastic_rejoin=false"
     return "respawn", (f"{N - 1} ranks x {cfg.slots_per_rank} slots cannot hold "
                        f"{cfg.model.num_experts} experts (rejoin needs "
-                       f"--redundant_experts_num >= {_needed(cfg)}): the service waits for "
+                       f"--redundant_experts_num >= "
+                       f"{elastic_redundancy_needed(cfg.model.num_experts, N)}): the service waits for "
                        "the replacement")
-
-
-def _needed(cfg) -> int:
-    """The smallest ``--redundant_experts_num`` under which N-1 ranks hold every expert."""
-    N, E = cfg.eplb.ep_size, cfg.model.num_experts
-    if N < 2:
-        return 0
-    per = -(-E // (N - 1))                   # slots per rank N-1 ranks need
-    return per * N - E
 
 
 class ElasticSupervisor:
