@@ -60,6 +60,9 @@ def _child_env():
 class Launcher:
     """Owns the children and the run's shared memory; :meth:`run` returns the exit code."""
 
+    #: ``--elastic_ep``: the supervision component (None: a death stops the run)
+    elastic: ElasticSupervisor | None = None
+
     def __init__(self, cfg: Config, *, progress=None):
         self.cfg = cfg
         self.ctx = mp.get_context("spawn")
@@ -74,7 +77,6 @@ class Launcher:
         self.killed_at = ""     # wall_clock() of the last stop's SIGKILLs
         # --- elastic EP (#23): the store outlives any worker; dead workers are replaced
         self.store = None
-        self.elastic: ElasticSupervisor | None = None
 
     # --- signals ---------------------------------------------------------------------------
     def _on_signal(self, signum, frame) -> None:
