@@ -303,7 +303,7 @@ class Engine:
         due = self.live.refresh(
             time.monotonic(), running=self.sched.running, waiting=q["waiting"],
             placement=self.active_placement, balancedness=self.tele.balancedness_mean(),
-            generation=int(self.tele.eplb.get("generation", 0)),
+            placement_epoch=int(self.tele.eplb.get("placement_epoch", 0)),
             last_rebalance_at=self.tele.last_commit_at)
         if due:
             (log.info if due[1] else log.debug)(due[0])

@@ -244,12 +244,12 @@ class Telemetry:
                            ("layers_rolled_back", "rolled_back")):
             m.inc_to(key, m.layers.labels(label), st.get(key, 0))
         m.inc_to("slots_moved", m.slots_moved, st.get("slots_moved", 0))
-        if st.get("generation", 0) > self.eplb.get("generation", 0):
+        if st.get("placement_epoch", 0) > self.eplb.get("placement_epoch", 0):
             self.last_commit_at = time.monotonic()
         rounds_before = self.eplb.get("rounds", 0)
         if st.get("rounds", 0) > rounds_before:
             m.policy_seconds.observe(float(st.get("last_policy_seconds", 0.0)))
-        m.generation.set(st.get("generation", 0))
+        m.placement_epoch.set(st.get("placement_epoch", 0))
         m.rebalancing.set(1 if st.get("layer_in_flight", -1) not in (-1, None) else 0)
         with self.lock:
             self.eplb = dict(st)

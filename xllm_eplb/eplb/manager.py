@@ -218,7 +218,8 @@ class EplbManager(RoundsMixin):
         /eplb/status): counters, heartbeats (manager clock seconds) and the round's state."""
         with self._lock:
             return ManagerStats(
-                **vars(self._counters), **self.hb.stats(), generation=self.agg.generation,
+                **vars(self._counters), **self.hb.stats(), placement_epoch=self.agg.generation,
+                generation=self.agg.generation,     # deprecated alias (one release)
                 window_samples=self.agg.sample_count, layer_in_flight=self.pipe.layer_in_flight(),
                 waiting_on=self.pipe.waiting_on(), round_in_progress=self.pipe.in_progress,
                 next_prepare_token=self.pipe.next_token, policy=self.policy_name,
@@ -319,7 +320,7 @@ class EplbManager(RoundsMixin):
         self._counters.layers_committed += 1
         self._counters.slots_moved += d.moved_slots
         self._counters.weight_copies += d.weight_copies
-        log.info(event("EPLB layer activated", layer=layer, generation=self.agg.generation,
+        log.info(event("EPLB layer activated", layer=layer, placement_epoch=self.agg.generation,
                        slots_moved=d.moved_slots, weight_copies=d.weight_copies))
 
     # --- samples -----------------------------------------------------------------------------
