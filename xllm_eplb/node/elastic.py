@@ -12,7 +12,7 @@ What differs from one node:
   (``WorkerDied(..., mode="respawn")``, then the replacement's ``Attached``; typed records,
   ``elastic/notices.py``) is queued in that store as ``notice/<n>/<i>`` (JSON of ``to_dict``)
   (:class:`NoticeSender`) and node 0's launcher forwards each, in order, to its engine
-  (:class:`NoticeForwarder`, polled every ``POLL_SECONDS``);
+  (:class:`NoticeForwarder`, polled every ``NOTICE_POLL_SECONDS``);
 * **the relay** (``node/bridge.py``) answers a step with an empty frame for a rank whose ring
   producer died (``PeerDeadError``), so the survivors' ``peer_lost`` outputs still reach the
   engine, which then fences and re-forms as on one node;
@@ -33,7 +33,7 @@ from xllm_eplb.engine.health import reader_behind, reader_pid, stopped
 from xllm_eplb.launcher.events import EventHub
 
 #: node 0's launcher reads the remote nodes' notices this often while supervising (seconds)
-POLL_SECONDS = 0.05
+NOTICE_POLL_SECONDS = 0.05
 
 
 def notice_key(node: int, i: int) -> str:

@@ -37,7 +37,7 @@ from xllm_eplb.elastic.protocol import next_pg_generation
 from xllm_eplb.engine.process import engine_main
 from xllm_eplb.launcher import Launcher, RunShm, describe_exit
 from xllm_eplb.node.bridge import bridge_main
-from xllm_eplb.node.elastic import POLL_SECONDS, NoticeForwarder, NoticeSender
+from xllm_eplb.node.elastic import NOTICE_POLL_SECONDS, NoticeForwarder, NoticeSender
 from xllm_eplb.node.rendezvous import failure_reports, report_failure
 from xllm_eplb.obs.logs import event
 from xllm_eplb.worker.worker import worker_main
@@ -173,7 +173,7 @@ class NodeLauncher(Launcher):
         anywhere (-> 1, one line naming the node and rank)."""
         sentinels = {p.sentinel: who for who, p in self.procs.items()}
         while not self.stop_signal:
-            ready = mpc.wait(list(sentinels), timeout=POLL_SECONDS if self.forwarder else 0.5)
+            ready = mpc.wait(list(sentinels), timeout=NOTICE_POLL_SECONDS if self.forwarder else 0.5)
             self._drain_events()
             if self.forwarder is not None:
                 self.forwarder.pump(self.events)
