@@ -188,8 +188,8 @@ def _sigterm(eng: Engine, parent_pid: int) -> None:
     """SIGTERM while serving: a graceful stop (the launcher's stop, or its death:
     ``PR_SET_PDEATHSIG``)."""
     gone = not parent_alive(parent_pid)
-    log.warning(event("engine stop", signal="SIGTERM",
-                      launcher="gone" if gone else f"pid {parent_pid}"))
+    (log.warning if gone else log.info)(event("engine stop", signal="SIGTERM",
+                                              launcher="gone" if gone else f"pid {parent_pid}"))
     eng.request_stop()
 
 
