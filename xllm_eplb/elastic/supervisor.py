@@ -89,7 +89,8 @@ class ElasticSupervisor:
             cfg, store, procs, events, errors)
         self.spawn, self.death_message = spawn, death_message
         self.stopping, self.engine_gone = stopping, engine_gone
-        self.respawn_only, self.remote_ranks, self.node = respawn_only, remote_ranks, node
+        self.respawn_only, self.remote_ranks = respawn_only, remote_ranks
+        self.where = {"node": node} if node is not None else {}     # logged on every line
         self.pg_generation = 1
         self.restarts = 0
         self.joining: dict[str, dict] = {}         # rejoin: replacements loading / switching
@@ -131,7 +132,7 @@ class ElasticSupervisor:
         self.pg_generation = next_pg_generation(self.store)
         msg = self.death_message(who)
         seen = time.time()
-        log.warning(event("EPLB elastic detect", proc=who, pid=p.pid, node=self.node,
+        log.warning(event("EPLB elastic detect", proc=who, pid=p.pid, **self.where,
                           exitcode=p.exitcode, mode=mode, why=why,
                           pg_generation=self.pg_generation, restart=self.restarts,
                           message=msg))
@@ -260,5 +261,5 @@ class ElasticSupervisor:
             if p is None or p.exitcode is not None:
                 return
             log.warning(event("EPLB elastic fence silent worker", proc=detail, pid=p.pid,
-                              node=self.node, signal="SIGKILL"))
+                              **self.where, signal="SIGKILL"))
             self._kill(detail)
