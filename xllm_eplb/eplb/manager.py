@@ -100,7 +100,7 @@ class EplbManager(RoundsMixin):
         if cfg.ep_size is None:
             raise ConfigError("ep_size: required by the EPLB manager")
         self.num_layers, self.ep_size, self.num_logical = num_layers, cfg.ep_size, num_logical
-        # slots: an elastic shrink's layout (any ep_size x slots >= num_logical, engine/shrink.py)
+        # slots: an elastic shrink's layout (any ep_size x slots >= num_logical, Engine.resize)
         self.slots = slots or slots_per_rank(num_logical, cfg.ep_size, cfg.redundant_experts_num)
         self.interval = float(cfg.eplb_update_interval)
         self.timeout = float(cfg.eplb_prepare_timeout_seconds)

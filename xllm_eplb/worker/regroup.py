@@ -87,7 +87,7 @@ def leave() -> float:
     return time.perf_counter() - t0
 
 
-# --- rejoin (``engine/rejoin.py``): the engine's go and the joiner's answer, per joiner pid ---
+# --- rejoin (``elastic/recovery.py``): the engine's go and the joiner's answer, per joiner pid ---
 def _wait_key(client, key: str, slice_s: float, timeout_s: float, alive, what: str,
               limit: str) -> bytes:
     """The value of store ``key`` once set, waited for in ``slice_s`` slices; ``alive()`` False
@@ -115,7 +115,7 @@ def wait_join(client, worker: int, timeout_s: float, alive) -> int:
 def vote(client, generation: int, size: int, timeout_s: float, alive) -> bool:
     """A grow to ``generation`` (``size`` members) is decided before anyone leaves its groups:
     each member arrives; the last one decides ``go``, unless the engine decided ``abort`` first
-    (a death during the switch, ``engine/rejoin.py``). True: go (every member was alive at its
+    (a death during the switch, ``elastic/recovery.py``). True: go (every member was alive at its
     arrival); False: the switch is abandoned, the serving ranks stay in their generation.
     ``alive()`` False (the launcher gone) or ``timeout_s`` raise."""
     if int(client.add(arrived_key(generation), 1)) == size:
