@@ -17,9 +17,13 @@ by itself is started again too; one dropped for the timeout is not. The supervis
 SIGKILLs a worker the engine (or, on node n, its relay) found silent
 (``--elastic_silence_seconds``): a hang becomes a death.
 
-Per worker the supervisor knows one state: serving (in ``procs``, not below), ``joining`` (a
-replacement loading or switching; ``ready`` once ``join_ready`` arrived), ``dropped`` (SIGKILLed,
-not reaped yet; ``rejoin_after``: to be started again).
+Per worker the supervisor knows one state (:class:`WorkerState`), changed only by
+:meth:`ElasticSupervisor._to` along :data:`WORKER_TRANSITIONS`::
+
+    serving --respawn--> serving          serving --left out--> retired --rejoin--> joining
+    joining --join_ready--> ready --joined--> serving
+    joining | ready --timeout, a serving death--> dropped --reaped--> retired
+    joining | ready --died--> retired     (then joining again while restarts remain)
 
 Explicit parameters say what differs per launcher: ``respawn_only`` and ``remote_ranks`` (a
 node of a multi-node run: respawn in place or stop; the other nodes' ranks all serve), ``node``
@@ -30,6 +34,7 @@ node of a multi-node run: respawn in place or stop; the other nodes' ranks all s
 from __future__ import annotations
 
 import contextlib
+import enum
 import logging
 import os
 import signal
@@ -42,6 +47,25 @@ from xllm_eplb.eplb.shrink_plan import ShrinkError, check_rule
 from xllm_eplb.obs.logs import event
 
 log = logging.getLogger(__name__)
+
+
+class WorkerState(enum.Enum):
+    SERVING = "serving"
+    RETIRED = "retired"      # exited and forgotten (left out, or a joiner gone)
+    JOINING = "joining"      # a rejoin replacement loading
+    READY = "ready"          # loaded (``join_ready``), waiting for the engine's switch
+    DROPPED = "dropped"      # SIGKILLed by the supervisor, not reaped yet
+
+
+W = WorkerState
+#: the only worker-state changes :meth:`ElasticSupervisor._to` allows
+WORKER_TRANSITIONS = {
+    W.SERVING: {W.SERVING, W.RETIRED},
+    W.RETIRED: {W.JOINING},
+    W.JOINING: {W.READY, W.DROPPED, W.RETIRED},
+    W.READY: {W.SERVING, W.DROPPED, W.RETIRED},
+    W.DROPPED: {W.RETIRED},
+}
 
 
 def rule_holds(cfg, size: int) -> bool:
@@ -96,6 +120,18 @@ class ElasticSupervisor:
         self.joining: dict[str, dict] = {}         # rejoin: replacements loading / switching
         self.dropped: set[str] = set()             # joiners SIGKILLed, not yet reaped
         self.rejoin_after: dict[str, str] = {}     # dropped joiners to start again: why
+        self.states: dict[str, WorkerState] = {}   # a worker not listed is serving
+        self.illegal = 0                           # transitions outside the table (logged)
+
+    def _to(self, who: str, state: WorkerState) -> None:
+        """The one change of a worker's state; one outside :data:`WORKER_TRANSITIONS` is
+        logged (the launcher keeps supervising) and counted."""
+        was = self.states.get(who, W.SERVING)
+        if state not in WORKER_TRANSITIONS[was]:
+            self.illegal += 1
+            log.error(event("EPLB elastic worker state", proc=who, frm=was.value,
+                            to=state.value, legal="no"))
+        self.states[who] = state
 
     def serving(self) -> int:
         """EP ranks serving now (joiners not counted; the other nodes' all serve)."""
@@ -140,6 +176,7 @@ class ElasticSupervisor:
                                                 mode))
         self.errors.pop(who, None)
         if mode == "respawn":
+            self._to(who, W.SERVING)
             self.spawn(who, self.pg_generation, False)
             return True
         self._retire(who)                       # the survivors go on without it
@@ -154,6 +191,7 @@ class ElasticSupervisor:
         """Forget exited worker ``who``: its ``Process`` is closed, which frees its sentinel fd
         (a kept one leaked an fd per kill: a 10-minute chaos soak grew 186 -> 202)."""
         p = self.procs.pop(who)
+        self._to(who, W.RETIRED)
         with contextlib.suppress(ValueError):       # not reaped yet: the finalizer frees it
             p.close()
 
@@ -187,6 +225,7 @@ class ElasticSupervisor:
         return True
 
     def _start_joiner(self, who: str) -> None:
+        self._to(who, W.JOINING)
         self.spawn(who, 0, True)
         self.joining[who] = {"t0": time.monotonic(), "wall": time.time(), "ready": False}
 
@@ -214,6 +253,7 @@ class ElasticSupervisor:
         for who in list(self.joining):
             info = self.joining.pop(who)
             self.dropped.add(who)
+            self._to(who, W.DROPPED)
             again = restart and self.restarts < rt.elastic_max_restarts
             if again:
                 self.restarts += 1
@@ -233,6 +273,7 @@ class ElasticSupervisor:
         for who in late:
             info = self.joining.pop(who)
             self.dropped.add(who)
+            self._to(who, W.DROPPED)
             self._kill(who)
             self.events.notify("engine", JoinDropped(int(who[2:]), "timeout"))
             log.warning(event("EPLB elastic rejoin dropped", proc=who,
@@ -252,10 +293,12 @@ class ElasticSupervisor:
             if int(pid) != self.procs[who].pid:   # a dropped predecessor's late event
                 return
             info["ready"] = True
+            self._to(who, W.READY)
             self.events.notify("engine", JoinReady(int(who[2:]), info["wall"], float(ready_at),
                                                    int(pid)))
         elif stage == "joined":
-            self.joining.pop(who, None)
+            if self.joining.pop(who, None) is not None:
+                self._to(who, W.SERVING)
         elif stage == "kill" and detail.startswith("ep"):
             p = self.procs.get(detail)
             if p is None or p.exitcode is not None:
