@@ -7,6 +7,7 @@ One room, one file per role (docs/architecture.md, "Recovery of one death"):
   detect -> fence -> re-form -> resume, and a rejoin's join -> switch (-> abandon);
 * ``supervisor.py`` the launcher's component (:class:`~xllm_eplb.elastic.supervisor.ElasticSupervisor`):
   which mode a death gets (rejoin / respawn / shrink, and why), replacements, joiners, fencing;
+  per worker a named state changed by one transition function;
 * ``notices.py``    the typed notices launcher -> engine and the engine's one reader of them;
 * ``regroup.py``    the one regroup step and the one wait loop every re-formation uses;
 * ``protocol.py``   the shared constants and the owner of the membership generation.
