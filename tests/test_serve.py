@@ -153,7 +153,7 @@ def test_serve_rebalances_keeps_tokens_identical_and_stops_cleanly(start_server)
 STATS_LINE = re.compile(
     r"INFO engine engine stats prompt_tokens_per_s=[\d.]+ generation_tokens_per_s=([\d.]+) "
     r"running=\d+ waiting=\d+ kv_cache_usage=[\d.]+% balancedness=(0\.\d+|1\.000) "
-    r"generation=(\d+) last_rebalance_s=([\d.]+|never)$")
+    r"placement_epoch=(\d+) last_rebalance_s=([\d.]+|never)$")
 
 
 def _check_live_view(s: Server, fams: dict) -> None:
