@@ -1,4 +1,5 @@
-"""Elastic EP (``--elastic_ep``, issue #23): a worker's process groups by *generation*.
+"""Elastic EP (``--elastic_ep``, issue #23): a worker's process groups by *membership
+generation* (``pg_generation``, ``elastic/protocol.py``).
 
 The launcher hosts the run's TCPStore at ``--master_addr:--master_port`` (``ipc/store.py``), so
 no worker's death takes the store with it. Generation ``g`` of the world lives under its own
@@ -72,7 +73,7 @@ def join(cfg: Config, client, rank: int, generation: int, timeout_s: float,
     if first != full:
         for g in (groups.ep_group, groups.eplb_group):
             dist.distributed_c10d._set_pg_timeout(full, g)
-    log.info(event("EPLB elastic joined", rank=rank, generation=generation,
+    log.info(event("EPLB elastic joined", rank=rank, pg_generation=generation,
                    world_size=world_size or cfg.eplb.ep_size,
                    seconds=round(time.perf_counter() - t0, 3)))
     return groups
