@@ -30,6 +30,9 @@ def test_elastic_is_on_by_default_and_refuses_only_what_no_mode_serves():
     assert mode == "respawn" and "--redundant_experts_num >= 1" in why, why
     assert replacement_mode(_cfg("--redundant_experts_num=1"), 4, 0)[0] == "rejoin"
     assert replacement_mode(cfg, 4, 3)[0] == "shrink"      # restarts used up
+    one = load_config(["--ep-size", "1", "--num_experts", "8", "--num_experts_per_tok", "2"])[0]
+    assert replacement_mode(one, 1, 0) == ("respawn",
+                                           "--ep_size=1: no other rank serves meanwhile")
     with pytest.raises(ConfigError) as e:                   # shrink only: the rule must hold
         _cfg("--elastic_restart=false", "--redundant_experts_num=0")
     msg = str(e.value)

@@ -96,6 +96,8 @@ def replacement_mode(cfg, serving: int, restarts: int) -> tuple[str, str]:
         return "shrink", "a shrunk world cannot respawn in place"
     if not rt.elastic_rejoin:
         return "respawn", "--elastic_rejoin=false"
+    if N == 1:
+        return "respawn", "--ep_size=1: no other rank serves meanwhile"
     return "respawn", (f"{N - 1} ranks x {cfg.slots_per_rank} slots cannot hold "
                        f"{cfg.model.num_experts} experts (rejoin needs "
                        f"--redundant_experts_num >= "
