@@ -21,24 +21,30 @@ def _cfg(*flags):
                         *flags])[0]
 
 
-def test_elastic_needs_redundancy_that_survives_one_loss():
-    with pytest.raises(ConfigError) as e:
-        _cfg("--elastic_ep=true", "--redundant_experts_num=0")      # 3 x 2 < 8
+def test_elastic_is_on_by_default_and_refuses_only_what_no_mode_serves():
+    from xllm_eplb.elastic.supervisor import replacement_mode
+
+    cfg = _cfg("--redundant_experts_num=0")                 # 3 x 2 < 8: no rejoin, respawn
+    assert cfg.runtime.elastic_ep
+    mode, why = replacement_mode(cfg, 4, 0)
+    assert mode == "respawn" and "--redundant_experts_num >= 1" in why, why
+    assert replacement_mode(_cfg("--redundant_experts_num=1"), 4, 0)[0] == "rejoin"
+    assert replacement_mode(cfg, 4, 3)[0] == "shrink"      # restarts used up
+    one = load_config(["--ep-size", "1", "--num_experts", "8", "--num_experts_per_tok", "2"])[0]
+    assert replacement_mode(one, 1, 0) == ("respawn",
+                                           "--ep_size=1: no other rank serves meanwhile")
+    with pytest.raises(ConfigError) as e:                   # shrink only: the rule must hold
+        _cfg("--elastic_restart=false", "--redundant_experts_num=0")
     msg = str(e.value)
     assert "--redundant_experts_num=0" in msg and "(ep_size-1) x slots_per_rank" in msg
     assert "needs --redundant_experts_num >= 1" in msg and "--elastic_ep=false" in msg
-    assert _cfg("--elastic_ep=true", "--redundant_experts_num=1").runtime.elastic_ep
-    assert not _cfg("--redundant_experts_num=0").runtime.elastic_ep       # off: no rule
-    # across nodes: respawn in place only (tests/test_multinode.py runs it)
-    two = ("--elastic_ep=true", "--redundant_experts_num=1", "--nnodes=2", "--master_port=1")
-    with pytest.raises(ConfigError, match=r"--elastic_rejoin=true: must be false: with "
-                       r"--elastic_ep and --nnodes=2 a dead worker can only be respawned in "
-                       r"place \(no shrink or rejoin across nodes\)"):
-        _cfg(*two)
+    assert not _cfg("--elastic_ep=false", "--elastic_restart=false").runtime.elastic_ep
+    # across nodes: respawn in place (tests/test_multinode.py runs it)
+    two = ("--redundant_experts_num=1", "--nnodes=2", "--master_port=1")
+    assert replacement_mode(_cfg(*two), 4, 0)[0] == "respawn"
     with pytest.raises(ConfigError, match=r"--elastic_restart=false: must be true: with "
                        r"--elastic_ep and --nnodes=2"):
-        _cfg(*two, "--elastic_rejoin=false", "--elastic_restart=false")
-    assert _cfg(*two, "--elastic_rejoin=false").runtime.nnodes == 2
+        _cfg(*two, "--elastic_restart=false")
 
 
 def test_store_carries_the_placement_of_a_generation():
@@ -226,20 +232,31 @@ def test_a_retired_reader_never_holds_the_producer_back(run_id):
 
 def test_elastic_cpu_is_accounted_only_with_elasticity():
     """The steady-state cost of ``--elastic_ep`` (docs/benchmarks.md): the silent-rank check
-    between output slices reports its CPU only when elasticity set ``kill``; the telemetry sums
+    between output slices reports its CPU only with elasticity (its recovery object); the telemetry sums
     it (``/eplb/status`` ``critical_path``), idle wakes apart."""
+    import numpy as np
+
+    from xllm_eplb.elastic.notices import NoticeBox
+    from xllm_eplb.elastic.recovery import EngineRecovery
     from xllm_eplb.engine.failures import FailureWatch
     from xllm_eplb.engine.health import StepWatch
     from xllm_eplb.engine.telemetry import Telemetry
     from xllm_eplb.obs.metrics import EngineMetrics
 
-    tele = Telemetry(EngineMetrics(2, 1), 1, 2)
-    fw = FailureWatch(None, StepWatch(2, 100.0), 100.0, on_elastic=tele.on_elastic)
+    class Port:                  # what EngineRecovery reads at construction
+        ep_size, active_placement = 2, np.zeros((1, 4), dtype=np.int64)
+
+    m = EngineMetrics(2, 1)
+    tele = Telemetry(m, 1, 2)
+    fw = FailureWatch(None, StepWatch(2, 100.0), 100.0)
     fw.between_slices(1, None, None)                     # elasticity off: nothing accounted
     assert tele.critical_path_summary()["elastic_engine_s"] == 0.0
-    fw.kill, fw.silence_seconds = (lambda who: None), 5.0
+    rec = EngineRecovery(Port(), NoticeBox(), None, num_experts=2, slots=2, num_layers=1,
+                         silence_s=5.0, join_timeout_s=5.0, metrics=m, on_cpu=tele.on_elastic,
+                         kill=lambda w: None)
     for _ in range(3):
         fw.between_slices(1, None, None)
+        rec.between_slices(1, 0.1, lambda: [])
     tele.on_elastic(0.001, idle=True)
     tele.on_elastic(0.002, idle=True)
     cp = tele.critical_path_summary()

@@ -174,7 +174,8 @@ FATAL = {
 def test_fatal_fault_stops_the_run_cleanly_naming_the_rank(case, start_server, ds8_ckpt, ref):
     specs, words = FATAL[case]
     extra = [x if x.startswith("--") else f"--fault_inject={x}" for x in specs]
-    s = start_server(*flags(ds8_ckpt, *extra))
+    # --elastic_ep=false: a crash stops the run (with it on, the worker would be replaced)
+    s = start_server(*flags(ds8_ckpt, *extra, "--elastic_ep=false"))
     s.wait_ready(240)
     traffic = Traffic(s.url)
     fired = s.log_dir / "rank1.log"

@@ -24,6 +24,7 @@ LAYERS = [
     ("launcher", "testing"),
     ("preflight",),
     ("engine", "worker"),
+    ("elastic",),
     ("ipc",),
     ("model", "sim", "integrations"),
     ("eplb",),

@@ -42,11 +42,11 @@ def test_stats_line_rates_reset_and_format():
     s.count(0, 50)
     assert not s.due(109.9) and s.due(110.0)
     line = s.line(110.0, running=3, waiting=1, kv_usage=0.0123, balancedness=0.81234,
-                  generation=2, last_rebalance_at=104.0)
+                  placement_epoch=2, last_rebalance_at=104.0)
     assert line == ("engine stats prompt_tokens_per_s=40 generation_tokens_per_s=5 running=3 "
-                    "waiting=1 kv_cache_usage=1.2% balancedness=0.812 generation=2 "
+                    "waiting=1 kv_cache_usage=1.2% balancedness=0.812 placement_epoch=2 "
                     "last_rebalance_s=6")
-    line = s.line(115.0, running=0, waiting=0, kv_usage=0.0, balancedness=None, generation=0,
+    line = s.line(115.0, running=0, waiting=0, kv_usage=0.0, balancedness=None, placement_epoch=0,
                   last_rebalance_at=None)              # a new window: nothing counted since
     assert "prompt_tokens_per_s=0 " in line and "balancedness=- " in line
     assert line.endswith("last_rebalance_s=never")
@@ -88,11 +88,11 @@ def test_live_stats_feed_the_vllm_style_metrics_and_the_line():
     placement = np.array([[0, 1, 2, 0, 3, 1]])
     live.on_slot_loads(np.array([[10, 1, 3, 10, 0, 1]]), placement)
     due = live.refresh(5.0, running={2: b}, waiting=4, placement=placement, balancedness=0.9,
-                       generation=1, last_rebalance_at=2.0)
+                       placement_epoch=1, last_rebalance_at=2.0)
     line, busy = due
     assert busy and line.startswith("engine stats prompt_tokens_per_s=1.8 "
                                     "generation_tokens_per_s=0.8 running=1 waiting=4 ")
-    assert "kv_cache_usage=0.6% balancedness=0.900 generation=1 last_rebalance_s=3" in line
+    assert "kv_cache_usage=0.6% balancedness=0.900 placement_epoch=1 last_rebalance_s=3" in line
     assert _value(m, "xllm_eplb_kv_cache_tokens") == 5
     assert _value(m, "xllm_eplb_kv_cache_usage_ratio") == pytest.approx(5 / 800)
     # expert 0: 20 of 25 picks (mean 6.25) on 2 replicas; expert 1: 2 picks, 2 replicas
@@ -102,9 +102,9 @@ def test_live_stats_feed_the_vllm_style_metrics_and_the_line():
     assert _value(m, "xllm_eplb_hot_expert_id", layer=0, hot=1) == 2
     assert _value(m, "xllm_eplb_hot_expert_replicas", layer=0, hot=1) == 1
     assert live.refresh(6.0, running={}, waiting=0, placement=placement, balancedness=None,
-                        generation=1, last_rebalance_at=2.0) is None     # not due yet
+                        placement_epoch=1, last_rebalance_at=2.0) is None     # not due yet
     line, busy = live.refresh(11.0, running={}, waiting=0, placement=placement,
-                              balancedness=None, generation=1, last_rebalance_at=2.0)
+                              balancedness=None, placement_epoch=1, last_rebalance_at=2.0)
     assert not busy                                    # idle: the engine logs it at debug
 
 
@@ -122,7 +122,7 @@ def test_expert_series_stay_bounded_while_the_hot_set_moves():
         slots[:, step % E] += 50
         live.on_slot_loads(slots, placement)
         live.refresh(float(step), running={}, waiting=0, placement=placement,
-                     balancedness=None, generation=0, last_rebalance_at=None)
+                     balancedness=None, placement_epoch=0, last_rebalance_at=None)
     names = [n for n, _ in _samples(m) if re.match(r"xllm_eplb_(hot_expert_|expert_(load|rep))", n)]
     assert len(names) == 3 * L * k and not any(n.startswith("xllm_eplb_expert_") for n in names)
     every = EngineMetrics(4, L, hot_experts=0, all_experts=True)
@@ -130,7 +130,7 @@ def test_expert_series_stay_bounded_while_the_hot_set_moves():
                      now=0.0)
     live.on_slot_loads(np.ones((L, E), dtype=np.int64), placement)
     live.refresh(1.0, running={}, waiting=0, placement=placement, balancedness=None,
-                 generation=0, last_rebalance_at=None)
+                 placement_epoch=0, last_rebalance_at=None)
     names = [n for n, _ in _samples(every) if re.match(r"xllm_eplb_expert_(load|rep)", n)]
     assert len(names) == 2 * L * E
     assert _value(every, "xllm_eplb_expert_load_ratio", layer=2, expert=15) == 1.0

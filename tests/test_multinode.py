@@ -113,6 +113,7 @@ def test_elastic_notices_of_a_remote_node_reach_node0_in_order():
 
     from serve_util import free_port
 
+    from xllm_eplb.elastic.notices import Attached, WorkerDied
     from xllm_eplb.launcher.events import EventHub
     from xllm_eplb.node.elastic import NoticeForwarder, NoticeSender
     from xllm_eplb.node.rendezvous import open_store
@@ -125,11 +126,12 @@ def test_elastic_notices_of_a_remote_node_reach_node0_in_order():
     engine = hub0.sender("engine")          # the engine's end of node 0's channel
     fwd = NoticeForwarder(store0, 2)
     assert fwd.pump(hub0) == 0
-    assert hub1.notify("engine", ("died", "ep2", "node 1: rank 2 died", 2, 1.5, "respawn"))
-    assert hub1.notify("engine", ("attached", "ep2", 2))
+    died = WorkerDied(2, "node 1: rank 2 died", 2, 1.5, "respawn")
+    assert hub1.notify("engine", died)
+    assert hub1.notify("engine", Attached(2, 2))
     assert fwd.pump(hub0) == 2 and fwd.pump(hub0) == 0
-    assert engine.notice(1.0) == ("died", "ep2", "node 1: rank 2 died", 2, 1.5, "respawn")
-    assert engine.notice(1.0) == ("attached", "ep2", 2)
+    assert engine.notice(1.0) == died
+    assert engine.notice(1.0) == Attached(2, 2)
     assert engine.notice(0.0) is None
     hub0.close()
     engine.close()
@@ -188,7 +190,8 @@ def test_kill9_of_node0_launcher_stops_node1(ckpt, cluster):
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_worker_death_on_node1_is_named_on_every_node(ckpt, cluster):
-    c = cluster("--model", str(ckpt), "--workload=synthetic", "--workload_rate=4")
+    c = cluster("--model", str(ckpt), "--workload=synthetic", "--workload_rate=4",
+                "--elastic_ep=false")             # a death stops every node (not respawned)
     c.wait_ready(300)
     ep2 = next(p for p in c.nodes[1].pids if _title(p) == "xllm-eplb:ep2")
     t0 = time.monotonic()

@@ -1,6 +1,6 @@
 """Elastic rejoin pieces in one process (issue #23 item 8): a joiner's input-ring reader claimed
 at the newest frame and un-retired reads exactly the frames put after it; the scheduler grows
-by one empty DP rank with the running requests in place; the engine's failure watch keeps
+by one empty DP rank with the running requests in place; the engine's notice box keeps
 join notices for the step boundary, and a joiner dropped during its switch marks the switch
 lost (no death: the engine abandons the switch); the store handshake (go / joined) per joiner
 pid; the vote of a grow (the last member decides go unless the engine decided abort first)."""
@@ -11,7 +11,7 @@ import os
 
 import pytest
 
-from xllm_eplb.engine.failures import FailureWatch
+from xllm_eplb.elastic.notices import JoinDropped, JoinReady, NoticeBox
 from xllm_eplb.engine.scheduler import Request, Scheduler
 
 
@@ -53,18 +53,18 @@ def test_scheduler_grows_by_one_empty_rank_and_keeps_the_running_requests():
     assert new.dp_rank == 2 and [r.req_id for r in nxt[2].rows] == [new.req_id]
 
 
-def test_failure_watch_keeps_join_notices_and_a_switch_drop_loses_the_switch():
-    q = [("join_ready", "ep2", 1.0, 2.0, 123), ("join_dropped", "ep1", "timeout")]
-    fw = FailureWatch(None, None, 10.0, notices=lambda t: q.pop(0) if q else None)
-    assert fw.poll_joins() == [("join_ready", "ep2", 1.0, 2.0, 123),
-                               ("join_dropped", "ep1", "timeout")]
-    assert fw.poll_joins() == [] and not fw.death
-    fw.switching = "ep2"
-    drop = ("join_dropped", "ep2", "rank 2 died during its rejoin", True)
+def test_notice_box_keeps_join_notices_and_a_switch_drop_loses_the_switch():
+    q = [JoinReady(2, 1.0, 2.0, 123), JoinDropped(1, "timeout")]
+    box = NoticeBox(lambda t: q.pop(0) if q else None)
+    box.drain()
+    assert box.take_joins() == [JoinReady(2, 1.0, 2.0, 123), JoinDropped(1, "timeout")]
+    assert box.take_joins() == [] and not box.death
+    box.watch_joiner(2)
+    drop = JoinDropped(2, "rank 2 died during its rejoin", True)
     q.append(drop)
-    assert not fw._poll(0.0) and not fw.death          # not a death: the switch is abandoned
-    assert "the joiner ep2 died during the switch" in fw.switch_lost
-    assert fw.poll_joins() == [drop]                   # the boundary keeps it joining (restart)
+    assert not box.poll(0.0) and not box.death          # not a death: the switch is abandoned
+    assert "the joiner ep2 died during the switch" in box.joiner_lost
+    assert box.take_joins() == [drop]                   # the boundary keeps it joining (restart)
 
 
 def test_switch_vote_go_and_abort():

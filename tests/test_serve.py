@@ -153,7 +153,7 @@ def test_serve_rebalances_keeps_tokens_identical_and_stops_cleanly(start_server)
 STATS_LINE = re.compile(
     r"INFO engine engine stats prompt_tokens_per_s=[\d.]+ generation_tokens_per_s=([\d.]+) "
     r"running=\d+ waiting=\d+ kv_cache_usage=[\d.]+% balancedness=(0\.\d+|1\.000) "
-    r"generation=(\d+) last_rebalance_s=([\d.]+|never)$")
+    r"placement_epoch=(\d+) last_rebalance_s=([\d.]+|never)$")
 
 
 def _check_live_view(s: Server, fams: dict) -> None:
@@ -185,7 +185,8 @@ def test_killed_worker_stops_the_run_naming_the_rank(start_server):
     # steps in flight when the rank dies: every survivor fails its all-to-all
     import openai
 
-    s = start_server("--workload=synthetic", "--workload_rate=20", "--enable_eplb=false")
+    s = start_server("--workload=synthetic", "--workload_rate=20", "--enable_eplb=false",
+                     "--elastic_ep=false")        # a death stops the run (not replaced)
     s.wait_ready()
     # a streaming client in flight is told which rank died, not "server shutting down" (#26)
     c = openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0, timeout=60)
@@ -280,8 +281,26 @@ def test_killed_launcher_takes_its_children_and_shm_with_it(start_server, tmp_pa
     s.note_children()
     for pid in s.alive():
         assert "/dev/shm/sem.mp-" not in Path(f"/proc/{pid}/maps").read_text(), pid
+    # a stream in flight is told at once that the launcher is gone (elastic EP is on by
+    # default: a dead launcher is not a worker's death to recover from; issue #35 item 3)
+    import openai
+
+    c = openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0, timeout=30)
+    stream = iter(c.completions.create(model="xllm-eplb", prompt="go", max_tokens=1000,
+                                       stream=True, extra_body={"ignore_eos": True}))
+    next(stream)
     s.proc.kill()                                   # SIGKILL: no handler, no cleanup
+    t0 = time.monotonic()
+    with pytest.raises(openai.APIError) as told:
+        for _ in stream:
+            pass
+    waited = time.monotonic() - t0
+    print("LAUNCHER_KILL", {"client_error_s": round(waited, 3), "error": str(told.value)})
+    assert "the launcher (pid " in str(told.value) and "is gone" in str(told.value), told.value
+    assert waited < 2.0, waited
     s.proc.wait(5)
+    engine_log = (s.log_dir / "engine.log").read_text()
+    assert "engine stop signal=SIGTERM launcher=gone" in engine_log, engine_log[-2000:]
     deadline = time.monotonic() + 10
     while (s.alive() or shm_objects(s.run_id)) and time.monotonic() < deadline:
         time.sleep(0.2)

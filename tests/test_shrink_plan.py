@@ -97,7 +97,7 @@ def test_the_policy_plans_the_shrunk_layout_the_flags_cannot_express(kind):
     """8 experts on 3 ranks x 3 slots (8 % 3 != 0): the engine's rebuilt manager plans it."""
     import dataclasses
 
-    from xllm_eplb.engine.shrink import _planner
+    from xllm_eplb.engine.manager_build import planner_for as _planner
     from xllm_eplb.eplb.placement import validate_phy2log
     from xllm_eplb.flags import load_config
 

@@ -21,3 +21,8 @@ class InputFileError(UserError):
 
 class LayoutError(UserError):
     """A shared-memory object whose size, magic or version does not match this build."""
+
+
+class WorkerFault(RuntimeError):
+    """A worker reported an error, answered the wrong step, went silent, or died (the engine's
+    step fails; with elastic EP the recovery may take over, ``elastic/recovery.py``)."""

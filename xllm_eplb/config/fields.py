@@ -201,14 +201,14 @@ class RuntimeConfig:
         120.0, "multi-node start-up: every node must join the rendezvous within this",
         unit="s", lo=0, lo_open=True)
     # --- elastic EP (#23) ---
-    elastic_ep: bool = opt(False, "fault-tolerant EP: a worker that dies (or is silent for "
-                           "--elastic_silence_seconds) is left out at once and a replacement "
-                           "rejoins once loaded (--elastic_restart, --elastic_rejoin), the "
-                           "ranks re-form "
-                           "their process groups (next generation), the dead rank's requests "
-                           "are re-prefilled from prompt + output and the others keep their KV "
-                           "caches; off: a death stops the run. With --nnodes>1 only "
-                           "respawn in place (--elastic_rejoin=false)")
+    elastic_ep: bool = opt(True, "fault-tolerant EP (on by default): a worker that dies (or is "
+                           "silent for --elastic_silence_seconds) is replaced while the run "
+                           "serves: where the other N-1 ranks hold every expert they serve at "
+                           "once and the replacement rejoins once loaded (rejoin), else it is "
+                           "respawned in place and the service waits (respawn; always with "
+                           "--nnodes>1); the dead rank's requests are re-prefilled from prompt "
+                           "+ output, the others keep their KV caches; the launcher's console "
+                           "says which mode and why. false: a death stops the run")
     elastic_silence_seconds: float = opt(5.0, "with --elastic_ep: a worker that has not read a "
                                          "step's input for this long is SIGKILLed (a hang "
                                          "becomes a death)", unit="s", lo=0, lo_open=True)
@@ -232,8 +232,8 @@ class RuntimeConfig:
                                "joins at a step boundary once loaded (within "
                                "--elastic_join_timeout_seconds, else it is dropped and N-1 "
                                "ranks keep serving); false, or when the N-1 survivors could "
-                               "not hold every expert: respawn in place, the service waits "
-                               "(--nnodes>1 needs false)")
+                               "not hold every expert, or with --nnodes>1: respawn in place, "
+                               "the service waits")
 
 
 @dataclass(frozen=True)

@@ -141,30 +141,36 @@ def _cross_rules(cfg: Config) -> list[tuple[str, Any, str]]:
     return bad
 
 
+def elastic_redundancy_needed(num_experts: int, ep_size: int) -> int:
+    """The smallest ``--redundant_experts_num`` under which ``ep_size``-1 ranks hold every
+    expert (the rule of an elastic shrink or rejoin)."""
+    if ep_size < 2:
+        return 0
+    return max(0, -(-num_experts // (ep_size - 1)) - num_experts // ep_size)
+
+
 def elastic_rules(cfg: Config) -> list[tuple[str, Any, str]]:
-    """``--elastic_ep``: with ``--nnodes`` > 1 respawn in place only (``--elastic_restart=true
-    --elastic_rejoin=false``), and a redundancy that survives one loss: the other N-1 ranks'
-    slots can hold every expert, ``(N-1) x slots_per_rank >= num_experts``."""
+    """``--elastic_ep`` (on by default; the mode a death gets is the launcher's choice,
+    ``elastic/supervisor.replacement_mode``): only what no mode can serve is refused. With
+    ``--nnodes`` > 1 a dead worker can only be respawned in place (``--elastic_restart=true``);
+    a shrink-only run (``--elastic_restart=false``) needs the other N-1 ranks' slots to hold
+    every expert, ``(N-1) x slots_per_rank >= num_experts``."""
     e, m, r = cfg.eplb, cfg.model, cfg.runtime
-    if not r.elastic_ep or e.ep_size is None:
+    if not r.elastic_ep or e.ep_size is None or r.elastic_restart:
         return []
-    bad: list[tuple[str, Any, str]] = []
     if r.nnodes > 1:     # across nodes a dead worker is respawned in place (node/elastic.py)
-        why = (f"with --elastic_ep and --nnodes={r.nnodes} a dead worker can only be respawned "
-               "in place (no shrink or rejoin across nodes)")
-        if not r.elastic_restart:
-            bad.append(("elastic_restart", False, f"must be true: {why}"))
-        if r.elastic_rejoin:
-            bad.append(("elastic_rejoin", True, f"must be false: {why}"))
-    need = -(-m.num_experts // (e.ep_size - 1)) - m.num_experts // e.ep_size if e.ep_size > 1 \
-        else None
-    if need is not None and (e.ep_size - 1) * cfg.slots_per_rank < m.num_experts:
-        bad.append(("redundant_experts_num", e.redundant_experts_num,
-                    f"with --elastic_ep the other --ep_size-1={e.ep_size - 1} ranks must hold "
-                    f"every expert: (ep_size-1) x slots_per_rank >= num_experts="
-                    f"{m.num_experts} needs --redundant_experts_num >= {need} (or "
-                    "--elastic_ep=false: a death stops the run)"))
-    return bad
+        return [("elastic_restart", False, f"must be true: with --elastic_ep and --nnodes="
+                 f"{r.nnodes} a dead worker can only be respawned in place (no shrink across "
+                 "nodes)")]
+    if e.ep_size > 1 and (e.ep_size - 1) * cfg.slots_per_rank < m.num_experts:
+        need = elastic_redundancy_needed(m.num_experts, e.ep_size)
+        return [("redundant_experts_num", e.redundant_experts_num,
+                 f"with --elastic_restart=false (a dead worker is left out) the other "
+                 f"--ep_size-1={e.ep_size - 1} ranks must hold every expert: (ep_size-1) x "
+                 f"slots_per_rank >= num_experts={m.num_experts} needs "
+                 f"--redundant_experts_num >= {need} (or --elastic_restart=true: a respawn, "
+                 "or --elastic_ep=false: a death stops the run)")]
+    return []
 
 
 def topology_rules(ep_size: int, nnodes: int, node_rank: int,

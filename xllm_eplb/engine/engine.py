@@ -26,6 +26,7 @@ from xllm_eplb.config import Config, node_of_rank, ranks_per_node, resolve_backe
 from xllm_eplb.engine.failures import WAIT_SLICE, FailureWatch, WorkerFault
 from xllm_eplb.engine.health import StepWatch
 from xllm_eplb.engine.live_stats import LiveStats
+from xllm_eplb.engine.manager_build import resized_manager
 from xllm_eplb.engine.scheduler import Request, Scheduler, is_pure_decode_step
 from xllm_eplb.engine.telemetry import Telemetry, balance_note, slot_loads
 from xllm_eplb.engine.tokenizer import BOS_ID
@@ -90,8 +91,11 @@ def decode_costs(outs, pure: bool) -> list | None:
 class Engine:
     """Owns the scheduler, the rings' engine ends, the manager and the telemetry."""
 
-    def __init__(self, cfg: Config, inp, outs, *, manager=None, metrics=None):
+    def __init__(self, cfg: Config, inp, outs, *, manager=None, metrics=None, box=None):
         self.cfg, self.inp, self.outs = cfg, inp, outs
+        #: every worker's output ring (worker id -> ring); ``outs`` are the members' in rank
+        #: order, ``workers`` their ids (``resize``)
+        self.rings, self.workers = dict(enumerate(outs)), list(range(len(outs)))
         self.D = cfg.eplb.ep_size
         rt = cfg.runtime
         self.sched = Scheduler(self.D, rt.max_batch_size, rt.max_prefill_tokens)
@@ -112,13 +116,15 @@ class Engine:
         for r, n in enumerate(self.rank_node):
             self.metrics.rank_node.labels(str(r)).set(n)
         self.watch = StepWatch(self.D, cfg.serve.stall_seconds)
-        # stall -> clients told; launcher's death notices (``notices`` set by engine/process)
-        self.failures = FailureWatch(self.sched, self.watch, cfg.serve.stall_seconds,
-                                     on_failed=self._finished, on_elastic=self.tele.on_elastic)
+        # stall -> clients told; the launcher's death notices (``box``, from engine/process)
+        self.failures = FailureWatch(self.sched, self.watch, cfg.serve.stall_seconds, box,
+                                     on_failed=self._finished)
         self.placement = initial_placement(cfg)       # [L, D*S]: what the workers start from
         self.recorder = ExpertRecorder(cfg.num_moe_layers, self.D, cfg.slots_per_rank,
                                        cfg.model.num_experts, cfg.eplb.eplb_record_trace_max_steps)
-        self.membership = None     # --elastic_ep: engine/membership.Membership (after warm-up)
+        #: --elastic_ep: the recovery state machine (``elastic/recovery.EngineRecovery``),
+        #: injected after the warm-up by engine/process.py
+        self.membership = None
         self.step_no = 0
         #: /eplb/status ``cores``: this node's cores and processes (set by engine/process)
         self.cores: dict = {}
@@ -164,7 +170,7 @@ class Engine:
 
     def _gather(self, timeout: float) -> list | None:
         """Every rank's output of the step; ``--elastic_ep``: None after a recovery from a
-        rank's death (``engine/membership.py``; the step is void)."""
+        rank's death (``elastic/recovery.py``; the step is void)."""
         got: dict[int, object] = {}
         try:
             for r in range(self.D):
@@ -202,6 +208,10 @@ class Engine:
                     raise
                 if self.state == "serving":     # not the warm-up (workers still loading)
                     self.failures.between_slices(self.step_no, self.inp, self.outs)
+                    if self.membership is not None:
+                        self.membership.between_slices(self.step_no,
+                                                       self.watch.in_flight_seconds(),
+                                                       lambda: self.watch.unread(self.inp))
 
     def _get(self, rank: int, timeout: float):
         try:
@@ -258,8 +268,8 @@ class Engine:
                     if c0 is not None:
                         self.tele.on_elastic(time.thread_time() - c0, idle=True)
                 continue
-            if self.membership is not None:
-                self._elastic_boundary()
+            if self.membership is not None:          # a rejoin grows here
+                self.membership.at_boundary()
             batches = self.sched.schedule()
             self.live.on_scheduled(batches, self.sched.running, time.monotonic())
             outs = self.step(batches)
@@ -272,14 +282,6 @@ class Engine:
                 logprobs.update(o.logprobs)
             self.live.on_tokens(sampled, time.monotonic())
             self._finished(self.sched.update(sampled, logprobs))
-
-    def _elastic_boundary(self) -> None:
-        """``--elastic_ep``, between steps: a rejoin grows here; the check's CPU is accounted
-        (``/eplb/status`` ``critical_path.elastic_engine_s``: elasticity's steady-state cost)."""
-        c0 = time.thread_time()
-        if self.membership.joining:
-            self.membership.at_boundary()
-        self.tele.on_elastic(time.thread_time() - c0)
 
     def _finished(self, reqs: list[Request]) -> None:
         self.tele.on_requests(reqs)
@@ -303,7 +305,7 @@ class Engine:
         due = self.live.refresh(
             time.monotonic(), running=self.sched.running, waiting=q["waiting"],
             placement=self.active_placement, balancedness=self.tele.balancedness_mean(),
-            generation=int(self.tele.eplb.get("generation", 0)),
+            placement_epoch=int(self.tele.eplb.get("placement_epoch", 0)),
             last_rebalance_at=self.tele.last_commit_at)
         if due:
             (log.info if due[1] else log.debug)(due[0])
@@ -317,6 +319,84 @@ class Engine:
         with contextlib.suppress(Exception):
             self.inp.put(ForwardInput.make_shutdown(self.step_no + 1), timeout=2.0)
 
+    # --- elastic EP: the engine's side of a membership change (elastic/recovery.py) ---------
+    @property
+    def ep_size(self) -> int:
+        return self.D
+
+    def resize(self, workers: list[int], placement) -> None:
+        """The one operation for a new membership: EP rank ``r`` is now worker ``workers[r]``
+        (survivors keep their order; a joiner comes last) with ``placement`` [L, D*S] deployed.
+        Everything sized by the ranks follows: input-ring readers (a worker left out is
+        retired, a joiner's un-retired), output rings, scheduler (kept requests follow their
+        worker), step watch, telemetry, recorder, KV capacity, metrics, the EPLB manager."""
+        old, cfg = self.workers, self.cfg
+        keep = [old.index(w) for w in workers if w in old]
+        new = [w for w in workers if w not in old]
+        if workers != [old[k] for k in keep] + new:
+            raise ValueError(f"resize: workers={workers}: the kept ones in their order "
+                             f"({old}), then the new ones")
+        for w in set(old) - set(workers):
+            self.inp.retire_reader(w)
+        for w in new:
+            self.inp.unretire_reader(w)
+        self.outs, self.workers = [self.rings[w] for w in workers], list(workers)
+        if keep != list(range(len(old))):
+            self.sched.resize(keep)
+        for _ in new:
+            self.sched.grow()
+        self.watch.resize(workers)
+        D, was = len(workers), self.D
+        for r in range(max(D, was)):
+            self.metrics.rank_active.labels(str(r)).set(int(r < D))
+            if r >= min(D, was):
+                self.metrics.worker_up.labels(str(r)).set(int(r < D))
+        self.metrics.ep_size_g.set(D)
+        self.D = D
+        self.tele.resize(D)
+        self.recorder = ExpertRecorder(cfg.num_moe_layers, D, cfg.slots_per_rank,
+                                       cfg.model.num_experts, cfg.eplb.eplb_record_trace_max_steps)
+        self.rank_node = [0] * D
+        self.live.kv_capacity = max(1, D * cfg.runtime.max_batch_size
+                                    * cfg.model.max_position_embeddings)
+        self.placement = placement
+        self.manager = resized_manager(cfg, D, placement, self.manager, self.metrics)
+
+    def send_regroup(self, pg_generation: int, timeout: float) -> int:
+        """One empty step that re-forms the members as ``pg_generation``; returns its number."""
+        self.step_no += 1
+        self.inp.put(ForwardInput(self.step_no, [RankBatch() for _ in range(self.D)],
+                                  regroup=pg_generation), timeout=timeout)
+        return self.step_no
+
+    def read_output(self, rank: int, timeout: float):
+        """Rank ``rank``'s next output frame (ring errors propagate)."""
+        return self.outs[rank].get(timeout=timeout)
+
+    def void_step(self, rank: int) -> tuple[int, int]:
+        """The step in flight died with ``rank``: nothing of it is committed
+        (``Scheduler.void_step``); returns (requests re-prefilled, requests kept)."""
+        self.watch.end()
+        back = self.sched.void_step(rank)
+        return len(back), len(self.sched.running)
+
+    def abort_eplb_round(self, switched: bool | None) -> bool:
+        """Drop an EPLB round in flight (``EplbManager.abort_round``); False: a layer's
+        activation only some ranks switched (the run cannot go on)."""
+        return self.manager is None or self.manager.abort_round(switched)
+
+    def awaited_token(self) -> int:
+        return self.manager.pipe.awaited_token() if self.manager is not None else NO_TOKEN
+
+    def expert_load(self):
+        """The run's per-expert token totals [L, E] so far, or None before any."""
+        total = self.live.expert_total
+        return total if total.sum() > 0 else None
+
+    def idle_step(self) -> None:
+        """An empty step (a death while idle meets the dead rank now)."""
+        self.step([RankBatch() for _ in range(self.D)])
+
     # --- API backend -----------------------------------------------------------------------
     def submit(self, req: Request) -> Request:
         return self.sched.submit(req)
@@ -327,6 +407,10 @@ class Engine:
         info = {"status": self.state, "ep_size": self.D, "step": self.step_no,
                 "eplb": bool(self.cfg.eplb.enable_eplb)}    # the manager starts after warm-up
         if self.state != "serving":
+            return False, info
+        fenced = self.membership.health() if self.membership is not None else None
+        if fenced is not None:          # elastic EP fenced a silent worker, or is recovering
+            info.update(fenced)
             return False, info
         silent = self.watch.stalled(self.inp, self.outs)
         if silent is not None:

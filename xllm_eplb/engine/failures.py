@@ -6,34 +6,33 @@
   itself keeps waiting: a worker that wakes up completes it (the failed requests' KV caches are
   released by the next step), one that stays silent stops the run at
   ``--worker_timeout_seconds`` as before.
-* A **dead rank**: the launcher sends the engine a notice (``("died", who, message)``) the
-  moment it sees the child exit; the engine fails the step with that message, and every request
-  is told which rank died (not "server shutting down"). A survivor's failed collective
-  ("Connection closed by peer") is only the consequence: :meth:`FailureWatch.explain` waits a
-  moment for the launcher's notice so the message names the dead rank.
+* A **dead rank**: the launcher sends the engine a notice
+  (:class:`~xllm_eplb.elastic.notices.WorkerDied`) the moment it sees the child exit; the engine
+  fails the step with that message, and every request is told which rank died (not "server
+  shutting down"). A survivor's failed collective ("Connection closed by peer") is only the
+  consequence: :meth:`FailureWatch.explain` waits a moment for the launcher's notice so the
+  message names the dead rank. A dead **launcher** is found at once (its pid is gone) and named.
 
-Everything here runs on the step-loop thread (the scheduler's thread).
+Everything here runs on the step-loop thread (the scheduler's thread). Elastic EP's own checks
+(the silent-worker fence, recovery) are ``elastic/recovery.py``'s.
 """
 
 from __future__ import annotations
 
 import logging
-import time
 
-from xllm_eplb.obs.logs import FILE_ONLY, event
+from xllm_eplb.elastic.notices import NoticeBox
+from xllm_eplb.elastic.protocol import NOTICE_WAIT, WAIT_SLICE
+from xllm_eplb.errors import WorkerFault
+from xllm_eplb.obs.logs import event
 
 log = logging.getLogger(__name__)
 
-#: the engine waits for a rank's output in slices this long (seconds) between checks
-WAIT_SLICE = 0.25
-#: how long a fault reported by a survivor waits for the launcher's death notice (seconds)
-NOTICE_WAIT = 1.5
 #: the reason every request gets at an ordinary stop
 SHUTDOWN = "server shutting down"
 
-
-class WorkerFault(RuntimeError):
-    """A worker reported an error, answered the wrong step, went silent, or died."""
+__all__ = ["NOTICE_WAIT", "SHUTDOWN", "WAIT_SLICE", "FailureWatch", "WorkerFault",
+           "stall_message"]
 
 
 def stall_message(step: int, ranks: list[int], seconds: float, stall_seconds: float) -> str:
@@ -43,42 +42,27 @@ def stall_message(step: int, ranks: list[int], seconds: float, stall_seconds: fl
 
 
 class FailureWatch:
-    """The engine's view of failures under a step: stall, death notices, the stop reason.
+    """The engine's view of failures under a step: stalls, deaths (read from the launcher's
+    notices, :class:`~xllm_eplb.elastic.notices.NoticeBox`), the stop reason."""
 
-    ``notices(timeout) -> notice or None`` reads the launcher's notices (``None``: no launcher,
-    e.g. a test engine)."""
-
-    def __init__(self, sched, watch, stall_seconds: float, notices=None, on_failed=None,
-                 on_elastic=None):
+    def __init__(self, sched, watch, stall_seconds: float, box: NoticeBox | None = None,
+                 on_failed=None):
         self.sched, self.watch, self.stall_seconds = sched, watch, stall_seconds
-        self.notices = notices
+        self.box = box or NoticeBox()
         self.on_failed = on_failed or (lambda reqs: None)   # the finished requests (metrics)
-        #: ``on_elastic(seconds)``: CPU of the silent-rank check (``Telemetry.on_elastic``)
-        self.on_elastic = on_elastic or (lambda seconds: None)
         self.stalled_step = -1
-        self.death: str = ""          # the launcher's message for a dead child, once known
-        self.died: tuple | None = None    # that notice: ("died", who, message[, gen, seen])
-        self.attached: list[tuple] = []   # elastic: ("attached", who, generation) notices
-        #: rejoin: ("join_ready", who, started_at, ready_at, pid) / ("join_dropped", who, why)
-        self.joins: list[tuple] = []
-        #: rejoin: the joiner a switch waits for, and why it was lost meanwhile (its
-        #: ``join_dropped``: the switch is abandoned, ``engine/rejoin.py``)
-        self.switching = self.switch_lost = ""
-        #: elastic: ``kill(who)`` asks the launcher to SIGKILL a silent worker (None: off)
-        self.kill = None
-        self.silence_seconds = 0.0
-        self.killed_step = -1
+
+    @property
+    def death(self) -> str:
+        """The launcher's message for a dead child (or the launcher's own death), once known."""
+        return self.box.death
 
     def between_slices(self, step: int, inp, outs) -> None:
         """Called while a step waits for an output: a death notice raises
         :class:`WorkerFault`; a stall past ``--stall_seconds`` fails the requests in flight
         (once per step)."""
-        if self._poll(0.0):
+        if self.box.poll(0.0):
             raise WorkerFault(self.death)
-        if self.kill is not None:          # --elastic_ep: its CPU is accounted
-            c0 = time.thread_time()
-            self._fence_silent(step, inp)
-            self.on_elastic(time.thread_time() - c0)
         if self.stalled_step == step:
             return
         silent = self.watch.stalled(inp, outs)
@@ -92,78 +76,8 @@ class FailureWatch:
                           seconds=round(self.watch.in_flight_seconds(), 2),
                           requests_failed=len(failed)))
 
-    def _poll(self, timeout: float) -> bool:
-        if self.notices is None or self.death:
-            return bool(self.death)
-        self._handle(self.notices(timeout))
-        return bool(self.death)
-
-    def _handle(self, notice) -> None:
-        if notice and notice[0] == "attached":
-            self.attached.append(notice)
-        if notice and notice[0] in ("join_ready", "join_dropped"):
-            if notice[0] == "join_dropped" and notice[1] == self.switching:
-                self.switch_lost = f"the joiner {notice[1]} died during the switch ({notice[2]})"
-            self.joins.append(notice)
-        if notice and notice[0] == "died":
-            self.died, self.death = tuple(notice), str(notice[2])
-            # NOTE: file only: the launcher's console line says it once
-            log.error(event("engine notice worker died", proc=notice[1], message=self.death),
-                      extra=FILE_ONLY)
-
-    def _fence_silent(self, step: int, inp) -> None:
-        """``--elastic_ep``: ranks that have not read this step's input for
-        ``--elastic_silence_seconds`` are SIGKILLed by the launcher (once per step): a hang
-        becomes a death, which the elastic path recovers from."""
-        if self.kill is None or self.killed_step == step:
-            return
-        if self.watch.in_flight_seconds() <= self.silence_seconds:
-            return
-        silent = self.watch.unread(inp)
-        if silent:
-            self.killed_step = step
-            log.warning(event("EPLB elastic silent", step=step, ranks=",".join(map(str, silent)),
-                              seconds=round(self.watch.in_flight_seconds(), 2)))
-            for r in silent:
-                self.kill(f"ep{r}")
-
-    def poll_joins(self) -> list[tuple]:
-        """Rejoin, at a step boundary: every notice waiting now (a death is kept for the next
-        step), then the join notices read so far (taken)."""
-        while not self.death and self.notices is not None:
-            notice = self.notices(0.0)
-            if notice is None:
-                break
-            self._handle(notice)
-        got, self.joins = self.joins, []
-        return got
-
-    def clear_death(self) -> None:
-        """After a recovery: the next death is a new one."""
-        self.death, self.died = "", None
-
-    def next_attached(self, timeout: float):
-        """The next ``("attached", who, generation)`` notice within ``timeout`` s, or None
-        (a ``died`` notice meanwhile is kept in :attr:`died`)."""
-        deadline = time.monotonic() + timeout
-        while not self.attached and time.monotonic() < deadline:
-            if self.notices is None:
-                return None
-            notice = self.notices(min(0.1, max(0.0, deadline - time.monotonic())))
-            if notice and notice[0] == "attached":
-                self.attached.append(notice)
-            elif notice and notice[0] in ("join_ready", "join_dropped"):
-                self.joins.append(notice)
-            elif notice and notice[0] == "died":
-                self.died, self.death = tuple(notice), str(notice[2])
-        return self.attached.pop(0) if self.attached else None
-
     def explain(self, fault: BaseException, wait: float = NOTICE_WAIT) -> str:
         """The reason requests get when the run stops on ``fault``: the launcher's death
         notice when one arrives within ``wait`` seconds (the dead rank, not the survivor whose
-        collective failed), else the fault itself."""
-        deadline = time.monotonic() + wait
-        while not self._poll(min(0.1, max(0.0, deadline - time.monotonic()))):
-            if time.monotonic() >= deadline:
-                return str(fault)
-        return self.death
+        collective failed; a dead launcher at once), else the fault itself."""
+        return self.death if self.box.wait_death(wait) else str(fault)

@@ -99,7 +99,7 @@ class LiveStats:
 
     # --- about once a second -----------------------------------------------------------------
     def refresh(self, now: float, *, running: dict, waiting: int, placement: np.ndarray,
-                balancedness: float | None, generation: int,
+                balancedness: float | None, placement_epoch: int,
                 last_rebalance_at: float | None) -> tuple[str, bool] | None:
         """KV and expert gauges; when a stats line is due, ``(line, busy)`` (``busy``: tokens
         in the window or requests running or waiting; an idle line is for the debug log, as
@@ -115,5 +115,5 @@ class LiveStats:
         busy = bool(self.stats.prompt_tokens or self.stats.generation_tokens or running
                     or waiting)
         return self.stats.line(now, running=len(running), waiting=waiting, kv_usage=usage,
-                               balancedness=balancedness, generation=generation,
+                               balancedness=balancedness, placement_epoch=placement_epoch,
                                last_rebalance_at=last_rebalance_at), busy

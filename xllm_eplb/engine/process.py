@@ -14,23 +14,16 @@ from pathlib import Path
 
 from xllm_eplb.child import child_exit, child_setup, parent_alive, send_event
 from xllm_eplb.config import Config, ranks_per_node
+from xllm_eplb.elastic.notices import NoticeBox
 from xllm_eplb.engine.engine import Engine
-from xllm_eplb.engine.failures import SHUTDOWN, WorkerFault
+from xllm_eplb.engine.failures import NOTICE_WAIT, SHUTDOWN, WorkerFault
+from xllm_eplb.engine.manager_build import make_manager
 from xllm_eplb.engine.workload import SyntheticWorkload
 from xllm_eplb.ipc.objects import sweep_until_clean
 from xllm_eplb.ipc.ring import InputRing, OutputRing
 from xllm_eplb.obs.logs import FILE_ONLY, event, setup_logging
 
 log = logging.getLogger(__name__)
-
-
-def _make_manager(cfg: Config, placement):
-    if not cfg.eplb.enable_eplb:
-        return None
-    from xllm_eplb.eplb.manager import EplbManager
-
-    return EplbManager(cfg.eplb, cfg.num_moe_layers, cfg.model.num_experts, runner="thread",
-                       initial=placement, expect_timings=True)
 
 
 def _attach_rings(cfg: Config):
@@ -74,19 +67,22 @@ def _api(cfg: Config, engine_ref: dict):
     return ApiServer(cfg.serve.host, cfg.serve.port, backend)
 
 
-def _elastic(cfg: Config, eng: Engine, events) -> None:
-    """``--elastic_ep``: the membership (recovery) with its store client, and the launcher
-    asked to SIGKILL a worker silent for ``--elastic_silence_seconds``."""
+def _elastic(cfg: Config, eng: Engine, events):
+    """``--elastic_ep``: the recovery state machine (``elastic/recovery.py``) with its store
+    client; it asks the launcher to SIGKILL a worker silent for ``--elastic_silence_seconds``."""
     if not cfg.runtime.elastic_ep:
-        return
-    from xllm_eplb.engine.membership import Membership
+        return None
+    from xllm_eplb.elastic.recovery import EngineRecovery
     from xllm_eplb.ipc.store import store_client
 
     rt = cfg.runtime
-    eng.membership = Membership(eng, store_client(rt.master_addr, rt.master_port,
-                                                  rt.elastic_join_timeout_seconds))
-    eng.failures.kill = lambda who: send_event(events, "engine", "kill", who)
-    eng.failures.silence_seconds = rt.elastic_silence_seconds
+    store = store_client(rt.master_addr, rt.master_port, rt.elastic_join_timeout_seconds)
+    return EngineRecovery(
+        eng, eng.failures.box, store, num_experts=cfg.model.num_experts,
+        slots=cfg.slots_per_rank, num_layers=cfg.num_moe_layers,
+        silence_s=rt.elastic_silence_seconds, join_timeout_s=rt.elastic_join_timeout_seconds,
+        metrics=eng.metrics, on_cpu=eng.tele.on_elastic,
+        kill=lambda w: send_event(events, "engine", "kill", f"ep{w}"))
 
 
 def _start_workload(cfg: Config, engine: Engine):
@@ -112,16 +108,19 @@ def _serve(cfg: Config, events, parent_pid: int, res: dict, stop: dict) -> int:
     inp, outs = _attach_rings(cfg)
     res["rings"] = [inp] + outs
     send_event(events, "engine", "rings")
-    res["engine"] = eng = ref["engine"] = Engine(cfg, inp, outs)
+    # the launcher's notices (deaths; elastic EP's replacements and joiners); a dead launcher
+    # (its pid gone) is a death too, found between output slices
+    box = NoticeBox(getattr(events, "notice", None), lambda: parent_alive(parent_pid),
+                    parent_pid)
+    res["engine"] = eng = ref["engine"] = Engine(cfg, inp, outs, box=box)
     eng.cores = host_cores(cfg, parent_pid)
-    eng.failures.notices = getattr(events, "notice", None)   # the launcher's death notices
     eng.warmup()
-    signal.signal(signal.SIGTERM, eng.request_stop)
+    signal.signal(signal.SIGTERM, lambda signum, _f: _sigterm(eng, parent_pid))
     if stop["early"]:           # a SIGTERM during the warm-up whose SystemExit was swallowed
         raise SystemExit(0)
     send_event(events, "engine", "warmup")
-    _elastic(cfg, eng, events)
-    eng.manager = res["manager"] = _make_manager(cfg, eng.placement)
+    eng.membership = _elastic(cfg, eng, events)
+    eng.manager = res["manager"] = make_manager(cfg, eng.placement)
     eng.metrics.enabled.set(1 if eng.manager is not None else 0)
     res["workload"] = _start_workload(cfg, eng)
     send_event(events, "engine", "ready")
@@ -184,7 +183,8 @@ def engine_main(cfg: Config, events, parent_pid: int) -> None:
     except WorkerFault as e:
         # clients are told which rank died (the launcher's notice), not the survivor's error
         eng = res.get("engine")
-        reason = eng.failures.explain(e) if eng is not None else str(e)
+        reason = (eng.failures.explain(e, wait=0.0 if eng.stopping else NOTICE_WAIT)
+                  if eng is not None else str(e))
         # the launcher prints the one summary line (with this reason when the engine stops)
         log.error(event("engine worker fault", error=str(e), reason=reason), extra=FILE_ONLY)
         send_event(events, "engine", "error", str(e))
@@ -197,6 +197,15 @@ def engine_main(cfg: Config, events, parent_pid: int) -> None:
         log.info(event("engine exit", code=code, steps=getattr(res.get("engine"), "step_no", 0)))
         logging.shutdown()
     child_exit(code, events)
+
+
+def _sigterm(eng: Engine, parent_pid: int) -> None:
+    """SIGTERM while serving: a graceful stop (the launcher's stop, or its death:
+    ``PR_SET_PDEATHSIG``)."""
+    gone = not parent_alive(parent_pid)
+    (log.warning if gone else log.info)(event("engine stop", signal="SIGTERM",
+                                              launcher="gone" if gone else f"pid {parent_pid}"))
+    eng.request_stop()
 
 
 def _raise_exit():

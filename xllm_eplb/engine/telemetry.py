@@ -130,6 +130,18 @@ class Telemetry:
         self.last_commit_at: float | None = None
         self.serving = ServingStats()
 
+    def resize(self, ep_size: int) -> None:
+        """A new membership of ``ep_size`` ranks (elastic shrink or grow, one node): the per-rank
+        views start over; the run's totals (critical path, step counts, serving stats, EPLB
+        stats, last commit) are kept."""
+        with self.lock:
+            self.D = self.ranks_per_node = ep_size
+            self.recent = RecentLoad(self.L, ep_size)
+            self.initial_balance = None
+            self.exec_seen, self.prep_seen = [0] * ep_size, [0] * ep_size
+            self.last_output_at = [0.0] * ep_size
+            self.hb = {}
+
     # --- per step --------------------------------------------------------------------------
     def on_step(self, kind: str, outputs, seconds: float, eplb_engine_s: float = 0.0) -> None:
         """``kind``: warmup / prefill / decode / mixed / idle; ``eplb_engine_s``: step-loop CPU
@@ -232,12 +244,12 @@ class Telemetry:
                            ("layers_rolled_back", "rolled_back")):
             m.inc_to(key, m.layers.labels(label), st.get(key, 0))
         m.inc_to("slots_moved", m.slots_moved, st.get("slots_moved", 0))
-        if st.get("generation", 0) > self.eplb.get("generation", 0):
+        if st.get("placement_epoch", 0) > self.eplb.get("placement_epoch", 0):
             self.last_commit_at = time.monotonic()
         rounds_before = self.eplb.get("rounds", 0)
         if st.get("rounds", 0) > rounds_before:
             m.policy_seconds.observe(float(st.get("last_policy_seconds", 0.0)))
-        m.generation.set(st.get("generation", 0))
+        m.placement_epoch.set(st.get("placement_epoch", 0))
         m.rebalancing.set(1 if st.get("layer_in_flight", -1) not in (-1, None) else 0)
         with self.lock:
             self.eplb = dict(st)

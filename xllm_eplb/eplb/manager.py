@@ -99,7 +99,7 @@ class EplbManager:
         if cfg.ep_size is None:
             raise ConfigError("ep_size: required by the EPLB manager")
         self.num_layers, self.ep_size, self.num_logical = num_layers, cfg.ep_size, num_logical
-        # slots: an elastic shrink's layout (any ep_size x slots >= num_logical, engine/shrink.py)
+        # slots: an elastic shrink's layout (any ep_size x slots >= num_logical, Engine.resize)
         self.slots = slots or slots_per_rank(num_logical, cfg.ep_size, cfg.redundant_experts_num)
         self.interval = float(cfg.eplb_update_interval)
         self.timeout = float(cfg.eplb_prepare_timeout_seconds)
@@ -217,7 +217,8 @@ class EplbManager:
         /eplb/status): counters, heartbeats (manager clock seconds) and the round's state."""
         with self._lock:
             return ManagerStats(
-                **vars(self._counters), **self.hb.stats(), generation=self.agg.generation,
+                **vars(self._counters), **self.hb.stats(), placement_epoch=self.agg.generation,
+                generation=self.agg.generation,     # deprecated alias (one release)
                 window_samples=self.agg.sample_count, layer_in_flight=self.pipe.layer_in_flight(),
                 waiting_on=self.pipe.waiting_on(), round_in_progress=self.pipe.in_progress,
                 next_prepare_token=self.pipe.next_token, policy=self.policy_name,
@@ -383,7 +384,7 @@ class EplbManager:
         self._counters.layers_committed += int(committed)   # a rollback's restore is no commit
         self._counters.slots_moved += d.moved_slots
         self._counters.weight_copies += d.weight_copies
-        log.info(event("EPLB layer activated", layer=layer, generation=self.agg.generation,
+        log.info(event("EPLB layer activated", layer=layer, placement_epoch=self.agg.generation,
                        slots_moved=d.moved_slots, weight_copies=d.weight_copies))
 
     # --- samples -----------------------------------------------------------------------------

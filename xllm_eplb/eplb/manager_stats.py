@@ -51,6 +51,9 @@ class ManagerStats(Counters):
     heartbeat_at: float | None = None
     manager_heartbeat_at: float | None = None
     policy_cpu_seconds: float = 0.0
+    #: layer activations committed so far (the EPLB placement epoch)
+    placement_epoch: int = 0
+    #: deprecated name of ``placement_epoch`` (one release)
     generation: int = 0
     window_samples: int = 0
     layer_in_flight: int = -1

@@ -104,7 +104,7 @@ def get_members(store, generation: int) -> list[int]:
     return [int(x) for x in bytes(store.get(members_key(generation))).decode().split(",")]
 
 
-# --- rejoin (``engine/rejoin.py`` <-> ``worker/regroup.py``): the engine's go and the joiner's
+# --- rejoin (``elastic/recovery.py`` <-> ``worker/regroup.py``): the engine's go and the joiner's
 # answer, per joiner pid
 def join_key(worker: int, pid: int) -> str:
     return f"join/ep{worker}/pid{pid}"
@@ -119,7 +119,7 @@ def joined_key(worker: int, pid: int) -> str:
 ABANDONED = "switch abandoned"
 
 
-# --- the vote of a grow (``worker/regroup.py`` ``vote``, ``engine/rejoin.py``): the members of
+# --- the vote of a grow (``worker/regroup.py`` ``vote``, ``elastic/recovery.py``): the members of
 # generation g arrive (``add``); the last one sets the decision ``go``, unless the engine set
 # ``abort`` first (a death during the switch): ``compare_set`` on an absent key, first wins
 def arrived_key(generation: int) -> str:

@@ -14,8 +14,8 @@ shutdown message through the input ring, workers leave their loop; whatever has 
 whole process group; only the launcher decides) and die with the launcher (PR_SET_PDEATHSIG,
 plus a parent-pid check), and the launcher always sweeps the run's ``/dev/shm`` objects last.
 
-Modules: ``launcher`` (:class:`Launcher`: spawn, supervise, stop), ``elastic`` (``--elastic_ep``:
-store hosting, in-place replacement of a dead worker, fencing a silent one), ``events``
+Modules: ``launcher`` (:class:`Launcher`: spawn, supervise, stop; ``--elastic_ep``: it hosts the
+store and owns an ``elastic/supervisor.ElasticSupervisor``), ``events``
 (:class:`EventHub`, the launcher's end of the child channels), ``rings`` (:class:`RunShm`),
 ``exits`` (naming a child's exit), ``run`` (the ``serve`` entry and :func:`run_launcher`).
 """

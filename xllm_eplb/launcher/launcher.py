@@ -1,6 +1,7 @@
 """The :class:`Launcher`: owns the run's children (the engine, one worker per EP rank) and its
 shared memory; spawns them on their pinned cores, pumps their start-up events, supervises (a
-dead child stops the run, naming it; ``--elastic_ep``: see ``elastic.py``) and stops them.
+dead child stops the run, naming it; ``--elastic_ep``: its
+:class:`~xllm_eplb.elastic.supervisor.ElasticSupervisor` replaces it) and stops them.
 """
 
 from __future__ import annotations
@@ -17,9 +18,12 @@ import time
 from pathlib import Path
 
 from xllm_eplb.config import Config, node_ranks, ranks_per_node
+from xllm_eplb.elastic.notices import WorkerDied
+from xllm_eplb.elastic.protocol import next_pg_generation
+from xllm_eplb.elastic.supervisor import ElasticSupervisor, replacement_mode
 from xllm_eplb.engine.process import engine_main
 from xllm_eplb.ipc.objects import sweep_run
-from xllm_eplb.launcher.elastic import ElasticSupervision
+from xllm_eplb.ipc.store import host_store
 from xllm_eplb.launcher.events import EventHub
 from xllm_eplb.launcher.exits import describe_exit, log_name, peer_gone, wall_clock
 from xllm_eplb.launcher.rings import RunShm
@@ -53,8 +57,11 @@ def _child_env():
                 os.environ[k] = v
 
 
-class Launcher(ElasticSupervision):
+class Launcher:
     """Owns the children and the run's shared memory; :meth:`run` returns the exit code."""
+
+    #: ``--elastic_ep``: the supervision component (None: a death stops the run)
+    elastic: ElasticSupervisor | None = None
 
     def __init__(self, cfg: Config, *, progress=None):
         self.cfg = cfg
@@ -70,11 +77,6 @@ class Launcher(ElasticSupervision):
         self.killed_at = ""     # wall_clock() of the last stop's SIGKILLs
         # --- elastic EP (#23): the store outlives any worker; dead workers are replaced
         self.store = None
-        self.generation = 1
-        self.restarts = 0
-        self.joining: dict[str, dict] = {}         # rejoin: replacements loading / switching
-        self.dropped: set[str] = set()             # joiners SIGKILLed, not yet reaped
-        self.rejoin_after: dict[str, str] = {}     # dropped joiners to start again: why
 
     # --- signals ---------------------------------------------------------------------------
     def _on_signal(self, signum, frame) -> None:
@@ -117,12 +119,41 @@ class Launcher(ElasticSupervision):
         self.procs[who] = p
         log.debug(event("launcher spawn", proc=who, pid=p.pid))
 
+    def _spawn_worker(self, who: str, pg_generation: int = 0, join: bool = False) -> None:
+        """Worker ``who`` (``ep<w>``); elastic EP: a replacement joining ``pg_generation``, or
+        a rejoin replacement (``join``) that loads first."""
+        extra = {"join": True} if join else {}
+        self._spawn(who, worker_main, self.cfg, int(who[2:]), self.events, os.getpid(),
+                    pg_generation, **extra)
+
+    def _host_store(self):
+        """The run's TCPStore at ``--master_addr:--master_port``, hosted by the launcher (not
+        by worker 0: any worker may die); membership generation 1 drawn."""
+        rt = self.cfg.runtime
+        store = host_store(rt.master_addr, rt.master_port, rt.elastic_join_timeout_seconds)
+        next_pg_generation(store)
+        return store
+
+    def _supervisor(self, **policy) -> ElasticSupervisor:
+        """``--elastic_ep``: the supervision component; says which mode a death gets, and why."""
+        mode, why = replacement_mode(self.cfg, self.cfg.eplb.ep_size, 0)
+        log.info(event("EPLB elastic on", on_worker_death=mode, why=why,
+                       off="--elastic_ep=false"))
+        kw = dict(spawn=self._spawn_worker, death_message=self.death_message,
+                  stopping=lambda: bool(self.stop_signal), engine_gone=self._engine_gone)
+        return ElasticSupervisor(self.cfg, self.store, self.procs, self.events, self.errors,
+                                 **{**kw, **policy})
+
+    def _engine_gone(self) -> bool:
+        return self.procs["engine"].exitcode is not None
+
     def start(self) -> None:
         """Shared memory, then the engine (it binds the port first), then the workers."""
         cfg, me = self.cfg, os.getpid()
         self.shm = RunShm.create(cfg)
-        if cfg.runtime.elastic_ep:   # hosted here, not by worker 0: any worker may die
-            self._host_store()
+        if cfg.runtime.elastic_ep:
+            self.store = self._host_store()
+            self.elastic = self._supervisor()
         self._spawn("engine", engine_main, cfg, self.events, me)
         self._wait_stage("engine", "http_bound")
         for r in range(cfg.eplb.ep_size):
@@ -160,8 +191,8 @@ class Launcher(ElasticSupervision):
     def _report_stage(self, who: str, stage: str, detail: str) -> None:
         if stage == "error" and detail and who not in self.errors:
             self.errors[who] = detail            # named in the death message
-        if stage in ("attached", "kill", "join_ready", "joined"):
-            self._elastic_event(who, stage, detail)
+        if self.elastic is not None and stage in ("attached", "kill", "join_ready", "joined"):
+            self.elastic.on_event(who, stage, detail)
         if self.progress is not None:
             self.progress.update(who, stage)
         log.debug(event("launcher stage", proc=who, stage=stage, detail=detail,
@@ -192,9 +223,9 @@ class Launcher(ElasticSupervision):
         while not self.stop_signal:
             ready = mpc.wait(list(sentinels), timeout=0.5)
             self._drain_events()
-            if self.joining:
-                self._check_joiners()
-            if ready and self._replace(sentinels[ready[0]]):
+            if self.elastic is not None and self.elastic.joining:
+                self.elastic.check_joiners()
+            if ready and self.elastic is not None and self.elastic.replace(sentinels[ready[0]]):
                 sentinels = {p.sentinel: who for who, p in self.procs.items()}
                 continue
             if ready and not self._stopping_together():
@@ -209,8 +240,8 @@ class Launcher(ElasticSupervision):
         """One message, said three times alike: the engine's notice (its clients are told
         which rank died), the launcher log and the console's summary line."""
         msg = self.death_message(who)
-        if who != "engine":
-            self.events.notify("engine", ("died", who, msg))
+        if who.startswith("ep"):
+            self.events.notify("engine", WorkerDied(int(who[2:]), msg))
         # NOTE: the console gets one summary line (the `error:` below), the file both
         log.error(event("launcher child died", proc=who, pid=self.procs[who].pid,
                         cause=describe_exit(self.procs[who].exitcode), message=msg),
@@ -266,7 +297,7 @@ class Launcher(ElasticSupervision):
         """Stop every child; returns the names of those that had to be killed."""
         timeout = self.cfg.serve.shutdown_timeout_seconds if graceful else min(
             3.0, self.cfg.serve.shutdown_timeout_seconds)
-        for who in list(self.joining) + list(self.dropped):   # rejoin: not on the input ring
+        for who in self.elastic.joiners() if self.elastic else []:   # not on the input ring
             with contextlib.suppress(ProcessLookupError, KeyError):
                 os.kill(self.procs[who].pid, signal.SIGKILL)
         eng = self.procs.get("engine")

@@ -6,13 +6,13 @@ What differs from one node:
 
 * **the store**: node 0's rendezvous TCPStore (``--master_addr:--master_port``, hosted by node
   0's launcher) is also the elastic store: the workers' generations (``gen<g>/``), the
-  placement, the members and the ``generation`` counter (``launcher/elastic.py``) live there, so
+  placement, the members and the ``pg_generation`` counter (``elastic/protocol.py``) live there, so
   every node's launcher numbers generations from one counter;
 * **the engine's notices**: node n's launcher has no engine; what it would tell the engine
-  (``("died", who, message, generation, seen, "respawn")``, then the replacement's
-  ``("attached", who, generation)``) is queued in that store as ``notice/<n>/<i>``
+  (``WorkerDied(..., mode="respawn")``, then the replacement's ``Attached``; typed records,
+  ``elastic/notices.py``) is queued in that store as ``notice/<n>/<i>`` (JSON of ``to_dict``)
   (:class:`NoticeSender`) and node 0's launcher forwards each, in order, to its engine
-  (:class:`NoticeForwarder`, polled every ``POLL_SECONDS``);
+  (:class:`NoticeForwarder`, polled every ``NOTICE_POLL_SECONDS``);
 * **the relay** (``node/bridge.py``) answers a step with an empty frame for a rank whose ring
   producer died (``PeerDeadError``), so the survivors' ``peer_lost`` outputs still reach the
   engine, which then fences and re-forms as on one node;
@@ -28,11 +28,12 @@ from __future__ import annotations
 import contextlib
 import json
 
+from xllm_eplb.elastic.notices import notice_from_dict, notice_to_dict
 from xllm_eplb.engine.health import reader_behind, reader_pid, stopped
 from xllm_eplb.launcher.events import EventHub
 
 #: node 0's launcher reads the remote nodes' notices this often while supervising (seconds)
-POLL_SECONDS = 0.05
+NOTICE_POLL_SECONDS = 0.05
 
 
 def notice_key(node: int, i: int) -> str:
@@ -51,7 +52,7 @@ class NoticeSender(EventHub):
         if who != "engine":
             return super().notify(who, notice)
         try:
-            self.store.set(notice_key(self.node, self.sent), json.dumps(list(notice)))
+            self.store.set(notice_key(self.node, self.sent), json.dumps(notice_to_dict(notice)))
         except Exception:  # noqa: BLE001 - node 0's store is gone: the bridges stop the node
             return False
         self.sent += 1
@@ -73,7 +74,7 @@ class NoticeForwarder:
                 key = notice_key(n, i)
                 if not self.store.check([key]):
                     break
-                events.notify("engine", tuple(json.loads(self.store.get(key))))
+                events.notify("engine", notice_from_dict(json.loads(self.store.get(key))))
                 self.store.delete_key(key)
                 i += 1
                 done += 1

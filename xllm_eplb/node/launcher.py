@@ -34,11 +34,11 @@ import sys
 import time
 
 from xllm_eplb.config import Config, node_ranks
+from xllm_eplb.elastic.protocol import next_pg_generation
 from xllm_eplb.engine.process import engine_main
 from xllm_eplb.launcher import Launcher, RunShm, describe_exit
-from xllm_eplb.launcher.elastic import GENERATION_KEY
 from xllm_eplb.node.bridge import bridge_main
-from xllm_eplb.node.elastic import POLL_SECONDS, NoticeForwarder, NoticeSender
+from xllm_eplb.node.elastic import NOTICE_POLL_SECONDS, NoticeForwarder, NoticeSender
 from xllm_eplb.node.rendezvous import failure_reports, report_failure
 from xllm_eplb.obs.logs import event
 from xllm_eplb.worker.worker import worker_main
@@ -69,10 +69,8 @@ class NodeLauncher(Launcher):
         self.store, self.origin, self.store_port = store, origin_run_id, store_port
         self.node, self.nnodes = cfg.runtime.node_rank, cfg.runtime.nnodes
         self.stopped_by_node0 = False
-        #: --elastic_ep: the remote nodes' notices to the engine (node 0), a death being
-        #: replaced (its message is this node's own line, no failure report)
+        #: --elastic_ep: the remote nodes' notices to the engine (node 0)
         self.forwarder = None
-        self._replacing = False
         if cfg.runtime.elastic_ep:
             if self.node:
                 self.events = NoticeSender(self.ctx, store, self.node)
@@ -85,11 +83,17 @@ class NodeLauncher(Launcher):
         if self.node == 0:
             self.shm = RunShm.create(cfg)
             if cfg.runtime.elastic_ep:        # the rendezvous store is the elastic store
-                self.store.add(GENERATION_KEY, 1)
+                next_pg_generation(self.store)
             self._spawn("engine", engine_main, cfg, self.events, me)
             self._wait_stage("engine", "http_bound")
         else:
             self.shm = RunShm.create(cfg, node_ranks(cfg))   # its own ranks only
+        if cfg.runtime.elastic_ep:
+            # respawn in place only (a rank set cannot change across nodes); a death being
+            # replaced is told with this node's own line (no failure report)
+            self.elastic = self._supervisor(
+                respawn_only=True, node=self.node, death_message=self._local_line,
+                remote_ranks=cfg.eplb.ep_size - len(node_ranks(cfg)))
         for r in node_ranks(cfg):
             self._spawn(f"ep{r}", worker_main, cfg, r, self.events, me)
         peers = range(1, self.nnodes) if self.node == 0 else [0]
@@ -103,44 +107,19 @@ class NodeLauncher(Launcher):
 
     # --- failures --------------------------------------------------------------------------
     def death_message(self, who: str, during: str = "serving") -> str:
-        if self._replacing:            # --elastic_ep: respawned, not a failure of the run
-            return self._local_line(who, during)
         return self.blame(who, during)
 
-    # --- elastic EP: respawn in place on every node ----------------------------------------
-    def _serving(self) -> int:
-        """EP ranks serving in the whole run: the other nodes' ranks are all serving (a
-        multi-node run only respawns in place: the rank set never changes)."""
-        return (super()._serving() + self.cfg.eplb.ep_size - len(node_ranks(self.cfg)))
-
     def _replace(self, who: str) -> bool:
-        """Respawn a dead worker of this node in place (``launcher/elastic.py``); with the
-        restarts used up the run stops as without elasticity (a shrink would cross nodes)."""
-        rt = self.cfg.runtime
-        if not rt.elastic_ep or self.restarts >= rt.elastic_max_restarts:
+        """``--elastic_ep``: the supervisor respawns a dead worker of this node in place; with
+        node 0's store gone that is a stop, not a respawn."""
+        if self.elastic is None:
             return False
-        self._replacing = True
         try:
-            return super()._replace(who)
-        except Exception as e:  # noqa: BLE001 - node 0's store is gone: a stop, not a respawn
+            return self.elastic.replace(who)
+        except Exception as e:  # noqa: BLE001 - node 0's store is gone
             log.warning(event("EPLB elastic respawn impossible", proc=who, node=self.node,
                               error=str(e).splitlines()[0][:200] if str(e) else type(e).__name__))
             return False
-        finally:
-            self._replacing = False
-
-    def _elastic_event(self, who: str, stage: str, detail: str) -> None:
-        """Node n's relay found a rank of this node silent (``node/elastic.py``): SIGKILL it
-        (a hang becomes a death, respawned in place)."""
-        if who.startswith("bridge") and stage == "kill":
-            p = self.procs.get(detail)
-            if p is not None and detail.startswith("ep") and p.exitcode is None:
-                log.warning(event("EPLB elastic fence silent worker", proc=detail, pid=p.pid,
-                                  node=self.node, signal="SIGKILL"))
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(p.pid, signal.SIGKILL)
-            return
-        super()._elastic_event(who, stage, detail)
 
     def _engine_gone(self) -> bool:
         """Node n has no engine: its bridge's exit (node 0's stop or a lost link) says it."""
@@ -149,7 +128,7 @@ class NodeLauncher(Launcher):
         return any(q.exitcode is not None for w, q in self.procs.items()
                    if w.startswith("bridge"))
 
-    def _local_line(self, who: str, during: str) -> str:
+    def _local_line(self, who: str, during: str = "serving") -> str:
         return f"node {self.node}: " + Launcher.death_message(self, who, during)
 
     def blame(self, who: str, during: str = "serving") -> str:
@@ -195,7 +174,7 @@ class NodeLauncher(Launcher):
         anywhere (-> 1, one line naming the node and rank)."""
         sentinels = {p.sentinel: who for who, p in self.procs.items()}
         while not self.stop_signal:
-            ready = mpc.wait(list(sentinels), timeout=POLL_SECONDS if self.forwarder else 0.5)
+            ready = mpc.wait(list(sentinels), timeout=NOTICE_POLL_SECONDS if self.forwarder else 0.5)
             self._drain_events()
             if self.forwarder is not None:
                 self.forwarder.pump(self.events)

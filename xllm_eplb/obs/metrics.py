@@ -31,6 +31,17 @@ STEP_KINDS = ("warmup", "prefill", "decode", "mixed", "idle")
 REQUEST_RESULTS = ("stop", "length", "cancelled", "error")
 
 
+
+class _Aliased:
+    """A gauge and its deprecated old name (kept one release), always set together."""
+
+    def __init__(self, gauge, old):
+        self.gauge, self.old = gauge, old
+
+    def set(self, value) -> None:
+        self.gauge.set(value)
+        self.old.set(value)
+
 class EngineMetrics:
     """The engine's metric families. ``ep_size`` ranks, ``num_layers`` MoE layers."""
 
@@ -95,7 +106,11 @@ class EngineMetrics:
                                       "layers), background thread", _SLOW)
         self.rebalancing = self._g("rebalancing", "1 while a layer is being prepared or "
                                    "activated")
-        self.generation = self._g("placement_generation", "activations committed so far")
+        self.placement_epoch = _Aliased(
+            self._g("placement_epoch", "EPLB placement epoch: layer activations committed so "
+                    "far"),
+            self._g("placement_generation", "DEPRECATED (removed next release): "
+                    "xllm_eplb_placement_epoch"))
         self.slots_moved = self._c("slots_moved", "physical slots whose expert changed")
 
     def _define_transfer(self):
@@ -210,11 +225,13 @@ class EngineMetrics:
         self._zero_series()
 
     def _define_elastic(self):
-        """``--elastic_ep`` (#23): membership and recoveries (engine/membership.py)."""
+        """``--elastic_ep`` (#23): membership and recoveries (elastic/recovery.py)."""
         self.rank_active = self._g("rank_active", "1 while the EP rank is a member of the "
                                    "current process-group generation", ("rank",))
-        self.pg_generation = self._g("generation", "process-group generation (1 at start, "
-                                     "+1 per elastic recovery or rejoin)")
+        self.pg_generation = _Aliased(
+            self._g("pg_generation", "membership (process-group) generation: 1 at start, +1 "
+                    "per elastic re-formation (respawn, shrink, rejoin)"),
+            self._g("generation", "DEPRECATED (removed next release): xllm_eplb_pg_generation"))
         self.recovery_seconds = self._h("recovery_seconds", "elastic recovery: death detected "
                                         "-> ranks re-formed", (0.1, 0.25, 0.5, 1, 2, 3, 5, 10,
                                                               30, 60))

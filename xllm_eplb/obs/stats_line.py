@@ -2,7 +2,7 @@
 ``Avg prompt throughput ... Running ... Waiting ... KV cache usage`` line, plus the EPLB view::
 
     engine stats prompt_tokens_per_s=412.3 generation_tokens_per_s=96.1 running=12 waiting=0
-        kv_cache_usage=0.4% balancedness=0.812 generation=3 last_rebalance_s=14.2
+        kv_cache_usage=0.4% balancedness=0.812 placement_epoch=3 last_rebalance_s=14.2
 
 (one line; ``last_rebalance_s``: seconds since the last committed layer activation, ``never``
 before the first). Pure bookkeeping: the step loop counts tokens, then asks :meth:`line` when
@@ -34,7 +34,7 @@ class StatsLine:
         return self.interval_s > 0 and now - self.since >= self.interval_s
 
     def line(self, now: float, *, running: int, waiting: int, kv_usage: float,
-             balancedness: float | None, generation: int, last_rebalance_at: float | None
+             balancedness: float | None, placement_epoch: int, last_rebalance_at: float | None
              ) -> str:
         """The line for the window since the previous one (then a new window starts).
         ``kv_usage``: ratio in [0, 1]; ``balancedness``: mean over MoE layers of the recent
@@ -47,7 +47,7 @@ class StatsLine:
                      running=running, waiting=waiting,
                      kv_cache_usage=f"{100.0 * kv_usage:.1f}%",
                      balancedness="-" if balancedness is None else f"{balancedness:.3f}",
-                     generation=generation,
+                     placement_epoch=placement_epoch,
                      last_rebalance_s="never" if last_rebalance_at is None
                      else round(now - last_rebalance_at, 1))
         self.since, self.prompt_tokens, self.generation_tokens = now, 0, 0

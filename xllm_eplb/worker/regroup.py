@@ -1,4 +1,5 @@
-"""Elastic EP (``--elastic_ep``, issue #23): a worker's process groups by *generation*.
+"""Elastic EP (``--elastic_ep``, issue #23): a worker's process groups by *membership
+generation* (``pg_generation``, ``elastic/protocol.py``).
 
 The launcher hosts the run's TCPStore at ``--master_addr:--master_port`` (``ipc/store.py``), so
 no worker's death takes the store with it. Generation ``g`` of the world lives under its own
@@ -72,7 +73,7 @@ def join(cfg: Config, client, rank: int, generation: int, timeout_s: float,
     if first != full:
         for g in (groups.ep_group, groups.eplb_group):
             dist.distributed_c10d._set_pg_timeout(full, g)
-    log.info(event("EPLB elastic joined", rank=rank, generation=generation,
+    log.info(event("EPLB elastic joined", rank=rank, pg_generation=generation,
                    world_size=world_size or cfg.eplb.ep_size,
                    seconds=round(time.perf_counter() - t0, 3)))
     return groups
@@ -87,7 +88,7 @@ def leave() -> float:
     return time.perf_counter() - t0
 
 
-# --- rejoin (``engine/rejoin.py``): the engine's go and the joiner's answer, per joiner pid ---
+# --- rejoin (``elastic/recovery.py``): the engine's go and the joiner's answer, per joiner pid ---
 def _wait_key(client, key: str, slice_s: float, timeout_s: float, alive, what: str,
               limit: str) -> bytes:
     """The value of store ``key`` once set, waited for in ``slice_s`` slices; ``alive()`` False
@@ -115,7 +116,7 @@ def wait_join(client, worker: int, timeout_s: float, alive) -> int:
 def vote(client, generation: int, size: int, timeout_s: float, alive) -> bool:
     """A grow to ``generation`` (``size`` members) is decided before anyone leaves its groups:
     each member arrives; the last one decides ``go``, unless the engine decided ``abort`` first
-    (a death during the switch, ``engine/rejoin.py``). True: go (every member was alive at its
+    (a death during the switch, ``elastic/recovery.py``). True: go (every member was alive at its
     arrival); False: the switch is abandoned, the serving ranks stay in their generation.
     ``alive()`` False (the launcher gone) or ``timeout_s`` raise."""
     if int(client.add(arrived_key(generation), 1)) == size:

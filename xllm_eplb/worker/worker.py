@@ -273,7 +273,7 @@ class Worker:
                                seconds=round(time.perf_counter() - t0, 3)))
         except Exception as e:  # noqa: BLE001 - reported; the engine recovers or stops
             # NOTE: a serving rank stays up (``peer_lost``): a member that died during a grow
-            # fails the rendezvous, and the engine re-forms the survivors (``engine/rejoin.py``)
+            # fails the rendezvous, and the engine re-forms the survivors (``elastic/recovery.py``)
             log.exception(event("EPLB elastic re-form failed", rank=self.rank), extra=FILE_ONLY)
             return ForwardOutput(step=msg.step, rank=self.ep_rank, peer_lost=not self.joining,
                                  error=f"rank {self.rank}: re-form failed: {type(e).__name__}: {e}")
