@@ -31,6 +31,7 @@ from xllm_eplb.model import dispatch as dsp
 from xllm_eplb.model import replica_dispatch as rdp
 from xllm_eplb.model.attention import KVCache
 from xllm_eplb.model.batch import RankBatch
+from xllm_eplb.model.expert_store import DequantScratch
 from xllm_eplb.model.loader import (
     CheckpointReader,
     check_experts,
@@ -148,8 +149,9 @@ class Decoder:
             raise RuntimeError("a sharded Decoder needs an initialised EP process group "
                                "(worker.comm.init_groups); for one process use "
                                "Decoder.reference(cfg)")
+        scratch = DequantScratch()        # FP8 per-step buffers, shared by the layers
         return [FusedMoE(cfg, ml, self.ep_rank, phy2log[ml], self.device, source=self._source,
-                         quant=self.expert_quant)
+                         quant=self.expert_quant, scratch=scratch)
                 for ml in range(self.num_moe_layers)]
 
     # ---- per-request state and dispatch path -------------------------------------------------

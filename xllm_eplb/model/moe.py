@@ -47,7 +47,7 @@ import torch.nn.functional as F
 from xllm_eplb.config import Config
 from xllm_eplb.eplb import placement
 from xllm_eplb.eplb import replica_routing as rr
-from xllm_eplb.model.expert_store import make_store, slot_checksum
+from xllm_eplb.model.expert_store import DequantScratch, make_store, slot_checksum
 from xllm_eplb.model.fp8 import Fp8Format
 from xllm_eplb.model.loader import torch_dtype
 
@@ -56,11 +56,14 @@ class FusedMoE:
     """Routed experts of MoE layer ``layer_id`` (MoE-local, 0..L-1) on rank ``ep_rank``.
 
     ``phy2log``: the global slot table of this layer, int64 [D*S]; its slice
-    ``[ep_rank*S, (ep_rank+1)*S)`` is materialised from ``source``.
+    ``[ep_rank*S, (ep_rank+1)*S)`` is materialised from ``source``. ``scratch``: the FP8
+    per-step path's buffers (``expert_store.DequantScratch``; the decoder shares one between
+    its layers; default: the layer's own).
     """
 
     def __init__(self, cfg: Config, layer_id: int, ep_rank: int, phy2log: np.ndarray,
-                 device: torch.device | str = "cpu", *, source, quant: Fp8Format | None = None):
+                 device: torch.device | str = "cpu", *, source, quant: Fp8Format | None = None,
+                 scratch: DequantScratch | None = None):
         m = cfg.model
         self.cfg = cfg
         self.source = source
@@ -74,7 +77,7 @@ class FusedMoE:
         dt = torch_dtype(cfg)
         self.device = torch.device(device)
         self.store = make_store(S, H, inter, dt, self.device, fmt=quant,
-                                cache=cfg.model.fp8_dequant_cache)
+                                cache=cfg.model.fp8_dequant_cache, scratch=scratch)
         self.tag = torch.empty((S, 2), dtype=torch.int64, device=self.device)
         self.csum = torch.empty(S, dtype=torch.float64, device=self.device)
         self.local_expert_ids = torch.empty(S, dtype=torch.int64, device=self.device)
@@ -286,7 +289,8 @@ class LogicalMoE:
                     t.copy_(w[name])
         self.layer_id = layer_id
         self.num_logical = E
-        self.w13, self.w2, _ = store.weights(torch.arange(E, device=torch.device(device)))
+        ids = torch.arange(E, device=torch.device(device))
+        self.w13, self.w2 = store.dense(ids) if quant is not None else store.weights(ids)[:2]
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         """x [T, H], topk_ids [T, k] logical -> expert outputs [T, k, H] (unweighted)."""
