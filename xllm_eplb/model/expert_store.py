@@ -115,18 +115,32 @@ class Fp8Slots:
 
     def dense(self, ids: torch.Tensor, scratch: bool = False
               ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Dequantized (w13 [m, 2I, H], w2 [m, H, I]) of slots ``ids`` [m]: new tensors, or
-        with ``scratch`` views of the scratch buffers (valid until the next scratch use)."""
-        m, dev = ids.numel(), ids.device
+        """Dequantized (w13 [m, 2I, H], w2 [m, H, I]) of slots ``ids`` [m] (sorted, distinct):
+        new tensors, or with ``scratch`` views of the scratch buffers (valid until the next
+        scratch use). All slots at once: a few whole-stack passes, not a few per matrix."""
+        m, dev, sc = ids.numel(), ids.device, self.scratch
         s13, s2 = (m, *self.w13_q.shape[1:]), (m, *self.w2_q.shape[1:])
         if scratch:
-            w13 = self.scratch.get("w13", s13, self.dtype, dev)
-            w2 = self.scratch.get("w2", s2, self.dtype, dev)
+            w13, w2 = sc.get("w13", s13, self.dtype, dev), sc.get("w2", s2, self.dtype, dev)
         else:
             w13 = torch.empty(s13, dtype=self.dtype, device=dev)
             w2 = torch.empty(s2, dtype=self.dtype, device=dev)
-        for j, s in enumerate(ids.tolist()):
-            self.dense_into(s, w13[j], w2[j])
+        if m == 0:
+            return w13, w2
+        lo = int(ids[0])
+        if int(ids[-1]) - lo + 1 == m:           # a range of slots (all of them, in a decode)
+            q13, q2 = self.w13_q[lo:lo + m], self.w2_q[lo:lo + m]
+        else:
+            q13 = torch.index_select(self.w13_q.view(torch.uint8), 0, ids,
+                                     out=sc.get("q13", s13, torch.uint8, dev)).view(fp8.FP8)
+            q2 = torch.index_select(self.w2_q.view(torch.uint8), 0, ids,
+                                    out=sc.get("q2", s2, torch.uint8, dev)).view(fp8.FP8)
+        n = q13.numel()
+        work = (sc.get("i16", (n,), torch.int16, dev), sc.get("f32", (n,), torch.float32, dev))
+        H, b, dt = q13.shape[-1], self.fmt.block, self.dtype
+        fp8.dequantize(q13.view(m, 2, self.inter, H), self.w13_s[ids], b, dt,
+                       out=w13.view(m, 2, self.inter, H), work=work)
+        fp8.dequantize(q2, self.w2_s[ids], b, dt, out=w2, work=work)
         return w13, w2
 
     def weights(self, slots: torch.Tensor):

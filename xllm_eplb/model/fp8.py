@@ -101,14 +101,15 @@ def grid(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, int]:
 # ---- the rule ---------------------------------------------------------------------------------
 
 def decode(q: torch.Tensor, out: torch.Tensor | None = None,
-           work: torch.Tensor | None = None) -> torch.Tensor:
+           work: torch.Tensor | None = None, *, unscaled: bool = False) -> torch.Tensor:
     """``q`` float8_e4m3fn -> float32 (into ``out`` when given), equal to ``q.to(float32)``
     for every finite code (the two NaN codes, which :func:`quantize` never writes, decode to
     +-480). ``work``: an int16 buffer of at least ``q.numel()`` elements (else one is made).
 
     How: the fp8 byte sign-extended to int16 and shifted left by 7 is the float16 with the same
     sign, mantissa and (exponent - 8), once the stray exponent bit 14 is cleared; float16 ->
-    float32 and * 256 are exact. All vectorised in-place passes: torch's own fp8 conversion is
+    float32 and * 256 are exact (``unscaled``: leave out the * 256, for a caller that folds it
+    into its own product: x / 256 * (s * 256) rounds exactly as x * s). All vectorised in-place passes: torch's own fp8 conversion is
     a scalar loop, several times slower on CPU."""
     i16 = (torch.empty(q.shape, dtype=torch.int16, device=q.device) if work is None
            else work.reshape(-1)[:q.numel()].view(q.shape))
@@ -116,7 +117,8 @@ def decode(q: torch.Tensor, out: torch.Tensor | None = None,
     i16.bitwise_left_shift_(7).bitwise_and_(-16385)
     if out is None:
         out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
-    return out.copy_(i16.view(torch.float16)).mul_(256.0)
+    out.copy_(i16.view(torch.float16))
+    return out if unscaled else out.mul_(256.0)
 
 
 def dequantize(q: torch.Tensor, s: torch.Tensor, block: tuple[int, int], dtype: torch.dtype,
@@ -137,8 +139,8 @@ def dequantize(q: torch.Tensor, s: torch.Tensor, block: tuple[int, int], dtype: 
         w = f32.reshape(-1)[:q.numel()].view(q.shape)
     else:
         w = None
-    w = decode(q, w, i16)
-    sf = s.to(torch.float32)
+    w = decode(q, w, i16, unscaled=True)
+    sf = s.to(torch.float32) * 256.0             # the decode's 2^8, exact (see decode)
     if R == gr * bn and C == gc * bk:
         lead = q.shape[:-2]
         w.view(*lead, gr, bn, gc, bk).mul_(sf.reshape(*lead, gr, 1, gc, 1))
