@@ -131,3 +131,26 @@ def test_decoder_timer_phases_and_null_default():
     assert {"attention", "router", "experts", "dispatch", "sampling", "other"} <= set(ph)
     assert all(v >= 0 for v in ph.values())
     assert sum(ph.values()) <= got.timings["total_s"] + 1e-3
+
+
+def _sharded_timed(rank, world, cfg):
+    import torch.distributed as dist
+
+    model = Decoder(cfg, rank, dist.group.WORLD)
+    model.timer = timer = StepTimer()
+    res = model.forward_step(RankBatch([SeqRow(1, [5, 6, 7], 0, True)]), return_logits=True)
+    return timer.take(), res.timings["total_s"], res.logits.numpy()
+
+
+def test_sharded_decoder_times_dispatch_and_experts_apart():
+    from xllm_eplb.testing.dist import run_ranks
+
+    cfg = _cfg()
+    cfg = replace(cfg, eplb=replace(cfg.eplb, ep_size=1, redundant_experts_num=0))
+    (ph, total, logits), = run_ranks(_sharded_timed, 1, cfg, timeout=120)
+    assert {"attention", "router", "experts", "dispatch", "sampling", "other"} <= set(ph)
+    assert ph["experts"] > 0 and ph["dispatch"] >= 0
+    assert sum(ph.values()) <= total + 1e-3
+    ref = Decoder.reference(cfg).forward_step(RankBatch([SeqRow(1, [5, 6, 7], 0, True)]),
+                                              return_logits=True)
+    assert torch.allclose(torch.as_tensor(logits), ref.logits, rtol=1e-9, atol=1e-9)
