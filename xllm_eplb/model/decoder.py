@@ -29,8 +29,9 @@ from xllm_eplb.eplb.placement_file import initial_placement
 from xllm_eplb.model import blocks
 from xllm_eplb.model import dispatch as dsp
 from xllm_eplb.model import replica_dispatch as rdp
-from xllm_eplb.model.attention import AttnBatch, KVCache
+from xllm_eplb.model.attention import KVCache
 from xllm_eplb.model.batch import RankBatch
+from xllm_eplb.model.expert_store import DequantScratch
 from xllm_eplb.model.loader import (
     CheckpointReader,
     check_experts,
@@ -40,20 +41,30 @@ from xllm_eplb.model.loader import (
 )
 from xllm_eplb.model.moe import FusedMoE, LogicalMoE
 from xllm_eplb.model.params import load_params
-from xllm_eplb.model.rank_model import RankModel
 from xllm_eplb.model.resolve import resolve_config
 from xllm_eplb.model.routing import FamilyRouter, load_trace, trace_probs
 from xllm_eplb.model.spec import parse_spec
-from xllm_eplb.model.step import StepResult, graph_bucket, sample, token_logprobs
+from xllm_eplb.model.step import Laps, StepResult, sample, token_logprobs
+from xllm_eplb.model.step_inputs import step_inputs
 from xllm_eplb.model.validate import validate_model_config, validate_phy2log
+from xllm_eplb.obs import step_timer
 from xllm_eplb.obs.logs import event
 
 log = logging.getLogger(__name__)
 
 
-class Decoder(RankModel):
+class Decoder:
     """One EP rank's model of the checkpoint ``cfg.model.model``. ``phy2log``: int64
-    [L_moe, D*S] initial placement (default: xLLM's initial layout)."""
+    [L_moe, D*S] initial placement (default: xLLM's initial layout).
+
+    ``timer`` (:class:`~xllm_eplb.obs.step_timer.StepTimer`, default the no-op ``NULL``; the
+    worker sets its own): each ``forward_step`` adds its seconds by phase: ``attention`` (input
+    norms, attention, residual), ``router``, ``experts`` (routed expert GEMMs and shared
+    experts), ``dispatch`` (replica routing, dispatch / all-to-all / combine, counting, the
+    weighted sum), ``sampling`` (token choice, log-probabilities), ``other`` (inputs,
+    embedding, dense MLPs, final norm, LM head, counters)."""
+
+    timer: step_timer.StepTimer = step_timer.NULL
 
     def __init__(self, cfg: Config, ep_rank: int, ep_group=None, phy2log: np.ndarray | None = None,
                  *, device: str | torch.device | None = None, _reference: bool = False,
@@ -138,80 +149,72 @@ class Decoder(RankModel):
             raise RuntimeError("a sharded Decoder needs an initialised EP process group "
                                "(worker.comm.init_groups); for one process use "
                                "Decoder.reference(cfg)")
+        scratch = DequantScratch()        # FP8 per-step buffers, shared by the layers
         return [FusedMoE(cfg, ml, self.ep_rank, phy2log[ml], self.device, source=self._source,
-                         quant=self.expert_quant)
+                         quant=self.expert_quant, scratch=scratch)
                 for ml in range(self.num_moe_layers)]
 
-    # ---- forward ---------------------------------------------------------------------------
-    def _inputs(self, batch: RankBatch):
-        """Flatten rows -> tokens [T], positions [T], trace keys [T, 3], counted [T], spans,
-        the number of real tokens, and the attention layout of the real ones."""
-        toks, pos, keys, counted, spans = [], [], [], [], []
-        decode_only = self.cfg.eplb.eplb_use_decode_only_load
-        for r in batch.rows:
-            n = len(r.token_ids)
-            if n == 0:
-                raise ValueError(f"request {r.req_id}: empty token_ids")
-            have = self.kv.length(r.req_id)
-            if r.start_pos != have:
-                raise ValueError(f"request {r.req_id}: start_pos={r.start_pos} but the KV cache "
-                                 f"holds {have} positions")
-            if r.start_pos + n > self.cfg.model.max_position_embeddings:
-                raise ValueError(f"request {r.req_id}: {r.start_pos + n} positions exceed "
-                                 f"max_position_embeddings={self.cfg.model.max_position_embeddings}")
-            spans.append((len(toks), n))
-            toks += list(r.token_ids)
-            pos += list(range(r.start_pos, r.start_pos + n))
-            keys += [(r.req_id, r.start_pos + j, t) for j, t in enumerate(r.token_ids)]
-            counted += [not (decode_only and r.is_prefill)] * n
-        n_real = len(toks)
-        ids = [r.req_id for r in batch.rows]
-        ends = [r.start_pos + len(r.token_ids) for r in batch.rows]
-        slots = self.kv.reserve(ids, ends)
-        ab = AttnBatch(spans, [r.start_pos for r in batch.rows], slots, self.device) \
-            if batch.rows else None
-        if self.cfg.runtime.enable_graph and (batch.is_empty or batch.is_pure_decode):
-            # NOTE: graph mode pads decode batches to a bucket; an empty rank runs one filler
-            # row. Padding/filler rows are routed and dispatched but never counted.
-            n_pad = graph_bucket(n_real, self.cfg.runtime.max_batch_size) - n_real
-            toks += [0] * n_pad
-            pos += [0] * n_pad
-            keys += [(-1, j, 0) for j in range(n_pad)]
-            counted += [False] * n_pad
-        d = self.device
-        return (torch.tensor(toks, dtype=torch.int64, device=d),
-                torch.tensor(pos, dtype=torch.int64, device=d),
-                torch.tensor(keys, dtype=torch.int64, device=d).reshape(-1, 3),
-                torch.tensor(counted, dtype=torch.bool, device=d), spans, n_real, ab)
+    # ---- per-request state and dispatch path -------------------------------------------------
+    @property
+    def slots_per_rank(self) -> int:
+        return self.cfg.slots_per_rank
 
+    def release(self, req_ids) -> None:
+        """Free the KV cache of finished requests."""
+        for r in req_ids:
+            self.kv.release(int(r))
+
+    def truncate(self, cuts) -> None:
+        """Cut requests' KV caches back: ``cuts`` = ``[[req_id, length], ...]``
+        (``RankBatch.truncate``, elastic recovery)."""
+        for r, n in cuts:
+            self.kv.truncate(int(r), int(n))
+
+    def dispatch_mode(self, pure_decode: bool) -> str:
+        """The dispatch path of this step; a requested fused path that cannot run here is
+        logged once and falls back to plain."""
+        e = self.cfg.eplb
+        mode, why = dsp.resolve_dispatch_mode(e.expert_parallel_degree, e.enable_fused_mc2,
+                                              pure_decode=pure_decode,
+                                              precondition_failure=self.fused_failure)
+        if why and not self._fallback_logged:
+            self._fallback_logged = True
+            log.warning("EPLB dispatch fallback requested=fused used=plain reason=%s",
+                        why.replace(" ", "_"))
+        return mode
+
+    # ---- forward ---------------------------------------------------------------------------
     def forward_step(self, batch: RankBatch, *, warmup: bool = False,
                      pure_decode: bool | None = None, return_logits: bool = False,
                      return_routing: bool = False) -> StepResult:
         """Run one step of this rank's rows (see the module docstring). A warm-up forward
-        keeps no KV cache and is flagged in the result."""
+        keeps no KV cache and is flagged in the result. Phases go to ``self.timer``."""
         t0 = time.perf_counter()
+        lap = Laps(self.timer)
         self.release(batch.release)
         self.truncate(batch.truncate)
         mode = dsp.PLAIN if self.reference_mode else self.dispatch_mode(bool(pure_decode))
-        toks, pos, keys, counted, spans, n_real, ab = self._inputs(batch)
-        spec = self.spec
-        h = self.top["embed"][toks]
-        cs = self.rotary.tables(pos[:n_real], self.dtype)
+        si = step_inputs(self.cfg, self.kv, batch, self.device)
+        n_real, spec = si.n_real, self.spec
+        h = self.top["embed"][si.toks]
+        cs = self.rotary.tables(si.pos[:n_real], self.dtype)
         stats = dsp.CommStats()
         moe_s, counter_s, counts, routed, expert_cpu = 0.0, 0.0, [], [], []
         moe_cpu = 0.0
+        lap("other")
         for i, p in enumerate(self.layers):
             x = blocks.rms_norm(h, p["in_norm"], spec.rms_norm_eps)
             if n_real:
-                a = self.attn(spec, p, x[:n_real], cs, self.kv, ab, i)
+                a = self.attn(spec, p, x[:n_real], cs, self.kv, si.ab, i)
                 h = torch.cat([h[:n_real] + a, h[n_real:]]) if h.shape[0] > n_real else h + a
             x = blocks.rms_norm(h, p["post_norm"], spec.rms_norm_eps)
+            lap("attention")
             if i not in self.moe_index:
                 h = h + blocks.mlp(x, p["mlp_w13"], p["mlp_w2"])
+                lap("other")
                 continue
             tm, tc = time.perf_counter(), time.thread_time()
-            y, cnt, dt_cnt, ids, cpu = self._moe(self.moe_index[i], p, x, keys, counted, mode,
-                                                 stats)
+            y, cnt, dt_cnt, ids, cpu = self._moe(self.moe_index[i], p, x, si, mode, stats, lap)
             moe_cpu += time.thread_time() - tc
             if return_routing:
                 routed.append(ids.cpu().numpy())
@@ -220,16 +223,19 @@ class Decoder(RankModel):
             expert_cpu.append(cpu)
             counts.append(cnt)
             h = h + y
+            lap("dispatch")
         self.kv.advance([r.req_id for r in batch.rows],
                         [r.start_pos + len(r.token_ids) for r in batch.rows])
-        last = [s + n - 1 for s, n in spans]
+        last = [s + n - 1 for s, n in si.spans]
         hn = blocks.rms_norm(h[last], self.top["norm"], spec.rms_norm_eps)
         logits = torch.nn.functional.linear(hn, self.top["lm_head"]).to(torch.float64).cpu()
+        lap("other")
         sampled = {r.req_id: sample(logits[j], r.temperature, r.seed, r.start_pos + len(r.token_ids),
                                     r.top_p, r.top_k)
                    for j, r in enumerate(batch.rows)}
         lps = {r.req_id: token_logprobs(logits[j], sampled[r.req_id], r.logprobs)
                for j, r in enumerate(batch.rows) if r.logprobs >= 0}
+        lap("sampling")
         if warmup:
             self.release([r.req_id for r in batch.rows])
         tc = time.perf_counter()
@@ -242,45 +248,55 @@ class Decoder(RankModel):
                    "dropped": int(stats.extra.get("cap_dropped", 0)),
                    "rerouted": int(stats.extra.get("cap_rerouted", 0)),
                    "expert_cpu_s": expert_cpu}
+        lap("other")
         return StepResult(sampled, prefix, logits if return_logits else None, warmup, mode,
                           timings, routed if return_routing else None,
-                          counted.cpu().numpy() if return_routing else None, lps)
+                          si.counted.cpu().numpy() if return_routing else None, lps)
 
-    def _shared(self, p: dict, x: torch.Tensor):
+    def _shared(self, p: dict, x: torch.Tensor, spent: list[float]):
+        """The shared expert as a callable (run inside the dispatch, overlapped in the fused
+        path), adding its seconds to ``spent[0]``; None without one."""
         if "shared_w13" not in p:
             return None
 
         def shared():
+            t = time.perf_counter()
             y = blocks.mlp(x, p["shared_w13"], p["shared_w2"])
             if "shared_gate" in p:
                 y = torch.sigmoid(torch.nn.functional.linear(x, p["shared_gate"])) * y
+            spent[0] += time.perf_counter() - t
             return y
         return shared
 
-    def _moe(self, ml: int, p: dict, x, keys, counted, mode, stats):
+    def _moe(self, ml: int, p: dict, x, si, mode, stats, lap: Laps):
         """One MoE layer: route, dispatch/compute/combine, weight, add the shared expert.
         -> (output [T, H], slot loads int64 [S] (reference: [E]), seconds spent counting,
         logical top-k ids [T, k], thread CPU seconds of the local expert compute)."""
-        ids, w = self.routers[ml](x, keys)
-        shared = self._shared(p, x)
+        ids, w = self.routers[ml](x, si.keys)
+        lap("router")
+        spent = [0.0]
+        shared = self._shared(p, x, spent)
         if self.reference_mode:
             c0 = time.thread_time()
             y = self.logical_layers[ml].forward(x, ids)
             cpu = time.thread_time() - c0
-            tc = time.perf_counter()
-            cnt = torch.bincount(ids[counted].reshape(-1), minlength=self.cfg.model.num_experts)
-            dt = time.perf_counter() - tc
             extra = shared() if shared else None
+            lap("experts")
+            tc = time.perf_counter()
+            cnt = torch.bincount(ids[si.counted].reshape(-1),
+                                 minlength=self.cfg.model.num_experts)
+            dt = time.perf_counter() - tc
         else:
             fm = self.moe_layers[ml]
-            fm.compute_cpu_s = 0.0
+            fm.compute_cpu_s = fm.compute_s = 0.0
             e = self.cfg.eplb
-            nxt = (self.routers[ml].next_choice(x, keys, ids)
+            nxt = (self.routers[ml].next_choice(x, si.keys, ids)
                    if e.moe_fallback_routing and e.moe_capacity_mode != "none" else None)
             routed = rdp.route_step(fm, ids, self.ep_group, e, stats, nxt)
-            y, cnt, extra = dsp.moe_dispatch(fm, x, routed.phys, counted, self.ep_group, mode,
-                                             stats, overlap=shared, splits=routed.splits,
+            y, cnt, extra = dsp.moe_dispatch(fm, x, routed.phys, si.counted, self.ep_group,
+                                             mode, stats, overlap=shared, splits=routed.splits,
                                              dropped=e.moe_capacity_mode != "none")
+            lap("dispatch", inner="experts", inner_s=fm.compute_s + spent[0])
             dt = stats.extra.pop("count_s", 0.0)
             cpu = fm.take_compute_cpu()
         out = (w.unsqueeze(-1) * y).sum(dim=1)

@@ -16,8 +16,9 @@ migration, the staging buffers and the canary only ever see "the tensors of a sl
 [n, 2, ceil(I/bn), ceil(H/bk)] (gate and up keep separate grids: a concatenated grid is shared
 only when I % bn == 0), ``w2_q`` [n, H, I], ``w2_s`` [n, ceil(H/bn), ceil(I/bk)]. Compute
 dequantizes with :func:`fp8.dequantize` (transformers' rule): per step the active slots only
-(memory stays at the fp8 footprint), or, with ``cache``, a resident dequantized copy of every
-slot, refreshed by ``refresh`` (more memory, no per-step work). Both give identical weights.
+(memory: the fp8 footprint plus a :class:`DequantScratch` the size of one layer's active slots,
+shared by the layers of a rank), or, with ``cache``, a resident dequantized copy of every slot,
+refreshed by ``refresh`` (more memory, no per-step work). Both give identical weights.
 """
 
 from __future__ import annotations
@@ -53,15 +54,37 @@ class DenseSlots:
         return {"format": self.kind, "bytes": _nbytes(self.tensors())}
 
 
+class DequantScratch:
+    """Grow-only buffers the per-step FP8 path dequantizes into (no allocation, no page faults
+    per step). One may be shared by every layer of a rank: a layer's weights are used by its
+    ``compute`` before any other layer asks for its own."""
+
+    def __init__(self) -> None:
+        self._bufs: dict[str, torch.Tensor] = {}
+
+    def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype,
+            device: torch.device) -> torch.Tensor:
+        """A [shape] view of buffer ``name`` (grown, never shrunk; contents undefined)."""
+        n = 1
+        for d in shape:
+            n *= int(d)
+        b = self._bufs.get(name)
+        if b is None or b.numel() < n or b.dtype != dtype or b.device != device:
+            b = self._bufs[name] = torch.empty(n, dtype=dtype, device=device)
+        return b[:n].view(shape)
+
+
 class Fp8Slots:
     """Slots as fp8 bytes plus float32 block scales (see the module docstring)."""
 
     kind = "fp8"
 
     def __init__(self, n: int, hidden: int, inter: int, dtype: torch.dtype,
-                 device: torch.device, fmt: fp8.Fp8Format, cache: bool = False):
+                 device: torch.device, fmt: fp8.Fp8Format, cache: bool = False,
+                 scratch: DequantScratch | None = None):
         self.fmt, self.dtype = fmt, dtype
         self.inter = inter
+        self.scratch = scratch if scratch is not None else DequantScratch()
         g13, g2 = fp8.grid((inter, hidden), fmt.block), fp8.grid((hidden, inter), fmt.block)
         self.w13_q = torch.empty((n, 2 * inter, hidden), dtype=fp8.FP8, device=device)
         self.w13_s = torch.empty((n, 2, *g13), dtype=torch.float32, device=device)
@@ -81,26 +104,50 @@ class Fp8Slots:
     def dense_into(self, s: int, w13: torch.Tensor, w2: torch.Tensor) -> None:
         """Dequantize slot ``s`` into ``w13`` [2I, H] (gate and up, each with its own grid)
         and ``w2`` [H, I]: one expert matrix at a time, so the fp32 temporary stays one
-        matrix."""
+        matrix (in the scratch's work buffers)."""
         b, dt, inter = self.fmt.block, self.dtype, self.inter
-        fp8.dequantize(self.w13_q[s, :inter], self.w13_s[s, 0], b, dt, out=w13[:inter])
-        fp8.dequantize(self.w13_q[s, inter:], self.w13_s[s, 1], b, dt, out=w13[inter:])
-        fp8.dequantize(self.w2_q[s], self.w2_s[s], b, dt, out=w2)
+        n = self.w2_q[0].numel()                 # the largest matrix: gate, up and down alike
+        work = (self.scratch.get("i16", (n,), torch.int16, w2.device),
+                self.scratch.get("f32", (n,), torch.float32, w2.device))
+        fp8.dequantize(self.w13_q[s, :inter], self.w13_s[s, 0], b, dt, out=w13[:inter], work=work)
+        fp8.dequantize(self.w13_q[s, inter:], self.w13_s[s, 1], b, dt, out=w13[inter:], work=work)
+        fp8.dequantize(self.w2_q[s], self.w2_s[s], b, dt, out=w2, work=work)
 
-    def dense(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Dequantized (w13 [m, 2I, H], w2 [m, H, I]) of slots ``ids`` [m]."""
-        m = ids.numel()
-        w13 = torch.empty((m, *self.w13_q.shape[1:]), dtype=self.dtype, device=ids.device)
-        w2 = torch.empty((m, *self.w2_q.shape[1:]), dtype=self.dtype, device=ids.device)
-        for j, s in enumerate(ids.tolist()):
-            self.dense_into(s, w13[j], w2[j])
+    def dense(self, ids: torch.Tensor, scratch: bool = False
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dequantized (w13 [m, 2I, H], w2 [m, H, I]) of slots ``ids`` [m] (sorted, distinct):
+        new tensors, or with ``scratch`` views of the scratch buffers (valid until the next
+        scratch use). All slots at once: a few whole-stack passes, not a few per matrix."""
+        m, dev, sc = ids.numel(), ids.device, self.scratch
+        s13, s2 = (m, *self.w13_q.shape[1:]), (m, *self.w2_q.shape[1:])
+        if scratch:
+            w13, w2 = sc.get("w13", s13, self.dtype, dev), sc.get("w2", s2, self.dtype, dev)
+        else:
+            w13 = torch.empty(s13, dtype=self.dtype, device=dev)
+            w2 = torch.empty(s2, dtype=self.dtype, device=dev)
+        if m == 0:
+            return w13, w2
+        lo = int(ids[0])
+        if int(ids[-1]) - lo + 1 == m:           # a range of slots (all of them, in a decode)
+            q13, q2 = self.w13_q[lo:lo + m], self.w2_q[lo:lo + m]
+        else:
+            q13 = torch.index_select(self.w13_q.view(torch.uint8), 0, ids,
+                                     out=sc.get("q13", s13, torch.uint8, dev)).view(fp8.FP8)
+            q2 = torch.index_select(self.w2_q.view(torch.uint8), 0, ids,
+                                    out=sc.get("q2", s2, torch.uint8, dev)).view(fp8.FP8)
+        n = q13.numel()
+        work = (sc.get("i16", (n,), torch.int16, dev), sc.get("f32", (n,), torch.float32, dev))
+        H, b, dt = q13.shape[-1], self.fmt.block, self.dtype
+        fp8.dequantize(q13.view(m, 2, self.inter, H), self.w13_s[ids], b, dt,
+                       out=w13.view(m, 2, self.inter, H), work=work)
+        fp8.dequantize(q2, self.w2_s[ids], b, dt, out=w2, work=work)
         return w13, w2
 
     def weights(self, slots: torch.Tensor):
         if self.cache is not None:
             return self.cache[0], self.cache[1], slots
         ids, idx = torch.unique(slots, return_inverse=True)
-        w13, w2 = self.dense(ids)
+        w13, w2 = self.dense(ids, scratch=True)
         return w13, w2, idx
 
     def refresh(self, slots) -> None:
@@ -126,12 +173,14 @@ def _nbytes(tensors: dict[str, torch.Tensor]) -> int:
 
 
 def make_store(n: int, hidden: int, inter: int, dtype: torch.dtype, device, *,
-               fmt: fp8.Fp8Format | None, cache: bool = False):
-    """The store of ``n`` slots: :class:`Fp8Slots` for FP8 experts (``fmt``), else dense."""
+               fmt: fp8.Fp8Format | None, cache: bool = False,
+               scratch: DequantScratch | None = None):
+    """The store of ``n`` slots: :class:`Fp8Slots` for FP8 experts (``fmt``; ``scratch``:
+    the per-step path's buffers, shared by a rank's layers), else dense."""
     device = torch.device(device)
     if fmt is None:
         return DenseSlots(n, hidden, inter, dtype, device)
-    return Fp8Slots(n, hidden, inter, dtype, device, fmt, cache)
+    return Fp8Slots(n, hidden, inter, dtype, device, fmt, cache, scratch)
 
 
 def slot_checksum(tensors: dict[str, torch.Tensor]) -> float:

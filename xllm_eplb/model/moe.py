@@ -32,7 +32,8 @@ Per-step replica choice (``eplb_replica_routing``): ``model/replica_dispatch.py`
 
 Expert compute time: every ``compute`` call adds its thread CPU seconds (``time.thread_time``,
 independent of how the machine's cores are shared between ranks) to ``compute_cpu_s``;
-``take_compute_cpu()`` reads and resets it (the decoder does once per layer and step).
+``take_compute_cpu()`` reads and resets it (the decoder does once per layer and step); wall
+seconds go to ``compute_s`` (the decoder resets it per layer: the step timer's ``experts``).
 """
 
 from __future__ import annotations
@@ -46,22 +47,23 @@ import torch.nn.functional as F
 from xllm_eplb.config import Config
 from xllm_eplb.eplb import placement
 from xllm_eplb.eplb import replica_routing as rr
-from xllm_eplb.model.expert_store import make_store, slot_checksum
+from xllm_eplb.model.expert_store import DequantScratch, make_store, slot_checksum
 from xllm_eplb.model.fp8 import Fp8Format
 from xllm_eplb.model.loader import torch_dtype
-
-GATHER_LIMIT = 1 << 20   # elements of gathered w13 rows below which compute() gathers weights
 
 
 class FusedMoE:
     """Routed experts of MoE layer ``layer_id`` (MoE-local, 0..L-1) on rank ``ep_rank``.
 
     ``phy2log``: the global slot table of this layer, int64 [D*S]; its slice
-    ``[ep_rank*S, (ep_rank+1)*S)`` is materialised from ``source``.
+    ``[ep_rank*S, (ep_rank+1)*S)`` is materialised from ``source``. ``scratch``: the FP8
+    per-step path's buffers (``expert_store.DequantScratch``; the decoder shares one between
+    its layers; default: the layer's own).
     """
 
     def __init__(self, cfg: Config, layer_id: int, ep_rank: int, phy2log: np.ndarray,
-                 device: torch.device | str = "cpu", *, source, quant: Fp8Format | None = None):
+                 device: torch.device | str = "cpu", *, source, quant: Fp8Format | None = None,
+                 scratch: DequantScratch | None = None):
         m = cfg.model
         self.cfg = cfg
         self.source = source
@@ -75,13 +77,13 @@ class FusedMoE:
         dt = torch_dtype(cfg)
         self.device = torch.device(device)
         self.store = make_store(S, H, inter, dt, self.device, fmt=quant,
-                                cache=cfg.model.fp8_dequant_cache)
+                                cache=cfg.model.fp8_dequant_cache, scratch=scratch)
         self.tag = torch.empty((S, 2), dtype=torch.int64, device=self.device)
         self.csum = torch.empty(S, dtype=torch.float64, device=self.device)
         self.local_expert_ids = torch.empty(S, dtype=torch.int64, device=self.device)
         self.log2phy = torch.empty(self.num_logical, dtype=torch.int64, device=self.device)
         self.global_phy2log = np.empty(self.ep_size * S, dtype=np.int64)
-        self.compute_cpu_s = 0.0
+        self.compute_cpu_s = self.compute_s = 0.0
         self._plan: rr.RoutingPlan | None = None
         self.load_placement(phy2log)
 
@@ -173,14 +175,14 @@ class FusedMoE:
 
     def compute(self, x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         """Expert outputs (unweighted): row n of ``x`` [N, H] through local slot ``slots[n]``
-        [N] int64 in [0, S) -> [N, H]. Many rows: grouped by slot (one GEMM pair per active
-        slot); few rows: per-row gathered weights and batched GEMVs. Adds its thread CPU
-        seconds to ``compute_cpu_s``."""
-        c0 = time.thread_time()
+        [N] int64 in [0, S) -> [N, H] (:func:`grouped_ffn`). Adds its thread CPU seconds to
+        ``compute_cpu_s`` and its wall seconds to ``compute_s``."""
+        c0, t0 = time.thread_time(), time.perf_counter()
         try:
             return self._compute(x, slots)
         finally:
             self.compute_cpu_s += time.thread_time() - c0
+            self.compute_s += time.perf_counter() - t0
 
     def take_compute_cpu(self) -> float:
         """Thread CPU seconds of ``compute`` since the last call (then reset to 0)."""
@@ -188,8 +190,6 @@ class FusedMoE:
         return s
 
     def _compute(self, x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] == 0:
-            return torch.empty_like(x)
         w13, w2, idx = self.store.weights(slots)
         return grouped_ffn(x, w13, w2, idx)
 
@@ -202,26 +202,62 @@ class FusedMoE:
 def grouped_ffn(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                 idx: torch.Tensor) -> torch.Tensor:
     """Row n of ``x`` [N, H] through expert ``idx[n]`` of ``w13`` [M, 2I, H], ``w2``
-    [M, H, I] -> [N, H]. Many rows: grouped by expert (one GEMM pair per active expert); few
-    rows: per-row gathered weights and batched GEMVs."""
-    if x.shape[0] * w13[0].numel() <= GATHER_LIMIT:
-        # few rows (decode): gather each row's weights and run two batched GEMVs, which
-        # costs a fixed handful of kernels instead of one GEMM pair per active slot
-        h = torch.bmm(w13[idx], x.unsqueeze(-1)).squeeze(-1)
-        g, u = h.chunk(2, dim=-1)
-        return torch.bmm(w2[idx], (F.silu(g) * u).unsqueeze(-1)).squeeze(-1)
-    out = torch.empty_like(x)
+    [M, H, I] -> [N, H]. Rows are sorted by expert; then either one padded batched GEMM pair
+    over the experts ``lo..hi`` the rows touch (:func:`_padded_ffn`: no per-expert Python,
+    the weights read in place, in parallel over experts) or one GEMM pair per active expert,
+    whichever :func:`_use_padded` expects to be cheaper."""
+    if x.shape[0] == 0:
+        return torch.empty_like(x)
     order = torch.argsort(idx, stable=True)
-    counts = torch.bincount(idx, minlength=w13.shape[0]).tolist()
+    sidx = idx[order]
+    counts = torch.bincount(sidx, minlength=w13.shape[0])
+    lo, hi = int(sidx[0]), int(sidx[-1]) + 1
+    cl = counts[lo:hi].tolist()
+    out = torch.empty_like(x)
+    if _use_padded(cl):
+        out[order] = _padded_ffn(x[order], sidx, counts, w13, w2, lo, hi, max(cl))
+        return out
     xs = x[order]
     ys = torch.empty_like(xs)
     start = 0
-    for s, c in enumerate(counts):
+    for j, c in enumerate(cl):
         if c:
-            ys[start:start + c] = expert_ffn(xs[start:start + c], w13[s], w2[s])
+            ys[start:start + c] = expert_ffn(xs[start:start + c], w13[lo + j], w2[lo + j])
             start += c
     out[order] = ys
     return out
+
+
+#: relative cost of one expert's GEMM pair (2 threads, CPU; measured on 768 x 384 experts):
+#: a single-row GEMV reads the weights at ~full bandwidth, a small-M GEMM runs ~2x slower
+#: single-threaded per expert; a batched GEMM over experts runs them in parallel; large M is
+#: compute-bound at about ``ROW_COST`` per row either way
+ROW_COST, LOOP_GEMV, LOOP_GEMM, BMM_GEMV, BMM_GEMM = 0.16, 2.0, 3.5, 1.0, 1.6
+
+
+def _use_padded(counts: list[int]) -> bool:
+    """Padded batched GEMMs over every expert between the first and last active one (their
+    rows padded to the largest count) when that costs less than one GEMM pair per active
+    expert (counts: rows per expert over that span)."""
+    n_max = max(counts)
+    loop = sum(max(LOOP_GEMV if c == 1 else LOOP_GEMM, ROW_COST * c) for c in counts if c)
+    pad = len(counts) * max(BMM_GEMV if n_max == 1 else BMM_GEMM, ROW_COST * n_max)
+    return pad <= loop
+
+
+def _padded_ffn(xs: torch.Tensor, sidx: torch.Tensor, counts: torch.Tensor, w13: torch.Tensor,
+                w2: torch.Tensor, lo: int, hi: int, n_max: int) -> torch.Tensor:
+    """Rows ``xs`` [N, H] sorted by expert ``sidx`` [N] (``counts`` rows per expert) through
+    experts ``lo..hi-1``: scattered into [hi-lo, n_max, H] (zero padding), two ``bmm`` over
+    the experts' weights as stored (views, no copy), gathered back -> [N, H]."""
+    first = torch.cumsum(counts, 0) - counts                 # first sorted row of each expert
+    rank = torch.arange(xs.shape[0], device=xs.device) - first[sidx]
+    e = sidx - lo
+    xp = xs.new_zeros((hi - lo, n_max, xs.shape[1]))
+    xp[e, rank] = xs
+    g, u = torch.bmm(xp, w13[lo:hi].transpose(1, 2)).chunk(2, dim=-1)
+    yp = torch.bmm(F.silu(g) * u, w2[lo:hi].transpose(1, 2))
+    return yp[e, rank]
 
 
 def expert_ffn(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
@@ -253,15 +289,11 @@ class LogicalMoE:
                     t.copy_(w[name])
         self.layer_id = layer_id
         self.num_logical = E
-        self.w13, self.w2, _ = store.weights(torch.arange(E, device=torch.device(device)))
+        ids = torch.arange(E, device=torch.device(device))
+        self.w13, self.w2 = store.dense(ids) if quant is not None else store.weights(ids)[:2]
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         """x [T, H], topk_ids [T, k] logical -> expert outputs [T, k, H] (unweighted)."""
         T, k = topk_ids.shape
-        flat = topk_ids.reshape(-1)
         xr = x.repeat_interleave(k, dim=0)
-        y = torch.empty_like(xr)
-        for e in torch.unique(flat).tolist():
-            sel = flat == e
-            y[sel] = expert_ffn(xr[sel], self.w13[e], self.w2[e])
-        return y.reshape(T, k, -1)
+        return grouped_ffn(xr, self.w13, self.w2, topk_ids.reshape(-1)).reshape(T, k, -1)

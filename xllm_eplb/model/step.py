@@ -5,11 +5,13 @@
 - :func:`graph_bucket`: the graph-mode decode batch size a step pads to;
 - :func:`sample`: greedy or seeded (``(seed, position)`` only, so batch-independent) sampling
   with top-k / top-p truncation;
-- :func:`token_logprobs`: the sampled token's log-probability and the top alternatives.
+- :func:`token_logprobs`: the sampled token's log-probability and the top alternatives;
+- :class:`Laps`: a step's consecutive phases into a ``StepTimer``.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -38,6 +40,26 @@ class StepResult:
     routed: list | None = None
     counted: np.ndarray | None = None
     logprobs: dict[int, tuple[float, list[tuple[int, float]]]] = field(default_factory=dict)
+
+
+class Laps:
+    """A step's consecutive phases, each added to ``timer`` (an ``obs.step_timer.StepTimer``):
+    ``lap(phase)`` adds the seconds since the previous lap (or since creation) to ``phase``;
+    ``inner``/``inner_s``: ``inner_s`` of them, measured inside, go to ``inner`` instead. A
+    disabled timer (``step_timer.NULL``) costs one attribute test per lap: no clock read."""
+
+    def __init__(self, timer):
+        self.timer, self.on = timer, timer.enabled
+        self.t = time.perf_counter() if self.on else 0.0
+
+    def __call__(self, phase: str, inner: str | None = None, inner_s: float = 0.0) -> None:
+        if not self.on:
+            return
+        t = time.perf_counter()
+        if inner is not None:
+            self.timer.add(inner, inner_s)
+        self.timer.add(phase, t - self.t - inner_s)
+        self.t = t
 
 
 def graph_bucket(n: int, max_batch: int) -> int:
