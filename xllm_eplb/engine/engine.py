@@ -23,6 +23,7 @@ import time
 
 from xllm_eplb import __version__
 from xllm_eplb.config import Config, node_of_rank, ranks_per_node, resolve_backend
+from xllm_eplb.engine.breakdown import StepBreakdown
 from xllm_eplb.engine.failures import WAIT_SLICE, FailureWatch, WorkerFault
 from xllm_eplb.engine.health import StepWatch
 from xllm_eplb.engine.live_stats import LiveStats
@@ -112,6 +113,7 @@ class Engine:
         for r, n in enumerate(self.rank_node):
             self.metrics.rank_node.labels(str(r)).set(n)
         self.watch = StepWatch(self.D, cfg.serve.stall_seconds)
+        self.breakdown = StepBreakdown(self.D)       # /eplb/status step_breakdown
         # stall -> clients told; launcher's death notices (``notices`` set by engine/process)
         self.failures = FailureWatch(self.sched, self.watch, cfg.serve.stall_seconds,
                                      on_failed=self._finished, on_elastic=self.tele.on_elastic)
@@ -132,6 +134,7 @@ class Engine:
         c0 = time.thread_time()
         info = self.manager.eplb_info(allow) if self.manager is not None else EplbInfo()
         eplb_s = time.thread_time() - c0
+        self.breakdown.lap("eplb_hooks")
         self.step_no += 1
         msg = ForwardInput(self.step_no, batches, info, warmup=warmup, pure_decode=pure)
         timeout = timeout or self.cfg.runtime.worker_timeout_seconds
@@ -144,6 +147,7 @@ class Engine:
         if outs is None:                  # elastic: a rank died, the step was void
             return None
         seconds = time.perf_counter() - t0
+        self.breakdown.forward(outs)
         self.watch.end()
         self._ring_occupancy()
         if self.recorder.active and not warmup:     # off: this test is all it costs
@@ -157,7 +161,9 @@ class Engine:
                                     expert_cpu=decode_costs(outs, pure))
             self.tele.on_eplb(self.manager.stats())
             eplb_s += time.thread_time() - c0
+            self.breakdown.lap("eplb_hooks")
         self.tele.on_step(step_kind(batches, warmup, pure), outs, seconds, eplb_engine_s=eplb_s)
+        self.breakdown.lap("telemetry")
         return outs
 
     def _gather(self, timeout: float) -> list | None:
@@ -242,9 +248,13 @@ class Engine:
         """Serve until :meth:`request_stop` (signal) or a worker fault (raises)."""
         self.state = "serving"
         last_health = 0.0
+        lap = self.breakdown.lap
+        self.breakdown.reset()
         while not self.stopping:
             c0 = time.thread_time() if self.membership is not None else None
+            busy = self.sched.has_work
             self.sched.pull(timeout=IDLE_WAIT if self.membership is None else ELASTIC_IDLE_WAIT)
+            lap("schedule" if busy else "idle")
             self._cancelled(self.sched.reap_cancelled())
             if time.monotonic() - last_health > 1.0:
                 last_health = time.monotonic()
@@ -255,13 +265,16 @@ class Engine:
                     self.membership.when_idle()
                     if c0 is not None:
                         self.tele.on_elastic(time.thread_time() - c0, idle=True)
+                lap("idle")
                 continue
             if self.membership is not None:
                 self._elastic_boundary()
             batches = self.sched.schedule()
             self.live.on_scheduled(batches, self.sched.running, time.monotonic())
+            lap("schedule")
             outs = self.step(batches)
             if outs is None:         # --elastic_ep: the step died with a rank (voided)
+                lap("elastic")
                 continue
             sampled: dict[int, int] = {}
             logprobs: dict = {}
@@ -270,6 +283,7 @@ class Engine:
                 logprobs.update(o.logprobs)
             self.live.on_tokens(sampled, time.monotonic())
             self._finished(self.sched.update(sampled, logprobs))
+            lap("http")
 
     def _elastic_boundary(self) -> None:
         """``--elastic_ep``, between steps: a rejoin grows here; the check's CPU is accounted
@@ -302,7 +316,9 @@ class Engine:
             time.monotonic(), running=self.sched.running, waiting=q["waiting"],
             placement=self.active_placement, balancedness=self.tele.balancedness_mean(),
             generation=int(self.tele.eplb.get("generation", 0)),
-            last_rebalance_at=self.tele.last_commit_at)
+            last_rebalance_at=self.tele.last_commit_at,
+            waiting_for_slot=self.sched.waiting_for_slot,
+            max_batch_size=self.sched.max_batch_size)
         if due:
             (log.info if due[1] else log.debug)(due[0])
 
@@ -337,6 +353,7 @@ class Engine:
         """Prometheus text; heartbeat ages and ``worker_up`` are computed at scrape time."""
         silent = self.watch.stalled(self.inp, self.outs) or []
         self.tele.refresh_health(self.cfg.runtime.worker_timeout_seconds, silent=silent)
+        self.breakdown.export(self.metrics.step_phase)
         return self.metrics.render()
 
     def admit(self) -> str | None:
@@ -364,6 +381,9 @@ class Engine:
         # the policy runner's thread CPU (drain, decode, policy), measured by the manager itself
         out["critical_path"]["manager_thread_cpu_s"] = float(out["policy_cpu_seconds"])
         out["requests"] = self.sched.load()
+        out["batch"] = {"max_batch_size": self.sched.max_batch_size,
+                        "waiting_for_slot": self.sched.waiting_for_slot}
+        out["step_breakdown"] = self.breakdown.summary()
         if self.manager is not None:
             out["cost_model"] = self.manager.cost_status()
         out["nnodes"], out["rank_node"] = self.cfg.runtime.nnodes, list(self.rank_node)

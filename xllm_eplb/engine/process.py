@@ -13,6 +13,7 @@ from pathlib import Path
 
 from xllm_eplb.child import child_exit, child_setup, parent_alive, send_event
 from xllm_eplb.config import Config
+from xllm_eplb.engine.batch_rows import with_batch_rows
 from xllm_eplb.engine.engine import Engine
 from xllm_eplb.engine.failures import SHUTDOWN, WorkerFault
 from xllm_eplb.engine.workload import SyntheticWorkload
@@ -101,6 +102,8 @@ def _start_workload(cfg: Config, engine: Engine):
 
 def _serve(cfg: Config, events, parent_pid: int, res: dict) -> int:
     ref: dict = {}
+    cfg, why = with_batch_rows(cfg)      # --max_batch_size bounded by the KV cache, once
+    log.info(event("engine batch rows", rows=cfg.runtime.max_batch_size, why=why))
     try:
         res["api"] = api = _api(cfg, ref)
     except OSError as e:
