@@ -62,14 +62,21 @@ CONFIGS = {"compute": ("qwen3_moe", COMPUTE, (1, 2)), "hf_compute": ("deepseek_v
 
 # --- the machine ---------------------------------------------------------------------------
 def _best(fn, reps: int, sync) -> float:
+    """Best seconds of one ``fn()`` over ``reps`` timings, each of enough calls to last
+    >= 5 ms (a tiny GEMM timed alone measures the clock)."""
     fn()
     sync()
+    t0 = time.perf_counter()
+    fn()
+    sync()
+    n = max(1, int(5e-3 / max(time.perf_counter() - t0, 1e-7)))
     best = float("inf")
     for _ in range(reps):
         t0 = time.perf_counter()
-        fn()
+        for _ in range(n):
+            fn()
         sync()
-        best = min(best, time.perf_counter() - t0)
+        best = min(best, (time.perf_counter() - t0) / n)
     return best
 
 

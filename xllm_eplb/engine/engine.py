@@ -122,6 +122,8 @@ class Engine:
                                        cfg.model.num_experts, cfg.eplb.eplb_record_trace_max_steps)
         self.membership = None     # --elastic_ep: engine/membership.Membership (after warm-up)
         self.step_no = 0
+        self._pending = None         # the last step's deferred bookkeeping (``account``)
+        self._pending_eplb_s = 0.0
         self.state = "starting"
         self.stopping = False
 
@@ -143,6 +145,7 @@ class Engine:
         self.inp.put(msg, timeout=timeout)
         if time.perf_counter() - t0 > 0.01:
             self.metrics.ring_full.labels("input").inc()
+        self.account()                    # the previous step's, while the workers run this one
         outs = self._gather(timeout)
         if outs is None:                  # elastic: a rank died, the step was void
             return None
@@ -152,8 +155,8 @@ class Engine:
         self._ring_occupancy()
         if self.recorder.active and not warmup:     # off: this test is all it costs
             self.recorder.add([o.counters for o in outs], self.active_placement)
-        if not warmup and outs[0].counters.size:
-            self.live.on_slot_loads(slot_loads(outs), self.active_placement)
+        # the placement this step ran under (an activation may commit in on_outputs)
+        self._pending = (step_kind(batches, warmup, pure), outs, seconds, self.active_placement)
         if self.manager is not None and not warmup:
             c0 = time.thread_time()
             self.manager.on_outputs([o.counters for o in outs], [o.prepared_token for o in outs],
@@ -162,9 +165,24 @@ class Engine:
             self.tele.on_eplb(self.manager.stats())
             eplb_s += time.thread_time() - c0
             self.breakdown.lap("eplb_hooks")
-        self.tele.on_step(step_kind(batches, warmup, pure), outs, seconds, eplb_engine_s=eplb_s)
-        self.breakdown.lap("telemetry")
+        self._pending_eplb_s = eplb_s
+        if warmup:
+            self.account()
+            self.breakdown.lap("telemetry")
         return outs
+
+    def account(self) -> None:
+        """The last step's bookkeeping (expert loads, step metrics), deferred: the next
+        :meth:`step` runs it after writing its input, so it overlaps the workers' forward
+        instead of delaying it; the loop runs it when no step follows (idle, an elastic
+        boundary, the stop). Never deferred: the manager's ``on_outputs`` (the EPLB protocol
+        orders it before the next ``eplb_info``) and the recorder (exact counts at ``stop``)."""
+        if self._pending is None:
+            return
+        (kind, outs, seconds, placement), self._pending = self._pending, None
+        if kind != "warmup" and outs[0].counters.size:
+            self.live.on_slot_loads(slot_loads(outs), placement)
+        self.tele.on_step(kind, outs, seconds, eplb_engine_s=self._pending_eplb_s)
 
     def _gather(self, timeout: float) -> list | None:
         """Every rank's output of the step; ``--elastic_ep``: None after a recovery from a
@@ -251,8 +269,11 @@ class Engine:
         lap = self.breakdown.lap
         self.breakdown.reset()
         while not self.stopping:
-            c0 = time.thread_time() if self.membership is not None else None
             busy = self.sched.has_work
+            if not busy and self._pending is not None:
+                self.account()       # no step to overlap it with: before blocking
+                lap("telemetry")
+            c0 = time.thread_time() if self.membership is not None else None
             self.sched.pull(timeout=IDLE_WAIT if self.membership is None else ELASTIC_IDLE_WAIT)
             lap("schedule" if busy else "idle")
             self._cancelled(self.sched.reap_cancelled())
@@ -261,6 +282,7 @@ class Engine:
                 self._refresh()
                 c0 = None           # once a second either way: not an idle wake's cost
             if self.stopping or not self.sched.has_work:
+                self.account()
                 if self.membership is not None:      # a death while idle: recover now
                     self.membership.when_idle()
                     if c0 is not None:
@@ -268,6 +290,7 @@ class Engine:
                 lap("idle")
                 continue
             if self.membership is not None:
+                self.account()
                 self._elastic_boundary()
             batches = self.sched.schedule()
             self.live.on_scheduled(batches, self.sched.running, time.monotonic())
