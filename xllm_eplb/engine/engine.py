@@ -7,7 +7,11 @@ One step (``Engine.step``), in data order (docs/architecture.md)::
     input_ring.put(ForwardInput(step, batches, info))  # every worker reads it
     outputs = [ring.get() for ring in output_rings]    # one ForwardOutput per rank
     manager.on_outputs(counters, prepared_tokens, activation_token)
-    scheduler.update(sampled) -> finished requests; telemetry -> metrics
+    scheduler.update(sampled) -> finished requests (tokens to the HTTP handlers)
+    # telemetry -> metrics: run by the next step right after its input is written (it
+    # overlaps the workers' forward; ``Engine.account``), or before the loop idles
+
+The loop times itself (``engine/breakdown.py``): ``/eplb/status`` ``step_breakdown``.
 
 With ``enable_eplb=false`` there is no manager: every forward carries an empty ``EplbInfo``.
 Idle (no requests): the loop blocks on the request queue (``IDLE_WAIT`` s slices; 0.05 s with
