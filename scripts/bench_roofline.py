@@ -310,8 +310,8 @@ def run_config(name: str, args, eps: tuple[int, ...]) -> dict:
                                      args.cache / "logs" / f"{name}-ep{ep}", args.repeat)
             rows[f"engine_ep{ep}"] = {"seconds": dt, "tokens_equal": out == ref,
                                       "breakdown": bd}
-        except RuntimeError as e:      # e.g. the engine cannot run on this device
-            rows[f"engine_ep{ep}"] = {"skipped": str(e)[-600:]}
+        except Exception as e:  # noqa: BLE001 - e.g. the engine cannot run on this device
+            rows[f"engine_ep{ep}"] = {"skipped": f"{type(e).__name__}: {str(e)[-600:]}"}
     roof = roofline(model_dir, args.batch, args.prompt_len, args.new, touched, mach)
     hf_tps = ntok / rows["transformers"]["seconds"]
     for r in rows.values():
