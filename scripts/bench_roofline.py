@@ -26,10 +26,14 @@ Configs: ``compute`` (qwen3_moe, hidden 768, 4 MoE layers, 32 experts top-4, wid
 ``tiny`` (the default checkpoint of ``serve`` without ``--model``; engine EP1, EP2, EP4).
 ``--quick``: ``tiny`` only, 8 new tokens, EP1 and EP2. ``--device cuda``: transformers, single
 and engine EP1 on one GPU (an engine that cannot start there is reported, the rest still runs).
-Checkpoints go to ``.cache/bench_roofline`` (``--cache``), never into the repository's tree.
+``--before DIR`` (another checkout, e.g. ``git worktree add /tmp/before <commit>``): its
+engine runs too, each EP size right before this tree's (rows ``before_engine_epN``), so a
+before/after comparison shares one run's machine. Checkpoints go to ``.cache/bench_roofline``
+(``--cache``), never into the repository's tree.
 
     python scripts/bench_roofline.py [--quick] [--json PATH] [--device cpu|cuda]
         [--configs compute hf_compute tiny] [--threads 2] [--batch 32] [--new 32]
+        [--repeat 2] [--before DIR]
 """
 
 from __future__ import annotations
@@ -250,10 +254,10 @@ def breakdown_delta(before: dict, after: dict) -> dict | None:
 
 
 def run_engine(model_dir: Path, prompts, new: int, ep: int, device: str, log_dir: Path,
-               repeat: int):
-    """(best seconds, tokens, the best run's breakdown)."""
+               repeat: int, root: Path = ROOT):
+    """(best seconds, tokens, the best run's breakdown) of the engine of the tree ``root``."""
     flags = [] if device == "cpu" else [f"--device={device}"]
-    srv = Server(model_dir, ep, flags, log_dir)
+    srv = Server(model_dir, ep, flags, log_dir, root=root)
     try:
         srv.complete_all(prompts[:4], 2)                                 # warm-up
         best = (float("inf"), None, None)
@@ -304,14 +308,17 @@ def run_config(name: str, args, eps: tuple[int, ...]) -> dict:
     dt, out, touched, phases = run_single(model_dir, prompts, args.new, args.device,
                                           args.repeat)
     rows["single"] = {"seconds": dt, "tokens_equal": out == ref, "model_phases_s": phases}
+    trees = [("before_", args.before)] if args.before else []
     for ep in eps if args.device == "cpu" else (1,):
-        try:
-            dt, out, bd = run_engine(model_dir, prompts, args.new, ep, args.device,
-                                     args.cache / "logs" / f"{name}-ep{ep}", args.repeat)
-            rows[f"engine_ep{ep}"] = {"seconds": dt, "tokens_equal": out == ref,
-                                      "breakdown": bd}
-        except Exception as e:  # noqa: BLE001 - e.g. the engine cannot run on this device
-            rows[f"engine_ep{ep}"] = {"skipped": f"{type(e).__name__}: {str(e)[-600:]}"}
+        for tag, root in (*trees, ("", ROOT)):       # before and after, back to back
+            row = f"{tag}engine_ep{ep}"
+            try:
+                dt, out, bd = run_engine(model_dir, prompts, args.new, ep, args.device,
+                                         args.cache / "logs" / f"{name}-{row}", args.repeat,
+                                         root)
+                rows[row] = {"seconds": dt, "tokens_equal": out == ref, "breakdown": bd}
+            except Exception as e:  # noqa: BLE001 - e.g. the engine cannot run on this device
+                rows[row] = {"skipped": f"{type(e).__name__}: {str(e)[-600:]}"}
     roof = roofline(model_dir, args.batch, args.prompt_len, args.new, touched, mach)
     hf_tps = ntok / rows["transformers"]["seconds"]
     for r in rows.values():
@@ -334,24 +341,24 @@ def report(r: dict) -> None:
     print(f"roofline: decode step >= {roof['decode_step_s'] * 1e3:.2f} ms "
           f"({roof['experts_touched_per_layer']:.1f}/{roof['num_experts']} experts touched), "
           f"prefill >= {roof['prefill_s'] * 1e3:.1f} ms -> {roof['tokens_per_s']:.0f} tok/s")
-    print(f"{'row':<14}{'wall s':>8}{'step ms':>9}{'tok/s':>8}{'roofline':>9}{'x hf':>7}  tokens")
+    print(f"{'row':<21}{'wall s':>8}{'step ms':>9}{'tok/s':>8}{'roofline':>9}{'x hf':>7}  tokens")
     for name, v in r["rows"].items():
         if "skipped" in v:
-            print(f"{name:<14} skipped: {v['skipped'].splitlines()[-1][:100]}")
+            print(f"{name:<21} skipped: {v['skipped'].splitlines()[-1][:100]}")
             continue
         same = "-" if "tokens_equal" not in v else ("==" if v["tokens_equal"] else "!=")
-        print(f"{name:<14}{v['seconds']:>8.2f}{v['step_ms']:>9.1f}{v['tokens_per_s']:>8.0f}"
+        print(f"{name:<21}{v['seconds']:>8.2f}{v['step_ms']:>9.1f}{v['tokens_per_s']:>8.0f}"
               f"{v['of_roofline']:>8.0%}{v['x_transformers']:>7.2f}  {same}")
         bd = v.get("breakdown")
         if bd:
             top = sorted(bd["fraction"].items(), key=lambda kv: -kv[1])
-            print(f"{'':<14}breakdown ({bd['steps']} steps): "
+            print(f"{'':<21}breakdown ({bd['steps']} steps): "
                   + ", ".join(f"{p} {f:.0%}" for p, f in top if f >= 0.005))
-        elif name.startswith("engine"):
-            print(f"{'':<14}breakdown: not reported by this build (/eplb/status step_breakdown)")
+        elif "engine" in name:
+            print(f"{'':<21}breakdown: not reported by this build (/eplb/status step_breakdown)")
         if v.get("model_phases_s"):
             tot = sum(v["model_phases_s"].values())
-            print(f"{'':<14}model phases: " + ", ".join(
+            print(f"{'':<21}model phases: " + ", ".join(
                 f"{p} {s / tot:.0%}" for p, s in sorted(v["model_phases_s"].items(),
                                                         key=lambda kv: -kv[1])))
 
@@ -370,6 +377,9 @@ def main() -> int:
     ap.add_argument("--new", type=int, default=32, help="greedy tokens per prompt")
     ap.add_argument("--repeat", type=int, default=2, help="timed runs per row (best kept; "
                     "the machine may be shared)")
+    ap.add_argument("--before", type=Path, help="another checkout of this project (e.g. "
+                    "`git worktree add /tmp/before <commit>`): its engine runs beside this one's, "
+                    "each EP size back to back (rows before_engine_epN)")
     ap.add_argument("--cache", type=Path, default=ROOT / ".cache" / "bench_roofline",
                     help="generated checkpoints and server logs")
     args = ap.parse_args()

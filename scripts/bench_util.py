@@ -48,10 +48,12 @@ def wait_ready(proc: subprocess.Popen, out: Path, timeout: float = 300.0) -> Non
 
 
 class Server:
-    """``xllm-eplb serve --model DIR --ep-size EP`` in its own session; ``stop()`` ends it."""
+    """``xllm-eplb serve --model DIR --ep-size EP`` in its own session; ``stop()`` ends it.
+    ``root``: the source tree whose engine runs (default this one; another checkout's for a
+    before/after comparison in one run)."""
 
     def __init__(self, model_dir: Path, ep: int, flags: list[str], log_dir: Path,
-                 timeout: float = 600.0):
+                 timeout: float = 600.0, root: Path = ROOT):
         log_dir.mkdir(parents=True, exist_ok=True)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -60,7 +62,8 @@ class Server:
         cmd = [sys.executable, "-m", "xllm_eplb", "serve", "--model", str(model_dir),
                "--ep-size", str(ep), "--port", str(self.port), "--log_dir", str(log_dir),
                "--workload=none", *flags]
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self.out.open("w"),
+        env = dict(os.environ, PYTHONPATH=str(root)) if root != ROOT else None
+        self.proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=self.out.open("w"),
                                      stderr=(log_dir / "stderr.txt").open("w"),
                                      start_new_session=True)
         deadline = time.monotonic() + timeout
