@@ -249,8 +249,12 @@ def breakdown_delta(before: dict, after: dict) -> dict | None:
         return None
     sec = {p: s - b.get("seconds", {}).get(p, 0.0) for p, s in a["seconds"].items()}
     wall = a["wall_s"] - b.get("wall_s", 0.0)
+    old = b.get("per_rank") or [{} for _ in a["per_rank"]]
+    ranks = [{p: s - o.get(p, 0.0) for p, s in r.items()}
+             for r, o in zip(a["per_rank"], old, strict=False)]
     return {"wall_s": wall, "steps": a["steps"] - b.get("steps", 0), "seconds": sec,
-            "fraction": {p: s / wall for p, s in sec.items()} if wall > 0 else {}}
+            "fraction": {p: s / wall for p, s in sec.items()} if wall > 0 else {},
+            "per_rank": ranks}
 
 
 def run_engine(model_dir: Path, prompts, new: int, ep: int, device: str, log_dir: Path,
