@@ -5,7 +5,8 @@ All three run the same generated checkpoint (``make_checkpoint``, deepseek_v3, f
 batch of 32 equal-length prompts drawn by the synthetic workload's topic sampler, and greedy
 decoding of ``--new`` tokens with EOS ignored, on this machine in this run:
 
-- ``hf``: ``AutoModelForCausalLM`` (fp32, eager attention, eager experts), ``generate``;
+- ``hf``: ``AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)``, transformers'
+  defaults (sdpa attention, grouped_mm experts: what a user compares with), ``generate``;
 - ``single``: ``Decoder.reference`` (every expert local, no dispatch), one prefill step then
   ``new - 1`` decode steps over all 32 rows;
 - ``engine_ep2``: ``xllm-eplb serve --model DIR --ep-size 2`` (EPLB on), 32 concurrent
@@ -72,7 +73,7 @@ def make_prompts(model_dir: Path, n: int, length: int, seed: int = 0) -> list[li
 
 
 def bench_hf(model_dir: Path, prompts, new: int) -> tuple[float, list[list[int]]]:
-    model = hf_model(model_dir)
+    model = hf_model(model_dir, defaults=True)
     hf_greedy(model, prompts[:2], 2)                          # warm-up
     t0 = time.perf_counter()
     out = hf_greedy(model, prompts, new)

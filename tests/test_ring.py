@@ -22,7 +22,7 @@ from xllm_eplb.ipc.errors import (
     SegmentBusyError,
     SegmentMissingError,
 )
-from xllm_eplb.ipc.messages import ForwardInput, ForwardOutput, encode
+from xllm_eplb.ipc.messages import SCHEMA_VERSION, ForwardInput, ForwardOutput, encode
 from xllm_eplb.ipc.ring import InputRing, OutputRing
 from xllm_eplb.ipc.shm import run_prefix
 from xllm_eplb.model.batch import RankBatch, SeqRow
@@ -248,7 +248,8 @@ def test_bad_frames_are_logged_and_skipped(run_id, caplog):
         ring: Ring = eng.ring
         eng.ring.put_bytes(encode(ForwardInput(1), "otherrun"), timeout=1)   # another run
         body = bytearray(encode(ForwardInput(2), run_id))
-        ring.put_bytes(bytes(body).replace(b"\xa1v\x01", b"\xa1v\x09"), timeout=1)  # schema 9
+        v = b"\xa1v" + bytes([SCHEMA_VERSION])                               # "v": version
+        ring.put_bytes(bytes(body).replace(v, b"\xa1v\x09"), timeout=1)       # schema 9
         seq = ring.put_bytes(encode(ForwardInput(3), run_id), timeout=1)
         off = ring._frames + (seq % ring.slots) * ring.frame_bytes + FRAME_HEADER
         ring.seg.write(off + 3, b"\xff\xff")                                  # corrupted body

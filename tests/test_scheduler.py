@@ -51,6 +51,21 @@ def test_budgets_limit_admission_fifo():
     assert len(s2.schedule()[0].rows) == 2                  # 4 + 4 <= 10 < 4 + 4 + 4
 
 
+def test_waiting_for_slot_counts_only_requests_blocked_by_full_batches():
+    s = Scheduler(dp_size=2, max_batch_size=1, max_prefill_tokens=64)
+    for _ in range(5):
+        s.submit(_req())
+    s.pull()
+    s.schedule()
+    assert s.waiting_for_slot == 3                  # both ranks run their one row
+    s2 = Scheduler(dp_size=1, max_batch_size=8, max_prefill_tokens=4)
+    for _ in range(3):
+        s2.submit(_req(n_prompt=4))
+    s2.pull()
+    s2.schedule()
+    assert len(s2.waiting) == 2 and s2.waiting_for_slot == 0   # the prefill budget, not a slot
+
+
 def test_finish_by_length_and_eos_then_release_on_next_step():
     s = Scheduler(dp_size=2, max_batch_size=4, max_prefill_tokens=64)
     a = s.submit(_req(max_tokens=2))

@@ -140,6 +140,7 @@ def test_serve_rebalances_keeps_tokens_identical_and_stops_cleanly(start_server)
     assert "EPLB rebalance" in engine_log and "EPLB placement benefit" in engine_log
     assert "update_expert_weight" in (s.log_dir / "rank0.log").read_text()
     _check_live_view(s, fams)
+    _check_breakdown(s, engine_log)
     # graceful stop
     s.note_children()
     t0 = time.monotonic()
@@ -154,6 +155,30 @@ STATS_LINE = re.compile(
     r"INFO engine engine stats prompt_tokens_per_s=[\d.]+ generation_tokens_per_s=([\d.]+) "
     r"running=\d+ waiting=\d+ kv_cache_usage=[\d.]+% balancedness=(0\.\d+|1\.000) "
     r"placement_epoch=(\d+) last_rebalance_s=([\d.]+|never)$")
+
+
+def _check_breakdown(s: Server, engine_log: str) -> None:
+    """#32: the step-time breakdown in /eplb/status tracks the loop's wall time (the test's
+    own clock over 3 s) and names the slowest rank's model phases, the ring and the engine's
+    phases; /metrics carries it as a counter per phase; the batch rows are logged once."""
+    b0, t0 = _get(s.url + "/eplb/status")["step_breakdown"], time.monotonic()
+    time.sleep(3.0)
+    st = _get(s.url + "/eplb/status")
+    b1, dt = st["step_breakdown"], time.monotonic() - t0
+    assert abs((b1["wall_s"] - b0["wall_s"]) - dt) < 1.0, (b0["wall_s"], b1["wall_s"], dt)
+    assert b1["steps"] > b0["steps"]
+    assert abs(sum(b1["seconds"].values()) - b1["wall_s"]) < 1e-6
+    phases = set(b1["seconds"])
+    assert {"ring", "schedule", "http", "eplb_hooks", "experts"} <= phases, phases
+    assert all(v >= 0 for v in b1["seconds"].values())
+    assert len(b1["per_rank"]) == st["ep_size"]
+    assert all(r["experts"] > 0 and r["wait"] > 0 for r in b1["per_rank"])
+    fams = {f.name: f for f in text_string_to_metric_families(_get(s.url + "/metrics").decode())}
+    counted = {x.labels["phase"]: x.value for x in fams["xllm_eplb_step_phase_seconds"].samples
+               if x.name.endswith("_total")}
+    assert set(counted) >= phases and counted["ring"] >= b1["seconds"]["ring"] > 0
+    assert engine_log.count("engine batch rows") == 1 and "rows=256" in engine_log
+    assert st["batch"] == {"max_batch_size": 256, "waiting_for_slot": 0}
 
 
 def _check_live_view(s: Server, fams: dict) -> None:

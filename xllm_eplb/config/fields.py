@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 MiB = 1 << 20
+GiB = 1 << 30
 
 
 def opt(default: Any, help: str, *, unit: str = "", lo: float | None = None,
@@ -176,7 +177,13 @@ class RuntimeConfig:
                            lo=0, hi=65535)
     enable_graph: bool = opt(False, "graph mode: decode batches padded to fixed buckets, "
                              "padding masked out of the load")
-    max_batch_size: int = opt(8, "max rows per DP rank per step", lo=1)
+    max_batch_size: int = opt(256, "max rows (running requests) per DP rank per step, as "
+                              "vLLM's --max-num-seqs; bounded by --kv_cache_bytes (the engine "
+                              "logs the rows it uses: `engine batch rows`)", lo=1)
+    kv_cache_bytes: int = opt(4 * GiB, "KV cache budget per DP rank: --max_batch_size is "
+                              "lowered to the requests whose KV caches fit at the model's full "
+                              "length (max_position_embeddings); the cache itself grows with "
+                              "use", unit="bytes", lo=1)
     max_prefill_tokens: int = opt(512, "max prefill tokens per DP rank per step", lo=1)
     worker_timeout_seconds: float = opt(60.0, "engine gives up on a worker output after this",
                                         unit="s", lo=0, lo_open=True)

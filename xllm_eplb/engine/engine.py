@@ -7,7 +7,11 @@ One step (``Engine.step``), in data order (docs/architecture.md)::
     input_ring.put(ForwardInput(step, batches, info))  # every worker reads it
     outputs = [ring.get() for ring in output_rings]    # one ForwardOutput per rank
     manager.on_outputs(counters, prepared_tokens, activation_token)
-    scheduler.update(sampled) -> finished requests; telemetry -> metrics
+    scheduler.update(sampled) -> finished requests (tokens to the HTTP handlers)
+    # telemetry -> metrics: run by the next step right after its input is written (it
+    # overlaps the workers' forward; ``Engine.account``), or before the loop idles
+
+The loop times itself (``engine/breakdown.py``): ``/eplb/status`` ``step_breakdown``.
 
 With ``enable_eplb=false`` there is no manager: every forward carries an empty ``EplbInfo``.
 Idle (no requests): the loop blocks on the request queue (``IDLE_WAIT`` s slices; 0.05 s with
@@ -23,6 +27,7 @@ import time
 
 from xllm_eplb import __version__
 from xllm_eplb.config import Config, node_of_rank, ranks_per_node, resolve_backend
+from xllm_eplb.engine.breakdown import StepBreakdown
 from xllm_eplb.engine.failures import WAIT_SLICE, FailureWatch, WorkerFault
 from xllm_eplb.engine.health import StepWatch
 from xllm_eplb.engine.live_stats import LiveStats
@@ -116,6 +121,7 @@ class Engine:
         for r, n in enumerate(self.rank_node):
             self.metrics.rank_node.labels(str(r)).set(n)
         self.watch = StepWatch(self.D, cfg.serve.stall_seconds)
+        self.breakdown = StepBreakdown(self.D)       # /eplb/status step_breakdown
         # stall -> clients told; the launcher's death notices (``box``, from engine/process)
         self.failures = FailureWatch(self.sched, self.watch, cfg.serve.stall_seconds, box,
                                      on_failed=self._finished)
@@ -128,6 +134,8 @@ class Engine:
         self.step_no = 0
         #: /eplb/status ``cores``: this node's cores and processes (set by engine/process)
         self.cores: dict = {}
+        self._pending = None         # the last step's deferred bookkeeping (``account``)
+        self._pending_eplb_s = 0.0
         self.state = "starting"
         self.stopping = False
 
@@ -140,6 +148,7 @@ class Engine:
         c0 = time.thread_time()
         info = self.manager.eplb_info(allow) if self.manager is not None else EplbInfo()
         eplb_s = time.thread_time() - c0
+        self.breakdown.lap("eplb_hooks")
         self.step_no += 1
         msg = ForwardInput(self.step_no, batches, info, warmup=warmup, pure_decode=pure)
         timeout = timeout or self.cfg.runtime.worker_timeout_seconds
@@ -148,16 +157,18 @@ class Engine:
         self.inp.put(msg, timeout=timeout)
         if time.perf_counter() - t0 > 0.01:
             self.metrics.ring_full.labels("input").inc()
+        self.account()                    # the previous step's, while the workers run this one
         outs = self._gather(timeout)
         if outs is None:                  # elastic: a rank died, the step was void
             return None
         seconds = time.perf_counter() - t0
+        self.breakdown.forward(outs)
         self.watch.end()
         self._ring_occupancy()
         if self.recorder.active and not warmup:     # off: this test is all it costs
             self.recorder.add([o.counters for o in outs], self.active_placement)
-        if not warmup and outs[0].counters.size:
-            self.live.on_slot_loads(slot_loads(outs), self.active_placement)
+        # the placement this step ran under (an activation may commit in on_outputs)
+        self._pending = (step_kind(batches, warmup, pure), outs, seconds, self.active_placement)
         if self.manager is not None and not warmup:
             c0 = time.thread_time()
             self.manager.on_outputs([o.counters for o in outs], [o.prepared_token for o in outs],
@@ -165,8 +176,25 @@ class Engine:
                                     expert_cpu=decode_costs(outs, pure))
             self.tele.on_eplb(self.manager.stats())
             eplb_s += time.thread_time() - c0
-        self.tele.on_step(step_kind(batches, warmup, pure), outs, seconds, eplb_engine_s=eplb_s)
+            self.breakdown.lap("eplb_hooks")
+        self._pending_eplb_s = eplb_s
+        if warmup:
+            self.account()
+            self.breakdown.lap("telemetry")
         return outs
+
+    def account(self) -> None:
+        """The last step's bookkeeping (expert loads, step metrics), deferred: the next
+        :meth:`step` runs it after writing its input, so it overlaps the workers' forward
+        instead of delaying it; the loop runs it when no step follows (idle, an elastic
+        boundary, the stop). Never deferred: the manager's ``on_outputs`` (the EPLB protocol
+        orders it before the next ``eplb_info``) and the recorder (exact counts at ``stop``)."""
+        if self._pending is None:
+            return
+        (kind, outs, seconds, placement), self._pending = self._pending, None
+        if kind != "warmup" and outs[0].counters.size:
+            self.live.on_slot_loads(slot_loads(outs), placement)
+        self.tele.on_step(kind, outs, seconds, eplb_engine_s=self._pending_eplb_s)
 
     def _gather(self, timeout: float) -> list | None:
         """Every rank's output of the step; ``--elastic_ep``: None after a recovery from a
@@ -254,26 +282,38 @@ class Engine:
         """Serve until :meth:`request_stop` (signal) or a worker fault (raises)."""
         self.state = "serving"
         last_health = 0.0
+        lap = self.breakdown.lap
+        self.breakdown.reset()
         while not self.stopping:
+            busy = self.sched.has_work
+            if not busy and self._pending is not None:
+                self.account()       # no step to overlap it with: before blocking
+                lap("telemetry")
             c0 = time.thread_time() if self.membership is not None else None
             self.sched.pull(timeout=IDLE_WAIT if self.membership is None else ELASTIC_IDLE_WAIT)
+            lap("schedule" if busy else "idle")
             self._cancelled(self.sched.reap_cancelled())
             if time.monotonic() - last_health > 1.0:
                 last_health = time.monotonic()
                 self._refresh()
                 c0 = None           # once a second either way: not an idle wake's cost
             if self.stopping or not self.sched.has_work:
+                self.account()
                 if self.membership is not None:      # a death while idle: recover now
                     self.membership.when_idle()
                     if c0 is not None:
                         self.tele.on_elastic(time.thread_time() - c0, idle=True)
+                lap("idle")
                 continue
             if self.membership is not None:          # a rejoin grows here
+                self.account()
                 self.membership.at_boundary()
             batches = self.sched.schedule()
             self.live.on_scheduled(batches, self.sched.running, time.monotonic())
+            lap("schedule")
             outs = self.step(batches)
             if outs is None:         # --elastic_ep: the step died with a rank (voided)
+                lap("elastic")
                 continue
             sampled: dict[int, int] = {}
             logprobs: dict = {}
@@ -282,6 +322,7 @@ class Engine:
                 logprobs.update(o.logprobs)
             self.live.on_tokens(sampled, time.monotonic())
             self._finished(self.sched.update(sampled, logprobs))
+            lap("http")
 
     def _finished(self, reqs: list[Request]) -> None:
         self.tele.on_requests(reqs)
@@ -306,7 +347,9 @@ class Engine:
             time.monotonic(), running=self.sched.running, waiting=q["waiting"],
             placement=self.active_placement, balancedness=self.tele.balancedness_mean(),
             placement_epoch=int(self.tele.eplb.get("placement_epoch", 0)),
-            last_rebalance_at=self.tele.last_commit_at)
+            last_rebalance_at=self.tele.last_commit_at,
+            waiting_for_slot=self.sched.waiting_for_slot,
+            max_batch_size=self.sched.max_batch_size)
         if due:
             (log.info if due[1] else log.debug)(due[0])
 
@@ -331,6 +374,7 @@ class Engine:
         retired, a joiner's un-retired), output rings, scheduler (kept requests follow their
         worker), step watch, telemetry, recorder, KV capacity, metrics, the EPLB manager."""
         old, cfg = self.workers, self.cfg
+        self.account()            # the last step's deferred bookkeeping, on the old ranks
         keep = [old.index(w) for w in workers if w in old]
         new = [w for w in workers if w not in old]
         if workers != [old[k] for k in keep] + new:
@@ -354,6 +398,7 @@ class Engine:
         self.metrics.ep_size_g.set(D)
         self.D = D
         self.tele.resize(D)
+        self.breakdown.resize(D)
         self.recorder = ExpertRecorder(cfg.num_moe_layers, D, cfg.slots_per_rank,
                                        cfg.model.num_experts, cfg.eplb.eplb_record_trace_max_steps)
         self.rank_node = [0] * D
@@ -423,6 +468,7 @@ class Engine:
         """Prometheus text; heartbeat ages and ``worker_up`` are computed at scrape time."""
         silent = self.watch.stalled(self.inp, self.outs) or []
         self.tele.refresh_health(self.cfg.runtime.worker_timeout_seconds, silent=silent)
+        self.breakdown.export(self.metrics.step_phase)
         return self.metrics.render()
 
     def admit(self) -> str | None:
@@ -452,6 +498,9 @@ class Engine:
         # the policy runner's thread CPU (drain, decode, policy), measured by the manager itself
         out["critical_path"]["manager_thread_cpu_s"] = float(out["policy_cpu_seconds"])
         out["requests"] = self.sched.load()
+        out["batch"] = {"max_batch_size": self.sched.max_batch_size,
+                        "waiting_for_slot": self.sched.waiting_for_slot}
+        out["step_breakdown"] = self.breakdown.summary()
         if self.manager is not None:
             out["cost_model"] = self.manager.cost_status()
         out["nnodes"], out["rank_node"] = self.cfg.runtime.nnodes, list(self.rank_node)

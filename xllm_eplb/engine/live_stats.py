@@ -100,7 +100,8 @@ class LiveStats:
     # --- about once a second -----------------------------------------------------------------
     def refresh(self, now: float, *, running: dict, waiting: int, placement: np.ndarray,
                 balancedness: float | None, placement_epoch: int,
-                last_rebalance_at: float | None) -> tuple[str, bool] | None:
+                last_rebalance_at: float | None, waiting_for_slot: int = 0,
+                max_batch_size: int = 0) -> tuple[str, bool] | None:
         """KV and expert gauges; when a stats line is due, ``(line, busy)`` (``busy``: tokens
         in the window or requests running or waiting; an idle line is for the debug log, as
         vLLM logs idle stats), else None."""
@@ -116,4 +117,6 @@ class LiveStats:
                     or waiting)
         return self.stats.line(now, running=len(running), waiting=waiting, kv_usage=usage,
                                balancedness=balancedness, placement_epoch=placement_epoch,
-                               last_rebalance_at=last_rebalance_at), busy
+                               last_rebalance_at=last_rebalance_at,
+                               waiting_for_slot=waiting_for_slot,
+                               max_batch_size=max_batch_size), busy

@@ -15,6 +15,7 @@ from pathlib import Path
 from xllm_eplb.child import child_exit, child_setup, parent_alive, send_event
 from xllm_eplb.config import Config, ranks_per_node
 from xllm_eplb.elastic.notices import NoticeBox
+from xllm_eplb.engine.batch_rows import with_batch_rows
 from xllm_eplb.engine.engine import Engine
 from xllm_eplb.engine.failures import NOTICE_WAIT, SHUTDOWN, WorkerFault
 from xllm_eplb.engine.manager_build import make_manager
@@ -97,6 +98,8 @@ def _start_workload(cfg: Config, engine: Engine):
 
 def _serve(cfg: Config, events, parent_pid: int, res: dict, stop: dict) -> int:
     ref: dict = {}
+    cfg, why = with_batch_rows(cfg)      # --max_batch_size bounded by the KV cache, once
+    log.info(event("engine batch rows", rows=cfg.runtime.max_batch_size, why=why))
     try:
         res["api"] = api = _api(cfg, ref)
     except OSError as e:

@@ -131,6 +131,9 @@ class Scheduler:
         self._cancels: dict[int, str] = {}     # req_id -> why (logged by the engine)
         self._cancelled: list[Request] = []
         self._flush = False      # a cancelled running request's KV cache awaits release
+        #: requests left waiting by the last :meth:`schedule` because every rank ran
+        #: ``max_batch_size`` rows (0 when a slot was free or nothing waited)
+        self.waiting_for_slot = 0
 
     # --- any thread ----------------------------------------------------------------------
     def submit(self, req: Request) -> Request:
@@ -228,11 +231,14 @@ class Scheduler:
             if r.prefilling:
                 self._add_chunk(batches, prefill, r)
         rows = self._rows_per_rank()
+        self.waiting_for_slot = 0
         while self.waiting:
             req = self.waiting[0]
             # NOTE: prompt + output: a re-prefill (void_step) continues where it stopped
             k = self._pick_rank(rows, prefill, min(req.num_tokens, self.max_prefill_tokens))
             if k < 0:
+                if min(rows) >= self.max_batch_size:
+                    self.waiting_for_slot = len(self.waiting)
                 break  # NOTE: FIFO admission; the head waits until a rank has room
             self.waiting.popleft()
             req.dp_rank = k

@@ -2,20 +2,66 @@
 
 :class:`TokenBridge` is one request's thread-safe queue: the step loop calls it (through
 ``Request.listener``) with each new token and the finish reason; it hands every event to the
-handler's event loop with ``call_soon_threadsafe`` (never blocks the step loop). A handler
-waits on :meth:`TokenBridge.get` and on the client's disconnect at once (:func:`until_disconnect`).
+handler's event loop (never blocks the step loop). A handler waits on :meth:`TokenBridge.get`
+and on the client's disconnect at once (:func:`until_disconnect`).
+
+The events of one step reach the event loop in one hand-over (:class:`_Outbox`): the first
+event wakes the loop (``call_soon_threadsafe``), the ones that follow before it runs join that
+wake-up. One wake-up per token made the HTTP thread take the GIL from the step loop once per
+request per step (measured: 32 streams, ~1.2 ms of a 20 ms step; issue 32).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import threading
+import weakref
 from typing import AsyncIterator
 
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from xllm_eplb.engine.scheduler import Request
+
+
+class _Outbox:
+    """Events bound for one event loop's queues, handed over in one wake-up per batch."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.lock = threading.Lock()
+        self.items: list = []
+        self.woken = False
+
+    def push(self, queue: asyncio.Queue, ev) -> None:
+        with self.lock:
+            self.items.append((queue, ev))
+            if self.woken:
+                return
+            self.woken = True
+        try:
+            self.loop.call_soon_threadsafe(self._deliver)
+        except RuntimeError:        # the event loop is closed: the server is going down
+            pass
+
+    def _deliver(self) -> None:
+        with self.lock:
+            items, self.items, self.woken = self.items, [], False
+        for queue, ev in items:
+            queue.put_nowait(ev)
+
+
+_OUTBOXES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_OUTBOXES_LOCK = threading.Lock()
+
+
+def _outbox(loop: asyncio.AbstractEventLoop) -> _Outbox:
+    with _OUTBOXES_LOCK:
+        box = _OUTBOXES.get(loop)
+        if box is None:
+            box = _OUTBOXES[loop] = _Outbox(loop)
+        return box
 
 
 class TokenBridge:
@@ -25,6 +71,7 @@ class TokenBridge:
         self.loop = loop
         self.queue: asyncio.Queue = asyncio.Queue()
         self.index: dict[int, int] = {}        # id(Request) -> choice index
+        self._outbox = _outbox(loop)
 
     def attach(self, reqs: list[Request]) -> None:
         for k, r in enumerate(reqs):
@@ -32,11 +79,7 @@ class TokenBridge:
 
     def __call__(self, req: Request, ids: list[int], reason: str) -> None:
         """Step-loop thread (or the submitting thread for an instantly finished request)."""
-        ev = (self.index[id(req)], ids, reason)
-        try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, ev)
-        except RuntimeError:        # the event loop is closed: the server is going down
-            pass
+        self._outbox.push(self.queue, (self.index[id(req)], ids, reason))
 
     async def get(self) -> tuple[int, list[int], str]:
         return await self.queue.get()

@@ -1,4 +1,4 @@
-"""Forward-step messages engine <-> workers and their msgpack wire schema (version 1).
+"""Forward-step messages engine <-> workers and their msgpack wire schema (version 2).
 
 Body = msgpack map ``{"v": SCHEMA_VERSION, "run": run_id, "k": "in" | "out", ...fields}``.
 :func:`encode` / :func:`decode` are the only entry points; :func:`decode` raises
@@ -43,7 +43,8 @@ from xllm_eplb.ipc.errors import MessageError
 from xllm_eplb.ipc.records import StepTimings, WorkerHeartbeat
 from xllm_eplb.model.batch import RankBatch
 
-SCHEMA_VERSION = 1
+#: 2: ``StepTimings`` carries the step-time breakdown (``phases``, ``wait_s``, ``ring_s``)
+SCHEMA_VERSION = 2
 KIND_INPUT = "in"
 KIND_OUTPUT = "out"
 

@@ -1,6 +1,7 @@
 """Typed records a worker reports in every ``ForwardOutput``: step timings and its heartbeat.
 
-Each record is a dataclass of plain fields (int, float, str, list[float] or another record).
+Each record is a dataclass of plain fields (int, float, str, list[float], dict[str, float] or
+another record).
 ``to_dict()`` gives the msgpack map (field name -> value); ``from_dict(d)`` checks it exactly: a
 missing, unknown (e.g. renamed) or wrongly typed field raises :class:`MessageError` naming the
 record and the field, so no reader ever sees a silent 0.
@@ -49,6 +50,8 @@ def _plain(v):
         return v.to_dict()
     if isinstance(v, (list, tuple)):
         return [_plain(x) for x in v]
+    if isinstance(v, dict):
+        return {str(k): _plain(x) for k, x in v.items()}
     return v.item() if hasattr(v, "item") and not isinstance(v, (int, float, str)) else v
 
 
@@ -62,6 +65,10 @@ def _typed(where: str, v, typ):
     if typing.get_origin(typ) is list and isinstance(v, list):
         (item,) = typing.get_args(typ)
         return [_typed(f"{where}[{i}]", x, item) for i, x in enumerate(v)]
+    if typing.get_origin(typ) is dict and isinstance(v, dict):
+        _, item = typing.get_args(typ)
+        return {_typed(f"{where} key", k, str): _typed(f"{where}[{k!r}]", x, item)
+                for k, x in v.items()}
     raise MessageError(f"field {where}={v!r:.60}: must be {getattr(typ, '__name__', typ)}")
 
 
@@ -80,6 +87,14 @@ class StepTimings(Record):
     main-thread CPU of the MoE layers (its denominator). ``dropped`` /
     ``rerouted``: routed rows (top-k occurrences) the expert capacity dropped / the fallback
     sent to another expert, summed over MoE layers (``moe_capacity_mode``).
+
+    The step-time breakdown (``/eplb/status`` ``step_breakdown``, ``engine/breakdown.py``):
+    ``phases``: seconds of this step's forward (``step_s``) by phase: the model's own
+    (attention, router, experts, dispatch, sampling, other: the decoder's ``timer``),
+    ``eplb_hooks`` (the executor before/after the forward) and ``other`` for the rest;
+    ``wait_s``: the worker blocked on the input ring before this step (the engine's turn);
+    ``ring_s``: the worker's ring work since its previous output (that output's encode and
+    put, this input's read and decode).
     """
 
     step_s: float = 0.0
@@ -93,6 +108,10 @@ class StepTimings(Record):
     moe_cpu_s: float = 0.0             # main-thread CPU of the step's MoE layers
     dropped: int = 0                   # routed rows dropped by expert capacity this step
     rerouted: int = 0                  # rows re-routed by the capacity fallback this step
+    # --- step-time breakdown (issue 32) ---
+    phases: dict[str, float] = field(default_factory=dict)
+    wait_s: float = 0.0
+    ring_s: float = 0.0
 
 
 @dataclass

@@ -33,6 +33,7 @@ run id is logged and skipped by the reader (``get`` keeps waiting for the next o
 from __future__ import annotations
 
 import functools
+import time
 
 from xllm_eplb.ipc.broadcast import Ring
 from xllm_eplb.ipc.messages import KIND_INPUT, KIND_OUTPUT, ForwardInput, ForwardOutput
@@ -61,7 +62,21 @@ class _MessageRing:
     def __init__(self, ring: Ring, run_id: str):
         self.ring = ring
         self.run_id = run_id
-        self._decoder = functools.partial(_decode, run_id=run_id, kind=self._kind)
+        self._decode_msg = functools.partial(_decode, run_id=run_id, kind=self._kind)
+        self._codec_s = 0.0      # encode + decode seconds since take_codec_seconds()
+
+    def _decoder(self, body: bytes):
+        t0 = time.perf_counter()
+        try:
+            return self._decode_msg(body)
+        finally:
+            self._codec_s += time.perf_counter() - t0
+
+    def take_codec_seconds(self) -> float:
+        """Seconds spent encoding and decoding messages since the last call (the step-time
+        breakdown's ring share)."""
+        s, self._codec_s = self._codec_s, 0.0
+        return s
 
     @property
     def name(self) -> str:

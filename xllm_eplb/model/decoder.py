@@ -106,7 +106,7 @@ class Decoder:
                            slots=cfg.slots_per_rank, **self.expert_memory()))
         kvh, kd, vd = blocks.kv_dims(spec)
         self.kv = KVCache(spec.num_layers, kvh, kd, vd, m.max_position_embeddings, self.dtype,
-                          self.device, slots=cfg.runtime.max_batch_size)
+                          self.device, slots=min(cfg.runtime.max_batch_size, 16))  # grows
         self.fused_failure = dsp.fused_precondition_failure(
             cfg.runtime.device, m.dtype, cfg.runtime.enable_graph, True)
         self._fallback_logged = False

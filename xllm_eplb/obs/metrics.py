@@ -132,6 +132,10 @@ class EngineMetrics:
         self.steps = self._c("steps", "forward steps by kind", ("kind",))
         self.step_seconds = self._h("step_duration_seconds", "engine step: write input to "
                                     "last output", _FAST)
+        self.step_phase = self._c("step_phase_seconds", "engine step-loop wall seconds by "
+                                  "phase: the slowest rank's forward phases, ring, eplb_hooks, "
+                                  "schedule, telemetry, http, idle (/eplb/status "
+                                  "step_breakdown)", ("phase",))
         self.requests = self._c("requests", "finished requests", ("result",))
         self.generated = self._c("generated_tokens", "output tokens")
         self.prompt_tokens = self._c("prompt_tokens", "prefilled prompt tokens")

@@ -5,7 +5,8 @@
         kv_cache_usage=0.4% balancedness=0.812 placement_epoch=3 last_rebalance_s=14.2
 
 (one line; ``last_rebalance_s``: seconds since the last committed layer activation, ``never``
-before the first). Pure bookkeeping: the step loop counts tokens, then asks :meth:`line` when
+before the first). When requests wait because every rank runs ``--max_batch_size`` rows, the
+line says so after ``waiting``: ``waiting_for_slot=24 max_batch_size=8``. Pure bookkeeping: the step loop counts tokens, then asks :meth:`line` when
 :meth:`due`; times are ``time.monotonic()`` seconds passed in.
 """
 
@@ -34,17 +35,20 @@ class StatsLine:
         return self.interval_s > 0 and now - self.since >= self.interval_s
 
     def line(self, now: float, *, running: int, waiting: int, kv_usage: float,
-             balancedness: float | None, placement_epoch: int, last_rebalance_at: float | None
-             ) -> str:
+             balancedness: float | None, placement_epoch: int, last_rebalance_at: float | None,
+             waiting_for_slot: int = 0, max_batch_size: int = 0) -> str:
         """The line for the window since the previous one (then a new window starts).
         ``kv_usage``: ratio in [0, 1]; ``balancedness``: mean over MoE layers of the recent
         window (None before the first step); ``last_rebalance_at``: monotonic time of the last
-        committed activation (None: never)."""
+        committed activation (None: never); ``waiting_for_slot``: requests waiting for a batch
+        slot (every rank at ``max_batch_size`` rows), shown when > 0."""
         secs = max(now - self.since, 1e-9)
+        full = ({"waiting_for_slot": waiting_for_slot, "max_batch_size": max_batch_size}
+                if waiting_for_slot > 0 else {})
         text = event(PREFIX,
                      prompt_tokens_per_s=round(self.prompt_tokens / secs, 1),
                      generation_tokens_per_s=round(self.generation_tokens / secs, 1),
-                     running=running, waiting=waiting,
+                     running=running, waiting=waiting, **full,
                      kv_cache_usage=f"{100.0 * kv_usage:.1f}%",
                      balancedness="-" if balancedness is None else f"{balancedness:.3f}",
                      placement_epoch=placement_epoch,

@@ -83,9 +83,9 @@ class Server:
 
     @classmethod
     def start(cls, model: Path | None, log_dir: Path, flags: list[str], *, ep: int = 4,
-              timeout: float = 600.0) -> "Server":
+              timeout: float = 600.0, src: Path = ROOT) -> "Server":
         """A started server, ready for requests (:meth:`wait_ready`)."""
-        srv = cls(model, log_dir, flags, ep=ep)
+        srv = cls(model, log_dir, flags, ep=ep, src=src)
         srv.wait_ready(timeout)
         return srv
 
@@ -347,22 +347,24 @@ class Chaos:
 
 # --- the oracle ----------------------------------------------------------------------------
 
-def hf_model(model_dir: Path):
-    """transformers' model of the folder: fp32, eager attention and experts (the oracle)."""
+def hf_model(model_dir: Path, *, defaults: bool = False):
+    """transformers' model of the folder in fp32: eager attention and experts (the oracle), or
+    with ``defaults`` transformers' own choice (sdpa, grouped_mm experts: what a user runs,
+    the speed baseline)."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=torch.float32, attn_implementation="eager",
-        experts_implementation="eager").eval()
+    impl = {} if defaults else {"attn_implementation": "eager",
+                                "experts_implementation": "eager"}
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **impl).eval()
 
 
 def hf_greedy(model, prompts: list[list[int]], new_tokens: int, *,
-              ignore_eos: bool = True) -> list[list[int]]:
+              ignore_eos: bool = True, device: str = "cpu") -> list[list[int]]:
     """``generate`` greedy on equal-length prompts -> the new ids of each."""
     import torch
 
-    ids = torch.tensor(prompts)
+    ids = torch.tensor(prompts, device=device)
     kw = {"min_new_tokens": new_tokens} if ignore_eos else {}
     with torch.no_grad():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,

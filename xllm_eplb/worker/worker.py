@@ -45,6 +45,7 @@ from xllm_eplb.ipc.store import ABANDONED
 from xllm_eplb.model.decoder import build_model
 from xllm_eplb.model.reshard import canary, reshard
 from xllm_eplb.obs.logs import FILE_ONLY, console_handler, event, setup_logging
+from xllm_eplb.obs.step_timer import StepTimer
 from xllm_eplb.worker import affinity, comm, regroup
 from xllm_eplb.worker.executor import make_executor
 from xllm_eplb.worker.faults import make_faults
@@ -66,14 +67,34 @@ def _setup_logs(cfg: Config, rank: int) -> None:
                                                    tracebacks=False))
 
 
+#: the model phases of the decoder's ``timer`` (``obs/step_timer.py``)
+MODEL_PHASES = ("attention", "router", "experts", "dispatch", "sampling")
+
+
+def step_phases(timed: dict, model_timings: dict, step_s: float) -> dict[str, float]:
+    """The forward's seconds by phase: what the timer recorded (the executor's
+    ``eplb_hooks``, the decoder's model phases), ``other`` = the rest of ``step_s``. A decoder
+    without a timer: ``experts`` / ``dispatch`` / ``moe_other`` from its MoE timings instead."""
+    ph = dict(timed)
+    if not any(p in ph for p in MODEL_PHASES):
+        t = model_timings
+        experts = float(sum(t.get("expert_cpu_s", ())))
+        dispatch = float(t.get("comm_wait_s", 0.0))
+        ph.update(experts=experts, dispatch=dispatch,
+                  moe_other=max(0.0, float(t.get("moe_s", 0.0)) - experts - dispatch))
+    ph["other"] = ph.get("other", 0.0) + max(0.0, step_s - sum(ph.values()))
+    return ph
+
+
 def step_timings(model_timings: dict, *, step_s: float, cpu_s: float,
-                 eplb_s: float) -> StepTimings:
+                 eplb_s: float, **loop) -> StepTimings:
     """The worker's seconds plus the model's per-MoE-layer expert CPU list
     (``StepResult.timings["expert_cpu_s"]`` [L_moe], required) and its MoE wall clock, comm
     wait (the count exchange included) and replica-routing solve seconds (0 where the model does not report them)
-    -> ``ForwardOutput.timings``."""
+    -> ``ForwardOutput.timings``; ``loop``: the breakdown fields (``phases``, ``wait_s``,
+    ``ring_s``)."""
     t = model_timings
-    return StepTimings(step_s=step_s, cpu_s=cpu_s, eplb_s=eplb_s,
+    return StepTimings(step_s=step_s, cpu_s=cpu_s, eplb_s=eplb_s, **loop,
                        expert_cpu_s=[float(s) for s in t["expert_cpu_s"]],
                        moe_s=float(t.get("moe_s", 0.0)), comm_s=float(t.get("comm_wait_s", 0.0)),
                        route_s=float(t.get("route_solve_s", 0.0)),
@@ -103,6 +124,9 @@ class Worker:
         self.device = None
         self.faults = make_faults(cfg, rank, self._crash)
         self.threads = 1                 # torch intra-op threads (= pinned cores, worker_main)
+        #: the step-time breakdown: the executor hooks and (via ``model.timer``) the model phases
+        self.timer = StepTimer()
+        self._wait_s = self._ring_s = 0.0     # the loop's seconds since the last output
 
     def _crash(self, detail: str) -> None:
         """An injected crash: tell the launcher why, then leave at once (no clean-up)."""
@@ -188,16 +212,24 @@ class Worker:
     def run(self) -> int:
         send_event(self.events, f"ep{self.rank}", "ready")
         log.info(event("worker ready", rank=self.rank, pid=os.getpid()))
+        self.model.timer = self.timer        # the decoder times its phases (default: NULL)
         while True:
+            t0 = time.perf_counter()
             msg = self.next_input()
+            t1 = time.perf_counter()
             if msg is None:
                 return 1
             if msg.shutdown:
                 log.info(event("worker shutdown", rank=self.rank, step=msg.step))
                 return 0
+            codec = self.inp.take_codec_seconds()      # the input's decode, inside the wait
+            self._wait_s += max(0.0, t1 - t0 - codec)
+            self._ring_s += codec
             out = self.regroup(msg) if msg.regroup else self.step(msg)
+            t2 = time.perf_counter()
             self.out.put(out, timeout=self.cfg.runtime.worker_timeout_seconds,
                          bad_checksum=self.faults.corrupt(msg.step))
+            self._ring_s += time.perf_counter() - t2    # shipped with the next output
             if out.error and not out.peer_lost:
                 send_event(self.events, f"ep{self.rank}", "error", out.error)
                 return 1
@@ -313,16 +345,21 @@ class Worker:
         c0, t0 = time.thread_time(), time.perf_counter()
         self.faults.step(msg.step)
         self.executor.before_forward(info)
-        c1 = time.thread_time()
+        c1, t1 = time.thread_time(), time.perf_counter()
         res = self.model.forward_step(batch, warmup=msg.warmup, pure_decode=msg.pure_decode)
-        c2 = time.thread_time()
+        c2, t2 = time.thread_time(), time.perf_counter()
         self.executor.after_forward()
         ready = self.executor.consume_ready_token()
         c3 = time.thread_time()
+        self.timer.add("eplb_hooks", (t1 - t0) + (time.perf_counter() - t2))
         act = info.activation_token if info.update_layer_id != NO_LAYER else NO_TOKEN
+        step_s = time.perf_counter() - t0
         # eplb_s: main-thread CPU of the executor hooks (the EPLB cost of this step)
-        timings = step_timings(res.timings, step_s=time.perf_counter() - t0, cpu_s=c3 - c0,
-                               eplb_s=(c1 - c0) + (c3 - c2))
+        timings = step_timings(res.timings, step_s=step_s, cpu_s=c3 - c0,
+                               eplb_s=(c1 - c0) + (c3 - c2),
+                               phases=step_phases(self.timer.take(), res.timings, step_s),
+                               wait_s=self._wait_s, ring_s=self._ring_s)
+        self._wait_s = self._ring_s = 0.0
         return ForwardOutput(step=msg.step, rank=self.ep_rank, counters=res.counters,
                              prepared_token=ready,
                              activation_token=act, sampled=res.sampled, logprobs=res.logprobs,
