@@ -52,7 +52,7 @@ def test_stats_line_rates_reset_and_format():
     assert line.endswith("last_rebalance_s=never")
     assert not StatsLine(0.0, now=0.0).due(1e9)       # --log_stats_interval=0: off
     line = s.line(120.0, running=16, waiting=24, kv_usage=0.0, balancedness=None,
-                  generation=0, last_rebalance_at=None, waiting_for_slot=24, max_batch_size=8)
+                  placement_epoch=0, last_rebalance_at=None, waiting_for_slot=24, max_batch_size=8)
     assert "running=16 waiting=24 waiting_for_slot=24 max_batch_size=8 kv_cache_usage" in line
 
 
