@@ -144,7 +144,7 @@ def test_reprefill_continues_with_the_tokens_of_an_uninterrupted_run():
         from xllm_eplb.model.validate import validate_model_config
 
         bad = resolve_config(load_config(["--ep-size", "4", "--model", str(ckpt),
-                                          "--elastic_ep=true",
+                                          "--elastic_ep=true", "--elastic_restart=false",
                                           "--redundant_experts_num=0"])[0])
         with pytest.raises(ConfigError, match=r"config.json: routed experts 8: "
                                               r"--redundant_experts_num=0: .* >= 1"):
