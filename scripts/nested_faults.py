@@ -168,7 +168,7 @@ def scenario(name: str, model: Path, tmp: Path, bodies, ref: dict) -> dict:
             st = s.get("/eplb/status")
             m = st["membership"]
             out.update(outcome="recovered", ep_size=st["ep_size"], joins=m["joins"],
-                       joins_dropped=m["joins_dropped"], generation=m["generation"],
+                       joins_dropped=m["joins_dropped"], pg_generation=m["pg_generation"],
                        switches_abandoned=m.get("switches_abandoned", 0),
                        recoveries=m["recoveries"],
                        layers_uncovered=len(M.coverage_gaps(st["placement"], 8)))

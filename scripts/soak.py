@@ -140,7 +140,7 @@ def soak(model: Path, tmp: Path, pool, ref, minutes: float, n_clients: int,
             "shm_objects_after_exit": len([n for n in os.listdir("/dev/shm")
                                            if f"xllm_eplb_{s.run_id}_" in n]),
             **({"kills": len(chaos.kills), "recovered": st["membership"].get("recoveries", 0),
-                "generation": st["membership"].get("generation", 0),
+                "pg_generation": st["membership"].get("pg_generation", 0),
                 "requests_reprefilled": st["membership"].get("requests_reprefilled", 0),
                 "requests_kept": st["membership"].get("requests_kept", 0),
                 **recoveries(tmp / "logs_soak", chaos.kills)} if chaos else {})}

@@ -30,13 +30,13 @@ def test_gaps_have_the_rate_and_the_gamma_shape(burstiness):
 
 def test_header_shows_the_servers_workload_and_eplb_state():
     info = {"model": {"id": "xllm-eplb", "max_model_len": 2048},
-            "status": {"enabled": True, "policy": "incremental", "generation": 3, "ep_size": 4,
+            "status": {"enabled": True, "policy": "incremental", "placement_epoch": 3, "ep_size": 4,
                        "balancedness_mean": 0.81234,
                        "workload": {"kind": "synthetic", "rate_per_s": 8.0, "prompt_len": 32}}}
     rows = dict(header_rows("http://h:1", info, {"request_rate": 2.0, "burstiness": 0.5,
                                                  "concurrency": 16}))
     assert rows["Server workload"] == "synthetic rate_per_s=8.0 prompt_len=32"
-    assert rows["EPLB"] == "on, policy=incremental, generation=3" and rows["EP size"] == "4"
+    assert rows["EPLB"] == "on, policy=incremental, placement_epoch=3" and rows["EP size"] == "4"
     assert rows["Balancedness (mean, before)"] == "0.8123"
     assert (rows["Request rate (req/s)"], rows["Burstiness"]) == ("2", "0.5")
     rows = dict(header_rows("http://h:1", {}, {"request_rate": math.inf, "burstiness": 1.0,
@@ -55,7 +55,7 @@ def test_bad_arrival_arguments_are_exit_2(args, message):
 
 
 def _status(steps, crit, expert, forward, **kw):
-    st = {"enabled": True, "ep_size": 4, "generation": 0, "slots_moved": 0,
+    st = {"enabled": True, "ep_size": 4, "placement_epoch": 0, "slots_moved": 0,
           "critical_path": {"steps": steps, "critical_s": crit, "expert_cpu_s": expert,
                             "forward_cpu_s": forward}}
     st.update(kw)
@@ -68,7 +68,7 @@ def test_eplb_section_numbers_come_from_the_status_deltas():
     before = _status(10, 1.0, 2.0, 6.0, slots_moved=4)
     # 100 steps: slowest rank 3 ms/step, the 4 ranks 8 ms/step of expert time (2 ms each),
     # 40 ms/step of forward CPU over the 4 ranks (10 ms each: 8 ms other than experts)
-    after = _status(110, 1.3, 2.8, 10.0, generation=3, slots_moved=10,
+    after = _status(110, 1.3, 2.8, 10.0, placement_epoch=3, slots_moved=10,
                     initial_balancedness_mean=0.6, balancedness_mean=0.9,
                     cost_model={"predicted_critical_s": 2.0, "predicted_critical_initial_s": 3.0},
                     cores={"cpus": 2, "processes": 5, "shared": True})
@@ -88,7 +88,7 @@ def test_eplb_section_numbers_come_from_the_status_deltas():
     off = eplb_numbers(_status(0, 0, 0, 0, enabled=False), _status(50, 0.2, 0.4, 1, enabled=False))
     assert off["initial_s"] == off["critical_s"] and off["modelled_gain"] == 0.0
     # committed, but the model is not fitted: no modelled figure rather than a wrong one
-    unfit = eplb_numbers(before, _status(20, 1.1, 2.2, 7.0, generation=1))
+    unfit = eplb_numbers(before, _status(20, 1.1, 2.2, 7.0, placement_epoch=1))
     assert unfit["initial_s"] is None and "modelled_gain" not in unfit
 
 

@@ -30,8 +30,8 @@ def test_kills_are_matched_to_the_lines_that_follow_them(tmp_path):
     (tmp_path / "logs" / "latest").symlink_to("run1")
     k1, k2 = 1_764_675_000.0, 1_764_675_010.0
     (run / "launcher.log").write_text("\n".join([
-        _line(k1 + 0.004, "EPLB elastic detect proc=ep2 pid=1 generation=2 mode=shrink"),
-        _line(k2 + 0.006, "EPLB elastic detect proc=ep0 pid=2 generation=3 mode=shrink")]))
+        _line(k1 + 0.004, "EPLB elastic detect proc=ep2 pid=1 pg_generation=2 mode=shrink"),
+        _line(k2 + 0.006, "EPLB elastic detect proc=ep0 pid=2 pg_generation=3 mode=shrink")]))
     (run / "engine.log").write_text("\n".join([
         _line(k1 + 0.020, "EPLB elastic detect rank=2 worker=ep2 step=9 detect_s=0.016"),
         _line(k1 + 0.300, "EPLB elastic resume rank=2 mode=shrink fence_s=0.01 reform_s=0.07 "

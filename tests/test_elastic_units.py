@@ -140,7 +140,8 @@ def test_reprefill_continues_with_the_tokens_of_an_uninterrupted_run():
         ckpt = make_checkpoint("deepseek_v3", Path(d) / "c", num_experts=8, top_k=2)
         cfg = resolve_config(load_config(["--ep-size", "2", "--model", str(ckpt),
                                           "--dtype=float64"])[0])
-        # --model: the rule is checked on the checkpoint's expert count (8 here, not 64)
+        # --model: the shrink-only rule is checked on the checkpoint's expert count (8 here,
+        # not 64); with restarts on (the default) a death is respawned and nothing is refused
         from xllm_eplb.model.validate import validate_model_config
 
         bad = resolve_config(load_config(["--ep-size", "4", "--model", str(ckpt),
@@ -149,6 +150,8 @@ def test_reprefill_continues_with_the_tokens_of_an_uninterrupted_run():
         with pytest.raises(ConfigError, match=r"config.json: routed experts 8: "
                                               r"--redundant_experts_num=0: .* >= 1"):
             validate_model_config(bad)
+        validate_model_config(resolve_config(load_config(["--ep-size", "4", "--model", str(ckpt),
+                                                          "--redundant_experts_num=0"])[0]))
         m = Decoder.reference(cfg)
         for temp, seed in ((0.0, 0), (0.9, 5)):
             full = _generate(m, [3, 9, 27, 81], 12, temp, seed, RankBatch, SeqRow, rid=1)

@@ -267,7 +267,7 @@ def header_rows(url: str, info: dict, res: dict) -> list[tuple[str, str]]:
     if m:
         rows.append(("Model", f"{m.get('id')} (max_model_len {m.get('max_model_len', '?')})"))
     if st:
-        eplb = (f"on, policy={st.get('policy')}, generation={st.get('generation')}"
+        eplb = (f"on, policy={st.get('policy')}, placement_epoch={st.get('placement_epoch')}"
                 if st.get("enabled") else "off")
         rows += [("EP size", str(st.get("ep_size"))), ("EPLB", eplb),
                  ("Server workload", _workload_text(st.get("workload")))]

@@ -58,7 +58,7 @@ def eplb_numbers(before: dict, after: dict) -> dict:
     initial, source = None, "cost model not fitted yet"
     if not out["enabled"]:
         initial, source = crit, "EPLB off: served as is"
-    elif not after.get("generation"):
+    elif not after.get("placement_epoch"):
         initial, source = crit, "nothing committed yet"
     elif cm.get("predicted_critical_s") and cm.get("predicted_critical_initial_s"):
         initial = crit * cm["predicted_critical_initial_s"] / cm["predicted_critical_s"]

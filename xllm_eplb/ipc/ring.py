@@ -54,13 +54,19 @@ def output_ring_name(run_id: str, rank: int) -> str:
     return object_name(run_id, f"out{int(rank)}")
 
 
+def _claim_reader0(ring: Ring) -> None:
+    ring.claim_reader(0)
+
+
 class _MessageRing:
     """A :class:`Ring` that carries one message kind of one run."""
 
     _kind = ""
 
-    def __init__(self, ring: Ring, run_id: str):
+    def __init__(self, ring: Ring, run_id: str, rank: int | None = None):
         self.ring = ring
+        #: an OutputRing's worker rank (None on the InputRing)
+        self.rank = rank
         self.run_id = run_id
         self._decode_msg = functools.partial(_decode, run_id=run_id, kind=self._kind)
         self._codec_s = 0.0      # encode + decode seconds since take_codec_seconds()
@@ -77,6 +83,18 @@ class _MessageRing:
         breakdown's ring share)."""
         s, self._codec_s = self._codec_s, 0.0
         return s
+
+    @classmethod
+    def _open(cls, ring: Ring, run_id: str, claim, rank: int | None = None):
+        """Wrap a created or attached ``ring`` after ``claim(ring)`` (this end: producer or
+        reader; None: neither, the launcher's case); a failed claim closes the ring."""
+        try:
+            if claim is not None:
+                claim(ring)
+        except BaseException:
+            ring.close()
+            raise
+        return cls(ring, run_id, rank)
 
     @property
     def name(self) -> str:
@@ -118,9 +136,7 @@ class InputRing(_MessageRing):
         checksum to every frame (costs ~1 us per 4 KiB per reader; see broadcast.py)."""
         ring = Ring.create(input_ring_name(validate_run_id(run_id)), num_readers, slots,
                            frame_bytes, checksum)
-        if producer:
-            ring.claim_producer()
-        return cls(ring, run_id)
+        return cls._open(ring, run_id, Ring.claim_producer if producer else None)
 
     @classmethod
     def attach(cls, run_id: str, reader_index: int | None = None, *, producer: bool = False,
@@ -134,12 +150,8 @@ class InputRing(_MessageRing):
             raise ValueError("InputRing.attach: give exactly one of reader_index / producer=True")
         ring = Ring.attach(input_ring_name(validate_run_id(run_id)), num_readers=num_readers,
                            slots=slots, frame_bytes=frame_bytes, timeout=timeout)
-        try:
-            ring.claim_producer() if producer else ring.claim_reader(reader_index, skip=skip)
-        except BaseException:
-            ring.close()
-            raise
-        return cls(ring, run_id)
+        return cls._open(ring, run_id, Ring.claim_producer if producer else
+                         lambda r: r.claim_reader(reader_index, skip=skip))
 
     def put(self, msg: ForwardInput, timeout: float | None = None) -> int:
         if not isinstance(msg, ForwardInput):
@@ -184,11 +196,7 @@ class OutputRing(_MessageRing):
         """Engine (or launcher with ``reader=False``); ``checksum=True``: body checksums."""
         ring = Ring.create(output_ring_name(validate_run_id(run_id), rank), 1, slots,
                            frame_bytes, checksum)
-        if reader:
-            ring.claim_reader(0)
-        out = cls(ring, run_id)
-        out.rank = rank
-        return out
+        return cls._open(ring, run_id, _claim_reader0 if reader else None, rank)
 
     @classmethod
     def attach(cls, run_id: str, rank: int, *, producer: bool = True, reader: bool = False,
@@ -199,14 +207,7 @@ class OutputRing(_MessageRing):
             producer = False
         ring = Ring.attach(output_ring_name(validate_run_id(run_id), rank), num_readers=1,
                            slots=slots, frame_bytes=frame_bytes, timeout=timeout)
-        try:
-            ring.claim_producer() if producer else ring.claim_reader(0)
-        except BaseException:
-            ring.close()
-            raise
-        out = cls(ring, run_id)
-        out.rank = rank
-        return out
+        return cls._open(ring, run_id, Ring.claim_producer if producer else _claim_reader0, rank)
 
     def put(self, msg: ForwardOutput, timeout: float | None = None, *,
             bad_checksum: bool = False) -> int:

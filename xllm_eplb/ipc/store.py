@@ -71,37 +71,37 @@ def store_client(addr: str, port: int, timeout_s: float):
     return dist.TCPStore(addr, port, is_master=False, timeout=timedelta(seconds=timeout_s))
 
 
-def placement_key(generation: int) -> str:
-    return f"placement/gen{generation}"
+def placement_key(pg_generation: int) -> str:
+    return f"placement/gen{pg_generation}"
 
 
-def put_placement(store, generation: int, table: np.ndarray) -> None:
-    """Store the deployed placement ``table`` [L, D*S] for ``generation``."""
+def put_placement(store, pg_generation: int, table: np.ndarray) -> None:
+    """Store the deployed placement ``table`` [L, D*S] for ``pg_generation``."""
     t = np.ascontiguousarray(table, dtype=np.int64)
-    store.set(placement_key(generation), f"{t.shape[0]},{t.shape[1]};".encode() + t.tobytes())
+    store.set(placement_key(pg_generation), f"{t.shape[0]},{t.shape[1]};".encode() + t.tobytes())
 
 
-def get_placement(store, generation: int) -> np.ndarray:
-    """The placement of ``generation`` (waits until the engine has set it)."""
-    raw = bytes(store.get(placement_key(generation)))
+def get_placement(store, pg_generation: int) -> np.ndarray:
+    """The placement of ``pg_generation`` (waits until the engine has set it)."""
+    raw = bytes(store.get(placement_key(pg_generation)))
     head, body = raw.split(b";", 1)
     shape = tuple(int(x) for x in head.decode().split(","))
     return np.frombuffer(body, dtype=np.int64).reshape(shape).copy()
 
 
-def members_key(generation: int) -> str:
-    return f"members/gen{generation}"
+def members_key(pg_generation: int) -> str:
+    return f"members/gen{pg_generation}"
 
 
-def put_members(store, generation: int, workers: list[int]) -> None:
-    """The workers of ``generation`` in compact rank order (worker ``workers[r]`` is EP rank
+def put_members(store, pg_generation: int, workers: list[int]) -> None:
+    """The workers of ``pg_generation`` in compact rank order (worker ``workers[r]`` is EP rank
     ``r``): an elastic shrink drops the dead one, the survivors take compact ranks."""
-    store.set(members_key(generation), ",".join(map(str, workers)).encode())
+    store.set(members_key(pg_generation), ",".join(map(str, workers)).encode())
 
 
-def get_members(store, generation: int) -> list[int]:
-    """The workers of ``generation`` (waits until the engine has set them)."""
-    return [int(x) for x in bytes(store.get(members_key(generation))).decode().split(",")]
+def get_members(store, pg_generation: int) -> list[int]:
+    """The workers of ``pg_generation`` (waits until the engine has set them)."""
+    return [int(x) for x in bytes(store.get(members_key(pg_generation))).decode().split(",")]
 
 
 # --- rejoin (``elastic/recovery.py`` <-> ``worker/regroup.py``): the engine's go and the joiner's
@@ -122,15 +122,15 @@ ABANDONED = "switch abandoned"
 # --- the vote of a grow (``worker/regroup.py`` ``vote``, ``elastic/recovery.py``): the members of
 # generation g arrive (``add``); the last one sets the decision ``go``, unless the engine set
 # ``abort`` first (a death during the switch): ``compare_set`` on an absent key, first wins
-def arrived_key(generation: int) -> str:
-    return f"switch/gen{generation}/arrived"
+def arrived_key(pg_generation: int) -> str:
+    return f"switch/gen{pg_generation}/arrived"
 
 
-def decision_key(generation: int) -> str:
-    return f"switch/gen{generation}/decision"
+def decision_key(pg_generation: int) -> str:
+    return f"switch/gen{pg_generation}/decision"
 
 
-def decide(store, generation: int, decision: str) -> str:
-    """Set the decision of the grow to ``generation`` unless one is set; returns the one that
+def decide(store, pg_generation: int, decision: str) -> str:
+    """Set the decision of the grow to ``pg_generation`` unless one is set; returns the one that
     holds (``go`` or ``abort``)."""
-    return bytes(store.compare_set(decision_key(generation), "", decision)).decode()
+    return bytes(store.compare_set(decision_key(pg_generation), "", decision)).decode()

@@ -43,20 +43,20 @@ def store_client(cfg: Config, timeout_s: float):
     return store.store_client(cfg.runtime.master_addr, cfg.runtime.master_port, timeout_s)
 
 
-def get_placement(client, generation: int):
-    """The placement ``[L, D*S]`` the engine deployed for ``generation``."""
-    return store.get_placement(client, generation)
+def get_placement(client, pg_generation: int):
+    """The placement ``[L, D*S]`` the engine deployed for ``pg_generation``."""
+    return store.get_placement(client, pg_generation)
 
 
-def get_members(client, generation: int) -> list[int]:
-    """The workers of ``generation`` in compact rank order (an elastic shrink drops one)."""
-    return store.get_members(client, generation)
+def get_members(client, pg_generation: int) -> list[int]:
+    """The workers of ``pg_generation`` in compact rank order (an elastic shrink drops one)."""
+    return store.get_members(client, pg_generation)
 
 
-def join(cfg: Config, client, rank: int, generation: int, timeout_s: float,
+def join(cfg: Config, client, rank: int, pg_generation: int, timeout_s: float,
          world_size: int | None = None, device=None,
          rendezvous_s: float | None = None) -> comm.CommGroups:
-    """Join generation ``generation`` of the world (every rank, same order): default group on
+    """Join generation ``pg_generation`` of the world (every rank, same order): default group on
     ``PrefixStore("gen<g>/", store)``, then the EPLB group. ``world_size``: the generation's
     ranks (default ``--ep_size``; fewer after an elastic shrink); ``device``: the worker's (a
     compact rank keeps its device). ``rendezvous_s`` (a grow): the rendezvous of both groups
@@ -66,14 +66,14 @@ def join(cfg: Config, client, rank: int, generation: int, timeout_s: float,
     t0 = time.perf_counter()
     full = timedelta(seconds=timeout_s)
     first = timedelta(seconds=min(rendezvous_s, timeout_s)) if rendezvous_s else full
-    dist.init_process_group(backend, store=dist.PrefixStore(f"gen{generation}/", client),
+    dist.init_process_group(backend, store=dist.PrefixStore(f"gen{pg_generation}/", client),
                             rank=rank, world_size=world_size or cfg.eplb.ep_size,
                             timeout=first)
     groups = comm.groups_from_world(cfg, device=device, timeout=first)
     if first != full:
         for g in (groups.ep_group, groups.eplb_group):
             dist.distributed_c10d._set_pg_timeout(full, g)
-    log.info(event("EPLB elastic joined", rank=rank, pg_generation=generation,
+    log.info(event("EPLB elastic joined", rank=rank, pg_generation=pg_generation,
                    world_size=world_size or cfg.eplb.ep_size,
                    seconds=round(time.perf_counter() - t0, 3)))
     return groups
@@ -113,15 +113,15 @@ def wait_join(client, worker: int, timeout_s: float, alive) -> int:
                          "rejoin", "no go from the engine").decode())
 
 
-def vote(client, generation: int, size: int, timeout_s: float, alive) -> bool:
-    """A grow to ``generation`` (``size`` members) is decided before anyone leaves its groups:
+def vote(client, pg_generation: int, size: int, timeout_s: float, alive) -> bool:
+    """A grow to ``pg_generation`` (``size`` members) is decided before anyone leaves its groups:
     each member arrives; the last one decides ``go``, unless the engine decided ``abort`` first
     (a death during the switch, ``elastic/recovery.py``). True: go (every member was alive at its
     arrival); False: the switch is abandoned, the serving ranks stay in their generation.
     ``alive()`` False (the launcher gone) or ``timeout_s`` raise."""
-    if int(client.add(arrived_key(generation), 1)) == size:
-        decide(client, generation, "go")
-    return _wait_key(client, decision_key(generation), 0.1, timeout_s, alive, "switch",
+    if int(client.add(arrived_key(pg_generation), 1)) == size:
+        decide(client, pg_generation, "go")
+    return _wait_key(client, decision_key(pg_generation), 0.1, timeout_s, alive, "switch",
                      "no decision") == b"go"
 
 

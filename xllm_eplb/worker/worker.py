@@ -15,7 +15,7 @@ NOTE: every rank must run every step (empty batch included) in the same order: t
 all-to-all and the EPLB P2P plan are collectives. A rank that fails reports the error in its
 output and exits non-zero; the launcher then stops the run. With ``--elastic_ep`` a failed step
 is reported as ``peer_lost`` and the worker stays up for the engine's regroup message
-(``worker/regroup.py``); a replacement (``generation`` > 1) joins that generation at start; a
+(``worker/regroup.py``); a replacement (``pg_generation`` > 1) joins that generation at start; a
 *joiner* (``join=True``, ``--elastic_rejoin``) loads its model first while the others serve,
 signals ``join_ready`` and joins the generation the engine names (``_start_joiner``). After
 an elastic *shrink* the worker serves at its compact ``ep_rank`` (``rank`` stays its identity:
@@ -105,7 +105,7 @@ def step_timings(model_timings: dict, *, step_s: float, cpu_s: float,
 class Worker:
     """One EP rank's resources: rings, process groups, model shard, executor."""
 
-    def __init__(self, cfg: Config, rank: int, events, parent_pid: int, generation: int = 0,
+    def __init__(self, cfg: Config, rank: int, events, parent_pid: int, pg_generation: int = 0,
                  join: bool = False):
         self.cfg, self.rank, self.events, self.parent_pid = cfg, rank, events, parent_pid
         #: this worker's EP rank and world size in the current generation: ``rank`` and
@@ -114,11 +114,11 @@ class Worker:
         self.ep_rank, self.ep_size = rank, cfg.eplb.ep_size
         self.elastic = cfg.runtime.elastic_ep
         #: elastic: the process-group generation (1 at start; a replacement starts at > 1)
-        self.generation = max(1, generation) if self.elastic else 0
+        self.pg_generation = max(1, pg_generation) if self.elastic else 0
         #: rejoin: loads first, joins the generation the engine names (``_start_joiner``)
         self.joining = bool(join) and self.elastic
         if self.joining:
-            self.generation = 0
+            self.pg_generation = 0
         self.store = None
         self.inp = self.out = self.model = self.executor = None
         self.device = None
@@ -143,12 +143,12 @@ class Worker:
         # NOTE: a node's input ring has one reader per rank from the node's first rank on
         # (node 0: every rank, the bridges read the remote ones); single node: index = rank
         first = node_ranks(self.cfg).start
-        joiner = self.generation > 1
+        joiner = self.pg_generation > 1
         self.inp = InputRing.attach(rid, reader_index=self.rank - first, timeout=ATTACH_TIMEOUT,
                                     skip=joiner)
         self.out = OutputRing.attach(rid, self.rank, timeout=ATTACH_TIMEOUT)
         if joiner:
-            send_event(self.events, who, "attached", str(self.generation))
+            send_event(self.events, who, "attached", str(self.pg_generation))
         ep_group, eplb_group = self._init_dist()
         send_event(self.events, who, "dist_init")
         self._build(ep_group, eplb_group)
@@ -176,7 +176,7 @@ class Worker:
                                     timeout=ATTACH_TIMEOUT, skip=True)
         regroup.announce_joined(self.store, self.rank)
         self.ep_size = 0            # the regroup re-shards to the engine's row for it
-        log.info(event("EPLB elastic rejoin go", rank=self.rank, generation=g,
+        log.info(event("EPLB elastic rejoin go", rank=self.rank, pg_generation=g,
                        wait_s=round(time.perf_counter() - t0 - load_s, 3)))
 
     def _init_dist(self):
@@ -184,7 +184,7 @@ class Worker:
         timeout = max(120.0, self.cfg.runtime.worker_timeout_seconds)
         if self.elastic:     # the launcher's store, this generation's prefix
             self.store = regroup.store_client(self.cfg, timeout)
-            g = regroup.join(self.cfg, self.store, self.rank, self.generation, timeout)
+            g = regroup.join(self.cfg, self.store, self.rank, self.pg_generation, timeout)
         else:
             g = comm.init_groups(self.cfg, self.rank, self.cfg.eplb.ep_size, timeout_s=timeout)
         self.device = g.device
@@ -192,7 +192,7 @@ class Worker:
 
     def _build(self, ep_group, eplb_group) -> None:
         # a replacement builds the shard of the placement the engine deploys now
-        table = (regroup.get_placement(self.store, self.generation) if self.generation > 1
+        table = (regroup.get_placement(self.store, self.pg_generation) if self.pg_generation > 1
                  else None)
         self.model = build_model(self.cfg, self.rank, ep_group, device=self.device,
                                  phy2log=table)
@@ -274,13 +274,13 @@ class Worker:
         serving rank up (``peer_lost``): the engine re-forms it or stops the run."""
         t0 = time.perf_counter()
         try:
-            if msg.regroup != self.generation:
+            if msg.regroup != self.pg_generation:
                 members = regroup.get_members(self.store, msg.regroup)
                 rank, size = members.index(self.rank), len(members)
                 grow = size > self.ep_size
                 if grow and not self._vote(rank, size, msg.regroup):
                     log.warning(event("EPLB elastic switch abandoned", rank=self.rank,
-                                      generation=msg.regroup, stays=self.generation))
+                                      pg_generation=msg.regroup, stays=self.pg_generation))
                     return ForwardOutput(step=msg.step, rank=self.ep_rank, peer_lost=True,
                                          error=ABANDONED)
                 with contextlib.suppress(Exception):
@@ -295,12 +295,12 @@ class Worker:
                     self._reshard(rank, size, regroup.get_placement(self.store, msg.regroup))
                 self.executor = make_executor(self.model, g.eplb_group, self.cfg,
                                               faults=self.faults)
-                self.generation = msg.regroup
+                self.pg_generation = msg.regroup
                 if self.joining:
                     self.joining = False
                     send_event(self.events, f"ep{self.rank}", "joined", str(msg.regroup))
                 log.info(event("EPLB elastic re-formed", rank=self.rank, ep_rank=self.ep_rank,
-                               ep_size=self.ep_size, generation=msg.regroup,
+                               ep_size=self.ep_size, pg_generation=msg.regroup,
                                leave_s=round(left, 3),
                                seconds=round(time.perf_counter() - t0, 3)))
         except Exception as e:  # noqa: BLE001 - reported; the engine recovers or stops
@@ -312,7 +312,7 @@ class Worker:
         return ForwardOutput(step=msg.step, rank=self.ep_rank,
                              heartbeat=WorkerHeartbeat(time.time(), self.executor.stats()))
 
-    def _vote(self, rank: int, size: int, generation: int) -> bool:
+    def _vote(self, rank: int, size: int, pg_generation: int) -> bool:
         """A grow (a joiner, ``ep_size`` 0, or a serving rank whose world grows): decided by
         every member before anyone leaves its groups (``regroup.vote``). The joiner re-shards
         to its planned row first (no group needed), so that a death after the decision can
@@ -321,11 +321,11 @@ class Worker:
         generation."""
         rt = self.cfg.runtime
         if self.joining:
-            self._reshard(rank, size, regroup.get_placement(self.store, generation))
-        go = regroup.vote(self.store, generation, size, rt.elastic_join_timeout_seconds,
+            self._reshard(rank, size, regroup.get_placement(self.store, pg_generation))
+        go = regroup.vote(self.store, pg_generation, size, rt.elastic_join_timeout_seconds,
                           lambda: parent_alive(self.parent_pid))
         if not go and self.joining:
-            raise RuntimeError(f"{ABANDONED} (generation {generation})")
+            raise RuntimeError(f"{ABANDONED} (pg_generation {pg_generation})")
         return go
 
     def _reshard(self, ep_rank: int, ep_size: int, table) -> None:
@@ -387,16 +387,16 @@ class Worker:
                        dist_s=round(t[2] - t[1], 3), rings_s=round(t[3] - t[2], 3)))
 
 
-def worker_main(cfg: Config, rank: int, events, parent_pid: int, generation: int = 0,
+def worker_main(cfg: Config, rank: int, events, parent_pid: int, pg_generation: int = 0,
                 cores: tuple[int, ...] | None = None, join: bool = False) -> None:
-    """Process entry point (spawned by the launcher; ``generation`` > 1: an elastic
+    """Process entry point (spawned by the launcher; ``pg_generation`` > 1: an elastic
     replacement; ``join``: a rejoining one); ``cores``: this rank's pinned cores
     (``--worker_cpu_affinity``; None: not pinned, one torch thread)."""
     threads = affinity.apply(cores)
     child_setup(f"xllm-eplb:ep{rank}", parent_pid)
     _setup_logs(cfg, rank)
     send_event(events, f"ep{rank}", "spawned")
-    w = Worker(cfg, rank, events, parent_pid, generation, join)
+    w = Worker(cfg, rank, events, parent_pid, pg_generation, join)
     w.threads = threads
     code = 1
     try:
