@@ -31,7 +31,7 @@ def _run(slot_order):
     hist = {}
     for r in slot_order:                        # slots handed out in this request order
         cache.reserve([r], [3])
-    for step, (lens, starts) in enumerate([([3, 3, 3], [0, 0, 0]), ([1, 1, 1], [3, 3, 3])]):
+    for lens, starts in [([3, 3, 3], [0, 0, 0]), ([1, 1, 1], [3, 3, 3])]:
         rids = [0, 1, 2]
         slots = cache.reserve(rids, [s + n for s, n in zip(starts, lens, strict=True)])
         spans, t = [], 0
