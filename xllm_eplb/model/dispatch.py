@@ -1,7 +1,8 @@
 """Dispatch/combine of routed tokens across the EP group, and the choice of path (spec §9).
 
 Two paths, both built on ``all_to_all_single`` and both taking part in every layer even with
-zero local tokens (split sizes are exchanged first with an all_to_all of counts):
+zero local tokens (split sizes are exchanged first with an all_to_all of counts, unless known:
+see "Fewer rounds" below):
 
 - ``plain``: all rows (the rank's own included) go through the all_to_all and are waited for
   before any compute; experts run on the received rows; results return by a blocking reverse
@@ -27,7 +28,8 @@ direction); bfloat16 rows send them in a second all_to_all.
 Mode resolution (:func:`resolve_dispatch_mode`) is a pure function of the config and a
 step-level ``pure_decode`` flag.
 NOTE: the decision must be identical on every rank or the collectives mismatch, so its inputs are
-config values and the engine's step-level flag, never the rank's own batch.
+config values and the engine's step-level flag (and, for the padded dispatch, ``peer_rows``:
+the same list on every rank), never the rank's own batch.
 """
 
 from __future__ import annotations
