@@ -141,6 +141,10 @@ def attend(cache: KVCache, ab: AttnBatch, layer: int, q: torch.Tensor, k: torch.
     else:
         K, V = ck[ab.row_slot, :, :ab.P], cv[ab.row_slot, :, :ab.P]
     h = q.shape[1]
+    if ab.n_max == 1:                      # one token per request (decode): rows are requests
+        o = F.scaled_dot_product_attention(q.unsqueeze(2), K, V, attn_mask=ab.mask,
+                                           scale=scale, enable_gqa=K.shape[1] != h)
+        return o.squeeze(2)                                       # [T, h, dv]
     Q = q.new_zeros((ab.R, ab.n_max, h, q.shape[2]))
     Q[ab.tok_row, ab.tok_col] = q
     o = F.scaled_dot_product_attention(Q.transpose(1, 2), K, V, attn_mask=ab.mask, scale=scale,
