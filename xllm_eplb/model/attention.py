@@ -1,15 +1,18 @@
 """Batched causal attention over a preallocated per-rank KV cache.
 
-:class:`KVCache` holds ``k [slots, layers, cap, kv_heads, k_dim]`` and ``v [slots, layers, cap,
-kv_heads, v_dim]``; a request gets a slot at its first forward and frees it on release. Both
-axes grow by doubling when a request or a position does not fit (rare, amortised; no per-step
-concatenation).
+:class:`KVCache` holds ``k [layers, slots, kv_heads, cap, k_dim]`` and ``v [layers, slots,
+kv_heads, cap, v_dim]`` (a layer's cache of a request is already in the ``[kv_heads, positions,
+dim]`` layout attention reads); a request gets a slot at its first forward and frees it on
+release. Both axes grow by doubling when a request or a position does not fit (rare,
+amortised; no per-step concatenation).
 
 :class:`AttnBatch` is one step's layout, built once and shared by every layer: the requests
 padded to ``[R, n_max]`` query rows and ``P = max(start_pos + n)`` key positions, with a boolean
 mask ``[R, 1, n_max, P]`` (causal and in-length; padded query rows see position 0 only, their
 output is dropped). :func:`attend` writes this layer's new keys/values into the cache and runs
-``scaled_dot_product_attention`` for all requests at once.
+``scaled_dot_product_attention`` for all requests at once: when the step's requests hold
+consecutive slots (the usual case) it reads the cache through a view, else one gather per
+layer; grouped-query heads go in as they are (``enable_gqa``), never repeated.
 """
 
 from __future__ import annotations
@@ -32,10 +35,10 @@ class KVCache:
 
     def _alloc(self, slots: int, cap: int) -> None:
         def grow(old, dim):
-            new = torch.zeros((slots, self.layers, cap, self.kv_heads, dim), dtype=self.dtype,
+            new = torch.zeros((self.layers, slots, self.kv_heads, cap, dim), dtype=self.dtype,
                               device=self.device)
             if old is not None:
-                new[:old.shape[0], :, :old.shape[2]] = old
+                new[:, :old.shape[1], :, :old.shape[3]] = old
             return new
         self.k, self.v = grow(self.k, self.k_dim), grow(self.v, self.v_dim)
         self.free = sorted(set(range(slots)) - set(self.slot_of.values()))
@@ -46,7 +49,7 @@ class KVCache:
     def reserve(self, req_ids: list[int], ends: list[int]) -> list[int]:
         """Slots of ``req_ids`` (new ones assigned), with room for positions < ``ends``."""
         need_new = sum(1 for r in set(req_ids) if r not in self.slot_of)
-        slots, cap = self.k.shape[0], self.k.shape[2]
+        slots, cap = self.k.shape[1], self.k.shape[3]
         while len(self.free) < need_new:
             slots *= 2
             self._alloc(slots, cap)
@@ -55,7 +58,7 @@ class KVCache:
         if top > cap:
             while cap < top:
                 cap *= 2
-            self._alloc(self.k.shape[0], min(cap, self.max_pos))
+            self._alloc(self.k.shape[1], min(cap, self.max_pos))
         out = []
         for r in req_ids:
             if r not in self.slot_of:
@@ -95,7 +98,8 @@ class KVCache:
 
 class AttnBatch:
     """Layout of one step's real tokens: ``spans`` [(start, n)] per request in row order,
-    ``starts`` the cached positions before the step, ``slots`` the requests' cache slots."""
+    ``starts`` the cached positions before the step, ``slots`` the requests' cache slots
+    (``first_slot``: the first of them when they are consecutive, else None)."""
 
     def __init__(self, spans: list[tuple[int, int]], starts: list[int], slots: list[int],
                  device: torch.device):
@@ -110,6 +114,8 @@ class AttnBatch:
         self.tok_col = torch.tensor(cols, dtype=torch.int64, device=device)
         self.tok_pos = torch.tensor(pos, dtype=torch.int64, device=device)
         self.row_slot = torch.tensor(slots, dtype=torch.int64, device=device)
+        lo = slots[0] if slots else 0
+        self.first_slot = lo if list(slots) == list(range(lo, lo + R)) else None
         self.tok_slot = self.row_slot[self.tok_row]
         start = torch.tensor(starts, dtype=torch.int64, device=device)[:, None, None]
         n = torch.tensor([n for _, n in spans], dtype=torch.int64, device=device)[:, None, None]
@@ -126,15 +132,21 @@ def attend(cache: KVCache, ab: AttnBatch, layer: int, q: torch.Tensor, k: torch.
     """q [T, h, dk], k [T, kvh, dk], v [T, kvh, dv] of the step's real tokens -> [T, h, dv].
 
     Writes k, v at (slot, position) of each token, then attends over every cached position."""
-    cache.k[ab.tok_slot, layer, ab.tok_pos] = k.to(cache.dtype)
-    cache.v[ab.tok_slot, layer, ab.tok_pos] = v.to(cache.dtype)
-    K = cache.k[ab.row_slot, layer, :ab.P].transpose(1, 2)        # [R, kvh, P, dk]
-    V = cache.v[ab.row_slot, layer, :ab.P].transpose(1, 2)
+    ck, cv = cache.k[layer], cache.v[layer]                       # [slots, kvh, cap, d] views
+    ck[ab.tok_slot, :, ab.tok_pos] = k.to(cache.dtype)
+    cv[ab.tok_slot, :, ab.tok_pos] = v.to(cache.dtype)
+    if ab.first_slot is not None:                                 # views, no copy
+        K = ck[ab.first_slot:ab.first_slot + ab.R, :, :ab.P]      # [R, kvh, P, dk]
+        V = cv[ab.first_slot:ab.first_slot + ab.R, :, :ab.P]
+    else:
+        K, V = ck[ab.row_slot, :, :ab.P], cv[ab.row_slot, :, :ab.P]
     h = q.shape[1]
-    if K.shape[1] != h:
-        rep = h // K.shape[1]
-        K, V = K.repeat_interleave(rep, dim=1), V.repeat_interleave(rep, dim=1)
+    if ab.n_max == 1:                      # one token per request (decode): rows are requests
+        o = F.scaled_dot_product_attention(q.unsqueeze(2), K, V, attn_mask=ab.mask,
+                                           scale=scale, enable_gqa=K.shape[1] != h)
+        return o.squeeze(2)                                       # [T, h, dv]
     Q = q.new_zeros((ab.R, ab.n_max, h, q.shape[2]))
     Q[ab.tok_row, ab.tok_col] = q
-    o = F.scaled_dot_product_attention(Q.transpose(1, 2), K, V, attn_mask=ab.mask, scale=scale)
+    o = F.scaled_dot_product_attention(Q.transpose(1, 2), K, V, attn_mask=ab.mask, scale=scale,
+                                       enable_gqa=K.shape[1] != h)
     return o.transpose(1, 2)[ab.tok_row, ab.tok_col]              # [T, h, dv]

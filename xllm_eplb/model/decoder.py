@@ -186,9 +186,13 @@ class Decoder:
     # ---- forward ---------------------------------------------------------------------------
     def forward_step(self, batch: RankBatch, *, warmup: bool = False,
                      pure_decode: bool | None = None, return_logits: bool = False,
-                     return_routing: bool = False) -> StepResult:
+                     return_routing: bool = False, peer_rows: list[int] | None = None
+                     ) -> StepResult:
         """Run one step of this rank's rows (see the module docstring). A warm-up forward
-        keeps no KV cache and is flagged in the result. Phases go to ``self.timer``."""
+        keeps no KV cache and is flagged in the result. Phases go to ``self.timer``.
+        ``peer_rows``: every EP rank's dispatched rows of this step
+        (``step_inputs.dispatched_rows`` of the step's batches; every rank passes them or none
+        does): the dispatch then skips its split-size exchange (``dispatch.padded_bounds``)."""
         t0 = time.perf_counter()
         lap = Laps(self.timer)
         self.release(batch.release)
@@ -214,7 +218,8 @@ class Decoder:
                 lap("other")
                 continue
             tm, tc = time.perf_counter(), time.thread_time()
-            y, cnt, dt_cnt, ids, cpu = self._moe(self.moe_index[i], p, x, si, mode, stats, lap)
+            y, cnt, dt_cnt, ids, cpu = self._moe(self.moe_index[i], p, x, si, mode, stats, lap,
+                                                 peer_rows)
             moe_cpu += time.thread_time() - tc
             if return_routing:
                 routed.append(ids.cpu().numpy())
@@ -268,7 +273,7 @@ class Decoder:
             return y
         return shared
 
-    def _moe(self, ml: int, p: dict, x, si, mode, stats, lap: Laps):
+    def _moe(self, ml: int, p: dict, x, si, mode, stats, lap: Laps, peer_rows=None):
         """One MoE layer: route, dispatch/compute/combine, weight, add the shared expert.
         -> (output [T, H], slot loads int64 [S] (reference: [E]), seconds spent counting,
         logical top-k ids [T, k], thread CPU seconds of the local expert compute)."""
@@ -295,7 +300,8 @@ class Decoder:
             routed = rdp.route_step(fm, ids, self.ep_group, e, stats, nxt)
             y, cnt, extra = dsp.moe_dispatch(fm, x, routed.phys, si.counted, self.ep_group,
                                              mode, stats, overlap=shared, splits=routed.splits,
-                                             dropped=e.moe_capacity_mode != "none")
+                                             dropped=e.moe_capacity_mode != "none",
+                                             peer_rows=peer_rows)
             lap("dispatch", inner="experts", inner_s=fm.compute_s + spent[0])
             dt = stats.extra.pop("count_s", 0.0)
             cpu = fm.take_compute_cpu()

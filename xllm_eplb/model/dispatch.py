@@ -1,7 +1,8 @@
 """Dispatch/combine of routed tokens across the EP group, and the choice of path (spec §9).
 
 Two paths, both built on ``all_to_all_single`` and both taking part in every layer even with
-zero local tokens (split sizes are exchanged first with an all_to_all of counts):
+zero local tokens (split sizes are exchanged first with an all_to_all of counts, unless known:
+see "Fewer rounds" below):
 
 - ``plain``: all rows (the rank's own included) go through the all_to_all and are waited for
   before any compute; experts run on the received rows; results return by a blocking reverse
@@ -11,6 +12,14 @@ zero local tokens (split sizes are exchanged first with an all_to_all of counts)
   it is in flight; the remote rows are then posted async and the caller's ``overlap`` work (the
   shared expert) runs while they are in flight; then the received rows run and return.
 
+Fewer rounds: a 1-rank group (EP1) runs no collective at all (the rows stay local). When
+every rank knows every rank's dispatched row count of the step (``peer_rows``: the worker
+reads them off the step's message) and the rows are packable and small
+(:func:`padded_bounds`), the split-size exchange is dropped: the dispatch all_to_all carries
+fixed-size blocks (rank r sends at most ``rows_r * k`` rows to any rank), the unused tail of a
+block marked with slot -1, and the receiver reads its split sizes off the blocks. A layer then
+costs two rounds (dispatch, combine) instead of three.
+
 Counters are receiver-observed in both paths: every dispatched row carries its local slot and a
 ``counted`` flag (0 for padding, fillers and masked prefill rows), and the slot's owner counts.
 For float32/float64 the two metadata columns are packed into the row (one all_to_all per
@@ -19,7 +28,8 @@ direction); bfloat16 rows send them in a second all_to_all.
 Mode resolution (:func:`resolve_dispatch_mode`) is a pure function of the config and a
 step-level ``pure_decode`` flag.
 NOTE: the decision must be identical on every rank or the collectives mismatch, so its inputs are
-config values and the engine's step-level flag, never the rank's own batch.
+config values and the engine's step-level flag (and, for the padded dispatch, ``peer_rows``:
+the same list on every rank), never the rank's own batch.
 """
 
 from __future__ import annotations
@@ -133,6 +143,75 @@ def _post_rows(xs, meta, out_splits, in_splits, group) -> _Inflight:
     return _Inflight([w1, w2], lambda: (xr, mr))
 
 
+#: the padded dispatch (no split-size round) runs while its send buffer stays under this size
+PAD_BYTES = 1 << 20
+
+
+def padded_bounds(peer_rows, T: int, k: int, rank: int, D: int,
+                  row_bytes: int) -> list[int] | None:
+    """Rows each rank may send to any one rank (``peer_rows[r] * k``) when the padded dispatch
+    applies, else None. ``peer_rows``: every rank's dispatched rows of this step (or None);
+    ``row_bytes``: bytes of one packed row. The decision reads only values every rank shares
+    (``peer_rows``, ``k``, ``D``, the row size), so every rank takes the same path."""
+    if peer_rows is None or len(peer_rows) != D:
+        return None
+    if int(peer_rows[rank]) != T:
+        raise RuntimeError(f"rank {rank}: dispatches {T} rows but peer_rows says "
+                           f"{int(peer_rows[rank])}")
+    bounds = [int(n) * k for n in peer_rows]
+    return bounds if max(bounds) * len(bounds) * row_bytes <= PAD_BYTES else None
+
+
+def _post_padded(xs, meta, send: list[int], bounds: list[int], me: int, skip: bool,
+                 group) -> _Inflight:
+    """Post rows xs [n, H] (sorted by destination, ``send`` rows to each rank) with meta
+    [n, 2] in blocks of ``bounds[me]`` rows per destination, padding rows' slot -1 (``skip``:
+    no block to or from this rank). The result unpacks to (rows, meta, rows received from each
+    rank)."""
+    D, H = len(send), xs.shape[1]
+    ins = [0 if skip and d == me else bounds[me] for d in range(D)]
+    outs = [0 if skip and r == me else b for r, b in enumerate(bounds)]
+    if any(n > b for n, b in zip(send, ins, strict=True)):
+        raise RuntimeError(f"rank {me}: routed rows per rank {send} exceed the blocks {ins}")
+    buf = xs.new_zeros((sum(ins), H + 2))
+    buf[:, H] = -1
+    send_t = torch.tensor(send, dtype=torch.int64, device=xs.device)
+    shift = torch.tensor([sum(ins[:d]) - sum(send[:d]) for d in range(D)], dtype=torch.int64,
+                         device=xs.device)
+    pos = torch.arange(xs.shape[0], device=xs.device) + \
+        shift.repeat_interleave(send_t, output_size=xs.shape[0])
+    buf[pos, :H] = xs
+    buf[pos, H:] = meta.to(xs.dtype)
+    out = buf.new_empty((sum(outs), H + 2))
+    w = _a2a(out, buf, outs, ins, group, async_op=True)
+
+    def unpack():
+        valid = out[:, H] >= 0
+        keep = torch.nonzero(valid).flatten()
+        got = [int(v.sum()) for v in valid.split(outs)]
+        return out[keep, :H], out[keep, H:].to(torch.int64), got
+    return _Inflight([w], unpack)
+
+
+def _local(moe, x, phys, counted, stats, overlap, dropped):
+    """A 1-rank group: every slot is local, no collective. -> as :func:`moe_dispatch`."""
+    T, k = phys.shape
+    flat = phys.reshape(-1)
+    live = torch.nonzero(flat >= 0).flatten() if dropped else None
+    tok = (live if live is not None else torch.arange(T * k, device=x.device)) // k
+    slots = flat if live is None else flat[live]
+    ys = moe.compute(x[tok], slots)
+    tc = time.perf_counter()
+    counts = moe.count(slots, counted[tok])
+    _add(stats, "count_s", time.perf_counter() - tc)
+    extra = overlap() if overlap is not None else None
+    if live is None:
+        return ys.reshape(T, k, -1), counts, extra
+    y = ys.new_zeros((T * k, x.shape[1]))
+    y[live] = ys
+    return y.reshape(T, k, -1), counts, extra
+
+
 def _count(moe, stats, *metas) -> torch.Tensor:
     tc = time.perf_counter()
     m = metas[0] if len(metas) == 1 else torch.cat(metas)
@@ -143,18 +222,24 @@ def _count(moe, stats, *metas) -> torch.Tensor:
 
 def moe_dispatch(moe: FusedMoE, x: torch.Tensor, phys: torch.Tensor, counted: torch.Tensor,
                  group, mode: str, stats: CommStats, overlap=None, splits=None,
-                 dropped: bool | None = None) -> tuple[torch.Tensor, torch.Tensor, object]:
+                 dropped: bool | None = None, peer_rows: list[int] | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor, object]:
     """Route ``x`` [T, H] to global slots ``phys`` [T, k] and back.
 
     ``counted`` [T] bool (False = not counted in the load). ``splits``: (rows to each rank [D],
     rows from each rank [D]) when every rank already knows them from the step's exchanged
     counts (``replica_dispatch.Routed.splits``; then the split-size all_to_all is skipped; every
     rank passes them or none does). ``dropped``: ``phys`` may hold -1 (a row dropped by expert
-    capacity: not dispatched, its output row is 0). Returns (expert outputs [T, k, H] unweighted, this rank's
+    capacity: not dispatched, its output row is 0). ``peer_rows``: every rank's dispatched rows
+    of this step (:func:`padded_bounds`; every rank passes them or none does). Returns (expert outputs [T, k, H] unweighted, this rank's
     slot loads int64 [S] as observed by the receiver, the result of ``overlap()`` or None).
     """
     T, k = phys.shape
     S, D, H = moe.slots_per_rank, moe.ep_size, x.shape[1]
+    if D == 1:
+        return _local(moe, x, phys, counted, stats, overlap, dropped)
+    pad = (padded_bounds(peer_rows, T, k, moe.ep_rank, D, (H + 2) * x.element_size())
+           if splits is None and x.dtype in PACKABLE else None)
     flat = phys.reshape(-1)
     live = None if dropped is None else torch.nonzero(flat >= 0).flatten()
     if live is not None:
@@ -174,12 +259,17 @@ def moe_dispatch(moe: FusedMoE, x: torch.Tensor, phys: torch.Tensor, counted: to
     recv = torch.empty_like(send) if splits is None else list(splits[1])   # known: a list
     if mode == FUSED:
         ys, extra, counts = _fused(moe, xs, meta, send, recv, group, stats, overlap,
-                                   known=splits is not None)
+                                   known=splits is not None, pad=pad)
     else:
-        if splits is None:
-            _timed(stats, lambda: _a2a(recv, send, None, None, group))
-        s_l, r_l = send.tolist(), (recv.tolist() if splits is None else recv)
-        xr, mr = _post_rows(xs, meta, r_l, s_l, group).wait(stats)   # no compute in between
+        s_l = send.tolist()
+        if pad is not None:
+            xr, mr, r_l = _post_padded(xs, meta, s_l, pad, moe.ep_rank, False,
+                                       group).wait(stats)
+        else:
+            if splits is None:
+                _timed(stats, lambda: _a2a(recv, send, None, None, group))
+            r_l = recv.tolist() if splits is None else recv
+            xr, mr = _post_rows(xs, meta, r_l, s_l, group).wait(stats)   # no compute between
         yr = moe.compute(xr, mr[:, 0])
         counts = _count(moe, stats, mr)
         ys = x.new_empty((sum(s_l), H))
@@ -190,14 +280,16 @@ def moe_dispatch(moe: FusedMoE, x: torch.Tensor, phys: torch.Tensor, counted: to
     return y.reshape(T, k, H), counts, extra
 
 
-def _fused(moe, xs, meta, send, recv, group, stats, overlap, known=False):
+def _fused(moe, xs, meta, send, recv, group, stats, overlap, known=False, pad=None):
     """Overlapped path: local rows never travel. The remote rows are packed while the split
-    sizes are exchanged (``known``: ``recv`` is already the list of them, nothing to
-    exchange); the local experts and the ``overlap`` work (shared expert) run while the remote
-    rows are in flight.
+    sizes are exchanged (``known``: ``recv`` is already the list of them; ``pad``: the padded
+    blocks' bounds, the split sizes travel with the rows; either way nothing to exchange);
+    the local experts and the ``overlap`` work (shared expert) run while the remote rows are
+    in flight.
     -> (expert outputs in send order [n, H], overlap() result, slot loads [S])."""
     me, H = moe.ep_rank, xs.shape[1]
-    w0 = None if known else _a2a(recv, send, None, None, group, async_op=True)
+    w0 = None if known or pad is not None else _a2a(recv, send, None, None, group,
+                                                     async_op=True)
     s_r = send.tolist()
     lo, n_local = sum(s_r[:me]), s_r[me]
     x_loc, m_loc = xs[lo:lo + n_local], meta[lo:lo + n_local]
@@ -205,12 +297,19 @@ def _fused(moe, xs, meta, send, recv, group, stats, overlap, known=False):
     m_rem = torch.cat([meta[:lo], meta[lo + n_local:]])
     if w0 is not None:
         _timed(stats, w0.wait)
-    r_r = recv if known else recv.tolist()
-    s_r[me] = r_r[me] = 0
-    inflight = _post_rows(x_rem, m_rem, r_r, s_r, group)
+    s_r[me] = 0
+    if pad is not None:
+        inflight = _post_padded(x_rem, m_rem, s_r, pad, me, True, group)
+    else:
+        r_r = recv if known else recv.tolist()
+        r_r[me] = 0
+        inflight = _post_rows(x_rem, m_rem, r_r, s_r, group)
     y_loc = moe.compute(x_loc, m_loc[:, 0])                 # local experts overlap the dispatch
     extra = overlap() if overlap is not None else None     # so does the shared expert
-    xr, mr = inflight.wait(stats)
+    if pad is not None:
+        xr, mr, r_r = inflight.wait(stats)
+    else:
+        xr, mr = inflight.wait(stats)
     yr = moe.compute(xr, mr[:, 0])
     counts = _count(moe, stats, m_loc, mr)
     back = xs.new_empty((x_rem.shape[0], H))

@@ -62,7 +62,10 @@ def local_counts(ids: torch.Tensor, num_logical: int) -> torch.Tensor:
 def exchange_counts(mine: torch.Tensor, group, ep_size: int, stats) -> np.ndarray:
     """All-gather every rank's counts (int64 [E], or any int64 vector of one length on every
     rank, e.g. the projected counts [D + n]) on the EP group -> int64 [D, E] (row = rank).
-    Blocking; its seconds go to ``stats.wait_s`` and ``stats.extra["route_exchange_s"]``."""
+    Blocking; its seconds go to ``stats.wait_s`` and ``stats.extra["route_exchange_s"]``.
+    A 1-rank group exchanges nothing."""
+    if ep_size == 1:
+        return mine.reshape(1, -1).cpu().numpy()
     t = time.perf_counter()
     parts = [torch.empty_like(mine) for _ in range(ep_size)]
     dist.all_gather(parts, mine.contiguous(), group=group)

@@ -35,6 +35,23 @@ class StepInputs:
     ab: AttnBatch | None
 
 
+def _padding(cfg: Config, batch: RankBatch, n_real: int) -> int:
+    """Graph-mode padding rows of a batch of ``n_real`` real rows."""
+    if cfg.runtime.enable_graph and (batch.is_empty or batch.is_pure_decode):
+        return graph_bucket(n_real, cfg.runtime.max_batch_size) - n_real
+    return 0
+
+
+def dispatched_rows(cfg: Config, batches: list[RankBatch]) -> list[int]:
+    """Rows every rank dispatches in a step (real + graph-mode padding; ``StepInputs.toks``'
+    length on that rank), from the step's batches of every rank."""
+    out = []
+    for b in batches:
+        n = sum(len(r.token_ids) for r in b.rows)
+        out.append(n + _padding(cfg, b, n))
+    return out
+
+
 def step_inputs(cfg: Config, kv: KVCache, batch: RankBatch, device: torch.device) -> StepInputs:
     """The step's inputs (see the module docstring); reserves the rows' KV-cache slots."""
     toks, pos, keys, counted, spans = [], [], [], [], []
@@ -61,8 +78,8 @@ def step_inputs(cfg: Config, kv: KVCache, batch: RankBatch, device: torch.device
                        [r.start_pos + len(r.token_ids) for r in batch.rows])
     ab = AttnBatch(spans, [r.start_pos for r in batch.rows], slots, device) \
         if batch.rows else None
-    if cfg.runtime.enable_graph and (batch.is_empty or batch.is_pure_decode):
-        n_pad = graph_bucket(n_real, cfg.runtime.max_batch_size) - n_real
+    n_pad = _padding(cfg, batch, n_real)
+    if n_pad:
         toks += [0] * n_pad
         pos += [0] * n_pad
         keys += [(-1, j, 0) for j in range(n_pad)]

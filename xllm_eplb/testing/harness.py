@@ -21,6 +21,7 @@ from xllm_eplb.model.batch import RankBatch
 from xllm_eplb.model.decoder import Decoder
 from xllm_eplb.model.default_checkpoint import with_default_checkpoint
 from xllm_eplb.model.step import StepResult
+from xllm_eplb.model.step_inputs import dispatched_rows
 from xllm_eplb.testing.dist import run_ranks
 from xllm_eplb.worker.comm import groups_from_world
 
@@ -32,7 +33,8 @@ def _np(res: StepResult) -> StepResult:
 
 def run_steps(model: Decoder, steps: list[list[RankBatch]], rank: int,
               switch: dict | None = None, warmup_steps: tuple = ()) -> list[StepResult]:
-    """Run ``steps`` on one rank's model. ``switch``: step index -> new placement
+    """Run ``steps`` on one rank's model, each rank told every rank's row count as the worker
+    does (``peer_rows``). ``switch``: step index -> new placement
     [L_moe, D*S] materialised (weights + tables) before that step's forward."""
     out = []
     for t, batches in enumerate(steps):
@@ -41,7 +43,8 @@ def run_steps(model: Decoder, steps: list[list[RankBatch]], rank: int,
                 fm.load_placement(np.asarray(switch[t])[ml])
         out.append(_np(model.forward_step(batches[rank], warmup=t in warmup_steps,
                                           pure_decode=is_pure_decode_step(batches),
-                                          return_logits=True, return_routing=True)))
+                                          return_logits=True, return_routing=True,
+                                          peer_rows=dispatched_rows(model.cfg, batches))))
     return out
 
 

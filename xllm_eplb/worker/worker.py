@@ -44,6 +44,7 @@ from xllm_eplb.ipc.ring import InputRing, OutputRing
 from xllm_eplb.ipc.store import ABANDONED
 from xllm_eplb.model.decoder import build_model
 from xllm_eplb.model.reshard import canary, reshard
+from xllm_eplb.model.step_inputs import dispatched_rows
 from xllm_eplb.obs.logs import FILE_ONLY, console_handler, event, setup_logging
 from xllm_eplb.obs.step_timer import StepTimer
 from xllm_eplb.worker import affinity, comm, regroup
@@ -346,7 +347,8 @@ class Worker:
         self.faults.step(msg.step)
         self.executor.before_forward(info)
         c1, t1 = time.thread_time(), time.perf_counter()
-        res = self.model.forward_step(batch, warmup=msg.warmup, pure_decode=msg.pure_decode)
+        res = self.model.forward_step(batch, warmup=msg.warmup, pure_decode=msg.pure_decode,
+                                      peer_rows=dispatched_rows(self.model.cfg, msg.batches))
         c2, t2 = time.thread_time(), time.perf_counter()
         self.executor.after_forward()
         ready = self.executor.consume_ready_token()
