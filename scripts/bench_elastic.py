@@ -35,9 +35,11 @@ accounted by the engine), the idle cost, and CPU and wall per step on / off with
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import random
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -274,8 +276,14 @@ def _run(a, skip: set, tmp: Path, out: dict, rng) -> None:
                   flush=True)
 
 
-def _last_error(s) -> str:
-    """The launcher's error line (why the run stopped), from the server's console output."""
+def _last_error(s, wait_s: float = 10.0) -> str:
+    """The launcher's error line (why the run stopped), from the server's console output.
+
+    NOTE: the client sees the port close when the engine exits; the launcher prints its line
+    1-4 s later (it waits for the cause, then stops the others): wait up to ``wait_s`` for
+    the launcher to exit first (a run A read the console at once: "(no error line)")."""
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        s.proc.wait(wait_s)
     errs = [ln for ln in s.out.read_text().splitlines() if "error" in ln.lower()]
     return errs[-1][:400] if errs else "(no error line)"
 
