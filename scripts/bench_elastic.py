@@ -228,7 +228,9 @@ def main() -> None:
     ap.add_argument("--cores", default="",
                     help="overhead: pin the bench and every server to these cores (e.g. 0-1; "
                          "default: the cores the bench may use now)")
-    ap.add_argument("--keep-logs", type=Path, help="copy every server's logs here")
+    ap.add_argument("--keep-logs", type=Path, help="copy every server's logs here (without it, a run in which "
+                         "a server stopped keeps them in a new bench_elastic_stopped_* "
+                         "folder under the temp dir)")
     ap.add_argument("--skip", default="", help="comma list of: kills, throughput, overhead")
     a = ap.parse_args()
     skip = set(filter(None, a.skip.split(",")))
@@ -243,9 +245,15 @@ def main() -> None:
         try:
             _run(a, skip, tmp, out, rng)
         finally:
-            if a.keep_logs:
-                shutil.copytree(tmp, a.keep_logs, dirs_exist_ok=True, symlinks=True,
+            keep = a.keep_logs
+            # a server that stopped keeps its logs even without --keep-logs (run A lost them)
+            if not keep and any("stopped:" in b for r in out["kills"] for b in r["bad"]):
+                keep = Path(tempfile.mkdtemp(prefix="bench_elastic_stopped_"))
+            if keep:
+                shutil.copytree(tmp, keep, dirs_exist_ok=True, symlinks=True,
                                 ignore=shutil.ignore_patterns("ckpt"))
+                out["logs"] = str(keep)
+                print(f"logs kept in {keep}", file=sys.stderr, flush=True)
     out["wall_s"] = round(time.monotonic() - t0, 1)
     if a.json:
         a.json.write_text(json.dumps(out, indent=1))
