@@ -25,17 +25,23 @@ def _post(port: int, body: dict) -> http.client.HTTPConnection:
     return c
 
 
-@pytest.mark.timeout(60)
-def test_more_waiting_requests_than_allowed_is_a_json_503_overloaded():
-    cfg = config_from_dict({"ep_size": 2, "max_waiting_requests": 2})
-    eng = Engine(cfg, None, [])
-    eng.state = "serving"
+def _api(cfg, eng: Engine) -> ApiServer:
+    """The real API in front of ``eng``, started."""
     lim = ApiLimits(cfg.model.vocab_size, 64, 96, request_timeout_seconds=30)
     backend = ApiBackend(submit=eng.submit, cancel=lambda rid, why: eng.sched.cancel(rid, why),
                          status=eng.status, metrics=eng.render_metrics, health=eng.health,
                          served=ServedModel("tiny", ByteTokenizer(), lim), admit=eng.admit)
     api = ApiServer("127.0.0.1", 0, backend)
     api.start()
+    return api
+
+
+@pytest.mark.timeout(60)
+def test_more_waiting_requests_than_allowed_is_a_json_503_overloaded():
+    cfg = config_from_dict({"ep_size": 2, "max_waiting_requests": 2})
+    eng = Engine(cfg, None, [])
+    eng.state = "serving"
+    api = _api(cfg, eng)
     held = []
     try:
         for _ in range(2):
@@ -75,12 +81,7 @@ def test_a_request_during_an_elastic_recovery_waits_instead_of_a_503():
                                     num_layers=m.num_layers, silence_s=1.0, join_timeout_s=1.0,
                                     metrics=EngineMetrics(2, m.num_layers))
     eng.membership._to(Phase.DETECT)
-    lim = ApiLimits(cfg.model.vocab_size, 64, 96, request_timeout_seconds=30)
-    backend = ApiBackend(submit=eng.submit, cancel=lambda rid, why: eng.sched.cancel(rid, why),
-                         status=eng.status, metrics=eng.render_metrics, health=eng.health,
-                         served=ServedModel("tiny", ByteTokenizer(), lim), admit=eng.admit)
-    api = ApiServer("127.0.0.1", 0, backend)
-    api.start()
+    api = _api(cfg, eng)
     held = _post(api.port, {"prompt": "x", "max_tokens": 2})
     try:
         c = http.client.HTTPConnection("127.0.0.1", api.port, timeout=10)

@@ -19,13 +19,11 @@ LATE = ("import time, sys; time.sleep(1.0); "
         "sys.exit(1)")
 
 
-@pytest.fixture(scope="module")
-def bench():
-    sys.path.insert(0, str(SCRIPTS))
-    try:
-        import bench_elastic
-    finally:
-        sys.path.remove(str(SCRIPTS))
+@pytest.fixture
+def bench(monkeypatch):
+    monkeypatch.syspath_prepend(str(SCRIPTS))     # its sibling modules import too
+    import bench_elastic
+
     return bench_elastic
 
 
