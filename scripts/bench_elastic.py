@@ -35,9 +35,11 @@ accounted by the engine), the idle cost, and CPU and wall per step on / off with
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import random
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -226,7 +228,9 @@ def main() -> None:
     ap.add_argument("--cores", default="",
                     help="overhead: pin the bench and every server to these cores (e.g. 0-1; "
                          "default: the cores the bench may use now)")
-    ap.add_argument("--keep-logs", type=Path, help="copy every server's logs here")
+    ap.add_argument("--keep-logs", type=Path, help="copy every server's logs here (without it, a run in which "
+                         "a server stopped keeps them in a new bench_elastic_stopped_* "
+                         "folder under the temp dir)")
     ap.add_argument("--skip", default="", help="comma list of: kills, throughput, overhead")
     a = ap.parse_args()
     skip = set(filter(None, a.skip.split(",")))
@@ -241,9 +245,15 @@ def main() -> None:
         try:
             _run(a, skip, tmp, out, rng)
         finally:
-            if a.keep_logs:
-                shutil.copytree(tmp, a.keep_logs, dirs_exist_ok=True, symlinks=True,
+            keep = a.keep_logs
+            # a server that stopped keeps its logs even without --keep-logs (run A lost them)
+            if not keep and any("stopped:" in b for r in out["kills"] for b in r["bad"]):
+                keep = Path(tempfile.mkdtemp(prefix="bench_elastic_stopped_"))
+            if keep:
+                shutil.copytree(tmp, keep, dirs_exist_ok=True, symlinks=True,
                                 ignore=shutil.ignore_patterns("ckpt"))
+                out["logs"] = str(keep)
+                print(f"logs kept in {keep}", file=sys.stderr, flush=True)
     out["wall_s"] = round(time.monotonic() - t0, 1)
     if a.json:
         a.json.write_text(json.dumps(out, indent=1))
@@ -274,8 +284,14 @@ def _run(a, skip: set, tmp: Path, out: dict, rng) -> None:
                   flush=True)
 
 
-def _last_error(s) -> str:
-    """The launcher's error line (why the run stopped), from the server's console output."""
+def _last_error(s, wait_s: float = 10.0) -> str:
+    """The launcher's error line (why the run stopped), from the server's console output.
+
+    NOTE: the client sees the port close when the engine exits; the launcher prints its line
+    1-4 s later (it waits for the cause, then stops the others): wait up to ``wait_s`` for
+    the launcher to exit first (a run A read the console at once: "(no error line)")."""
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        s.proc.wait(wait_s)
     errs = [ln for ln in s.out.read_text().splitlines() if "error" in ln.lower()]
     return errs[-1][:400] if errs else "(no error line)"
 

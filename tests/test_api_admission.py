@@ -25,17 +25,23 @@ def _post(port: int, body: dict) -> http.client.HTTPConnection:
     return c
 
 
-@pytest.mark.timeout(60)
-def test_more_waiting_requests_than_allowed_is_a_json_503_overloaded():
-    cfg = config_from_dict({"ep_size": 2, "max_waiting_requests": 2})
-    eng = Engine(cfg, None, [])
-    eng.state = "serving"
+def _api(cfg, eng: Engine) -> ApiServer:
+    """The real API in front of ``eng``, started."""
     lim = ApiLimits(cfg.model.vocab_size, 64, 96, request_timeout_seconds=30)
     backend = ApiBackend(submit=eng.submit, cancel=lambda rid, why: eng.sched.cancel(rid, why),
                          status=eng.status, metrics=eng.render_metrics, health=eng.health,
                          served=ServedModel("tiny", ByteTokenizer(), lim), admit=eng.admit)
     api = ApiServer("127.0.0.1", 0, backend)
     api.start()
+    return api
+
+
+@pytest.mark.timeout(60)
+def test_more_waiting_requests_than_allowed_is_a_json_503_overloaded():
+    cfg = config_from_dict({"ep_size": 2, "max_waiting_requests": 2})
+    eng = Engine(cfg, None, [])
+    eng.state = "serving"
+    api = _api(cfg, eng)
     held = []
     try:
         for _ in range(2):
@@ -54,4 +60,38 @@ def test_more_waiting_requests_than_allowed_is_a_json_503_overloaded():
     finally:
         for c in held:
             c.close()
+        api.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_request_during_an_elastic_recovery_waits_instead_of_a_503():
+    """The engine recovering a death (respawn: 2-8 s): /health answers 503 ``recovering``,
+    but a new completion is queued, not refused (bench_elastic run 4: a trial sent right after
+    an idle kill got 12 x 503)."""
+    from xllm_eplb.elastic.notices import NoticeBox
+    from xllm_eplb.elastic.recovery import EngineRecovery, Phase
+    from xllm_eplb.obs.metrics import EngineMetrics
+
+    cfg = config_from_dict({"ep_size": 2})
+    eng = Engine(cfg, None, [])
+    eng.state = "serving"
+    m = cfg.model
+    eng.membership = EngineRecovery(eng, NoticeBox(lambda t: None, lambda: True, 0), None,
+                                    num_experts=m.num_experts, slots=cfg.slots_per_rank,
+                                    num_layers=m.num_layers, silence_s=1.0, join_timeout_s=1.0,
+                                    metrics=EngineMetrics(2, m.num_layers))
+    eng.membership._to(Phase.DETECT)
+    api = _api(cfg, eng)
+    held = _post(api.port, {"prompt": "x", "max_tokens": 2})
+    try:
+        c = http.client.HTTPConnection("127.0.0.1", api.port, timeout=10)
+        c.request("GET", "/health")
+        r = c.getresponse()
+        assert r.status == 503 and json.loads(r.read())["status"] == "recovering"
+        deadline = time.monotonic() + 10
+        while eng.sched.load()["waiting"] < 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert eng.sched.load() == {"waiting": 1, "running": 0}
+    finally:
+        held.close()
         api.close()
