@@ -88,7 +88,10 @@ def test_survivable_faults_roll_back_and_serving_continues(start_server, ds8_ckp
         t_freeze, t_thaw, t_late = _freeze_mid_prepare(s, eng, r1)
         st = get_json(s.url + "/eplb/status")
         assert st["layers_timed_out"] >= 2 and st["stale_tokens"] >= 1, st
-        assert st["layers_committed"] >= 2 and st["generation"] == st["layers_committed"]
+        # every activation moves the placement epoch; a rollback's restore is no commit
+        assert st["layers_committed"] >= 2, st
+        assert (st["layers_committed"] <= st["placement_epoch"]
+                <= st["layers_committed"] + st["layers_rolled_back"]), st
         assert metric(s.url, "xllm_eplb_rebalance_layers_total", result="timed_out") >= 2
         assert metric(s.url, "xllm_eplb_rebalance_layers_total", result="committed") >= 2
         # the slow step is visible in the step-time histogram: a step above 1 s
