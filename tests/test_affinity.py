@@ -12,18 +12,31 @@ from xllm_eplb.errors import ConfigError
 from xllm_eplb.worker import affinity
 
 
-def test_auto_pins_one_engine_core_and_splits_the_rest():
+def test_auto_splits_the_cores_and_gives_the_engine_what_is_left_over():
     p = affinity.plan("auto", 2, tuple(range(9)))
     assert p.engine == (0,) and p.workers == ((1, 2, 3, 4), (5, 6, 7, 8)) and p.pinned
     p = affinity.plan("auto", 4, (0, 1, 2, 3, 4))
     assert p.workers == ((1,), (2,), (3,), (4,))
+    p = affinity.plan("auto", 8, tuple(range(16)))      # the device machine at EP8
+    assert p.workers == tuple((2 * i, 2 * i + 1) for i in range(8)) and p.engine is None
+    assert p.note == "worker_cpu_affinity=auto: 2 core(s) per worker, engine on the workers' " \
+                     "cores (it runs while they wait for its next step)"
+
+
+def test_auto_on_this_two_core_machine():
+    p = affinity.plan("auto", 1, (0, 1))                # EP1: both cores for the one worker
+    assert p.workers == ((0, 1),) and p.engine is None
+    p = affinity.plan("auto", 2, (0, 1))                # EP2: a core each
+    assert p.workers == ((0,), (1,)) and p.engine is None
+    p = affinity.plan("auto", 3, (0, 1, 2, 3, 4))       # 5 cores, EP3: engine on the spares
+    assert p.workers == ((2,), (3,), (4,)) and p.engine == (0, 1)
+    assert p.note.endswith("engine on core(s) 0-1")
 
 
 def test_auto_falls_back_to_none_with_too_few_cores():
-    p = affinity.plan("auto", 2, (0, 1))                # this 2-core machine at EP2
+    p = affinity.plan("auto", 4, (0, 1))                # this 2-core machine at EP4
     assert not p.pinned and p.engine is None
-    assert p.note == "worker_cpu_affinity=auto: 2 cores for 2 workers + the engine: not " \
-                     "pinned (needs 3)"
+    assert p.note == "worker_cpu_affinity=auto: 2 cores for 4 workers: not pinned (needs 4)"
     assert not affinity.plan("none", 2, tuple(range(64))).pinned
 
 

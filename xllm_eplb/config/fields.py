@@ -195,8 +195,9 @@ class RuntimeConfig:
     run_id: str = opt("", "shared-memory name prefix (default: derived from the port)")
     worker_cpu_affinity: str = opt(
         "auto", "pin each worker to cores of its own and match its torch threads: auto (when "
-        "this machine gives serve >= workers + 1 cores: the engine on the first, the rest split "
-        "evenly; else not pinned, one log line), none, or LIST: one comma-separated entry per "
+        "this machine gives serve >= workers cores: cores // workers each, the engine on the "
+        "cores left over or else on the workers' cores; fewer cores: not pinned, one log "
+        "line), none, or LIST: one comma-separated entry per "
         "local rank, each a core, a range a-b or cores joined by + (e.g. 0,1 or 0-3,4-7); a core "
         "the machine lacks or two ranks on one core is an error")
     # --- multi-node (#14) ---

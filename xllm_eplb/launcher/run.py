@@ -105,7 +105,7 @@ def console_notes(cfg: Config, plan: affinity.AffinityPlan) -> list[str]:
         who = f"{workers} workers" + (" + the engine" if engine else "")
         out.append(f"note: {who} share {cores} cores: every step "
                    f"waits for all of them, so a token takes several times longer than on a "
-                   f"machine with a core per worker (--ep-size {max(2, cores - 1)} or more cores "
+                   f"machine with a core per worker (--ep-size {cores} or more cores "
                    f"make requests faster)")
     return out
 

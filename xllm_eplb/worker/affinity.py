@@ -5,10 +5,11 @@ the slowest rank, and the EP all-to-all waits on whichever rank the scheduler pa
 each rank runs on its own cores, so the step time is the critical path EPLB shortens.
 
 - ``none``: no pinning (every process may run anywhere; one torch thread per rank).
-- ``auto`` (default): pin when this process may use at least ``ranks + 1`` cores (one for the
-  engine, the rest split evenly: rank i gets ``(cores - 1) // ranks`` consecutive cores after
-  the engine's); with fewer it falls back to ``none`` with one log line (2 cores, EP2: not
-  pinned).
+- ``auto`` (default): pin when this process may use at least ``ranks`` cores: rank i gets
+  ``cores // ranks`` consecutive cores; cores left over (fewer than ``ranks``) go to the engine,
+  else the engine runs on the workers' cores (it works between steps, while they wait for it, so
+  a core of its own would sit idle: at EP1 on 2 cores that halved the step's threads). With
+  fewer cores than ranks it falls back to ``none`` with one log line (2 cores, EP4: not pinned).
 - ``LIST``: one entry per local rank, comma-separated; an entry is a core (``3``), a range
   (``4-7``) or several joined by ``+`` (``0+2``): ``0,1`` puts rank 0 on core 0 and rank 1 on
   core 1 (the engine then runs anywhere). Every core must be one this process may use, and no
@@ -94,14 +95,17 @@ def plan(spec: str, ranks: int, cpus: tuple[int, ...] | None = None) -> Affinity
     if spec == "none":
         return AffinityPlan((None,) * ranks, None, f"{FLAG}=none: workers not pinned")
     if spec == "auto":
-        if len(cpus) < ranks + 1:
+        if len(cpus) < ranks:
             return AffinityPlan((None,) * ranks, None,
-                                f"{FLAG}=auto: {len(cpus)} cores for {ranks} workers + the "
-                                f"engine: not pinned (needs {ranks + 1})")
-        k = (len(cpus) - 1) // ranks
-        workers = tuple(cpus[1 + i * k: 1 + (i + 1) * k] for i in range(ranks))
-        return AffinityPlan(workers, cpus[:1], f"{FLAG}=auto: engine on core {cpus[0]}, "
-                                               f"{k} core(s) per worker")
+                                f"{FLAG}=auto: {len(cpus)} cores for {ranks} workers: not "
+                                f"pinned (needs {ranks})")
+        k = len(cpus) // ranks
+        spare = len(cpus) - k * ranks
+        engine = cpus[:spare] or None
+        workers = tuple(cpus[spare + i * k: spare + (i + 1) * k] for i in range(ranks))
+        where = (f"engine on core(s) {_ranges(engine)}" if engine else
+                 "engine on the workers' cores (it runs while they wait for its next step)")
+        return AffinityPlan(workers, engine, f"{FLAG}=auto: {k} core(s) per worker, {where}")
     check_syntax(spec, ranks)
     entries = parse_list(spec)
     missing = sorted({c for e in entries for c in e} - set(cpus))
