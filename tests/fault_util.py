@@ -123,10 +123,16 @@ def wait_for(pred, timeout: float, what: str, server=None):
     raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
 
 
-def metric(url: str, name: str, **labels) -> float:
-    """Sum of the samples of ``name`` with these labels in ``/metrics``."""
+def scrape(url: str) -> str:
+    """One read of ``/metrics``."""
     with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
-        text = r.read().decode()
+        return r.read().decode()
+
+
+def metric(url: str, name: str, *, text: str | None = None, **labels) -> float:
+    """Sum of the samples of ``name`` with these labels in ``/metrics`` (``text``: one scrape
+    already read, so that several values come from the same instant)."""
+    text = scrape(url) if text is None else text
     return sum(x.value for fam in text_string_to_metric_families(text) for x in fam.samples
                if x.name == name and all(x.labels.get(k) == v for k, v in labels.items()))
 

@@ -325,7 +325,7 @@ def test_killed_launcher_takes_its_children_and_shm_with_it(start_server, tmp_pa
     assert waited < 2.0, waited
     s.proc.wait(5)
     engine_log = (s.log_dir / "engine.log").read_text()
-    assert "engine stop signal=SIGTERM launcher=gone" in engine_log, engine_log[-2000:]
+    assert "engine stop signal=SIGUSR1 launcher=gone" in engine_log, engine_log[-2000:]
     deadline = time.monotonic() + 10
     while (s.alive() or shm_objects(s.run_id)) and time.monotonic() < deadline:
         time.sleep(0.2)

@@ -20,6 +20,13 @@ import sys
 import threading
 
 PR_SET_PDEATHSIG = 1
+#: ``PR_SET_PDEATHSIG`` of the children that act on their launcher's death (the engine, a node's
+#: relay), not SIGTERM, which a live launcher sends for a stop: Linux sends it as soon as the
+#: launcher's spawning thread exits, while a SIGKILLed launcher's other threads may still be
+#: going (its pid still the child's parent for a moment), so only this signal tells a child
+#: for certain that its launcher died (:func:`on_launcher_death`)
+LAUNCHER_DEATHSIG = signal.SIGUSR1
+_launcher_died = False
 
 def child_setup(title: str, parent_pid: int, deathsig: int = signal.SIGKILL) -> None:
     """Name the process, ignore terminal ^C, and die with the launcher.
@@ -53,7 +60,20 @@ def child_exit(code: int, events=None) -> None:
 
 
 def parent_alive(parent_pid: int) -> bool:
-    return os.getppid() == parent_pid
+    """False once :data:`LAUNCHER_DEATHSIG` came (:func:`on_launcher_death`) or the process was
+    re-parented."""
+    return not _launcher_died and os.getppid() == parent_pid
+
+
+def on_launcher_death(action) -> None:
+    """On :data:`LAUNCHER_DEATHSIG` (``child_setup(..., deathsig=LAUNCHER_DEATHSIG)``): from
+    then on :func:`parent_alive` is False, then ``action()`` runs (in the signal handler)."""
+    def handler(*_args) -> None:
+        global _launcher_died
+        _launcher_died = True
+        action()
+
+    signal.signal(LAUNCHER_DEATHSIG, handler)
 
 
 def send_event(events, who: str, stage: str, detail: str = "") -> None:

@@ -71,6 +71,10 @@ class LauncherGone:
     message: str
 
 
+def launcher_gone(pid: int) -> LauncherGone:
+    return LauncherGone(f"the launcher (pid {pid}) is gone (killed?): the run stops")
+
+
 NOTICES = {c.__name__: c for c in (WorkerDied, Attached, JoinReady, JoinDropped)}
 
 
@@ -130,8 +134,7 @@ class NoticeBox:
         if self.died is not None:
             return True
         if self.launcher_alive is not None and not self.launcher_alive():
-            self.died = LauncherGone(f"the launcher (pid {self.launcher_pid}) is gone "
-                                     "(killed?): the run stops")
+            self.died = launcher_gone(self.launcher_pid)
             return True
         if self.read is None:
             if timeout:

@@ -12,9 +12,16 @@ import signal
 import time
 from pathlib import Path
 
-from xllm_eplb.child import child_exit, child_setup, parent_alive, send_event
+from xllm_eplb.child import (
+    LAUNCHER_DEATHSIG,
+    child_exit,
+    child_setup,
+    on_launcher_death,
+    parent_alive,
+    send_event,
+)
 from xllm_eplb.config import Config, ranks_per_node
-from xllm_eplb.elastic.notices import NoticeBox
+from xllm_eplb.elastic.notices import NoticeBox, launcher_gone
 from xllm_eplb.engine.batch_rows import with_batch_rows
 from xllm_eplb.engine.engine import Engine
 from xllm_eplb.engine.failures import NOTICE_WAIT, SHUTDOWN, WorkerFault
@@ -118,7 +125,8 @@ def _serve(cfg: Config, events, parent_pid: int, res: dict, stop: dict) -> int:
     res["engine"] = eng = ref["engine"] = Engine(cfg, inp, outs, box=box)
     eng.cores = host_cores(cfg, parent_pid)
     eng.warmup()
-    signal.signal(signal.SIGTERM, lambda signum, _f: _sigterm(eng, parent_pid))
+    signal.signal(signal.SIGTERM, lambda signum, _f: _stop_on(signal.SIGTERM, eng, parent_pid))
+    on_launcher_death(lambda: _stop_on(LAUNCHER_DEATHSIG, eng, parent_pid))
     if stop["early"]:           # a SIGTERM during the warm-up whose SystemExit was swallowed
         raise SystemExit(0)
     send_event(events, "engine", "warmup")
@@ -171,13 +179,15 @@ def _teardown(res: dict, parent_pid: int, run_id: str, reason: str = SHUTDOWN) -
 
 def engine_main(cfg: Config, events, parent_pid: int) -> None:
     """Process entry point (spawned by the launcher)."""
-    # NOTE: SIGTERM on launcher death -> graceful stop, then sweep the run's shm.
-    child_setup("xllm-eplb:engine", parent_pid, deathsig=signal.SIGTERM)
+    # NOTE: the launcher's death (LAUNCHER_DEATHSIG) -> graceful stop, clients told the launcher
+    # is gone, then sweep the run's shm; SIGTERM (the launcher's stop) -> graceful stop
+    child_setup("xllm-eplb:engine", parent_pid, deathsig=LAUNCHER_DEATHSIG)
     Path(cfg.serve.log_dir).mkdir(parents=True, exist_ok=True)
     setup_logging("engine", cfg.serve.v, str(Path(cfg.serve.log_dir) / "engine.log"))
     res: dict = {}
     stop = {"early": False}
     signal.signal(signal.SIGTERM, lambda *a: stop.update(early=True) or _raise_exit())
+    on_launcher_death(lambda: stop.update(early=True) or _raise_exit())
     code, reason = 1, SHUTDOWN
     try:
         code = _serve(cfg, events, parent_pid, res, stop)
@@ -196,17 +206,20 @@ def engine_main(cfg: Config, events, parent_pid: int) -> None:
         send_event(events, "engine", "error", f"{type(e).__name__}: {e}")
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(LAUNCHER_DEATHSIG, signal.SIG_IGN)
+        if reason == SHUTDOWN and not parent_alive(parent_pid):
+            reason = launcher_gone(parent_pid).message
         _teardown(res, parent_pid, cfg.runtime.run_id, reason)
         log.info(event("engine exit", code=code, steps=getattr(res.get("engine"), "step_no", 0)))
         logging.shutdown()
     child_exit(code, events)
 
 
-def _sigterm(eng: Engine, parent_pid: int) -> None:
-    """SIGTERM while serving: a graceful stop (the launcher's stop, or its death:
-    ``PR_SET_PDEATHSIG``)."""
+def _stop_on(sig: signal.Signals, eng: Engine, parent_pid: int) -> None:
+    """SIGTERM (the launcher's stop) or :data:`LAUNCHER_DEATHSIG` (its death) while serving: a
+    graceful stop."""
     gone = not parent_alive(parent_pid)
-    (log.warning if gone else log.info)(event("engine stop", signal="SIGTERM",
+    (log.warning if gone else log.info)(event("engine stop", signal=sig.name,
                                               launcher="gone" if gone else f"pid {parent_pid}"))
     eng.request_stop()
 

@@ -35,7 +35,14 @@ import msgpack
 import torch
 import torch.distributed as dist
 
-from xllm_eplb.child import child_exit, child_setup, parent_alive, send_event
+from xllm_eplb.child import (
+    LAUNCHER_DEATHSIG,
+    child_exit,
+    child_setup,
+    on_launcher_death,
+    parent_alive,
+    send_event,
+)
 from xllm_eplb.config import Config, node_ranks
 from xllm_eplb.ipc.errors import PeerDeadError, RingTimeoutError
 from xllm_eplb.ipc.messages import KIND_INPUT, decode, encode
@@ -256,16 +263,13 @@ def bridge_main(cfg: Config, peer: int, origin_run_id: str, store_port: int, eve
     node = cfg.runtime.node_rank
     who = f"bridge{peer}"
     # NOTE: the relay must sweep its node's shm when its launcher is killed (no one else is
-    # left there); node 0's hubs die with the launcher (the engine sweeps node 0). The relay's
-    # death signal is its own (RELAY_DEATHSIG), not SIGTERM: it comes when the launcher's
-    # spawning thread exits, while the launcher's other threads may still be going down (the
-    # parent pid unchanged), so only it says "wait for the launcher to be gone, then sweep".
+    # left there); node 0's hubs die with the launcher (the engine sweeps node 0).
     child_setup(f"xllm-eplb:{who}", parent_pid,
-                deathsig=RELAY_DEATHSIG if node else signal.SIGKILL)
+                deathsig=LAUNCHER_DEATHSIG if node else signal.SIGKILL)
     setup_logging(who, cfg.serve.v, str(Path(cfg.serve.log_dir) / f"{who}.log"))
     signal.signal(signal.SIGTERM, _exit_on_term)
     if node:
-        signal.signal(RELAY_DEATHSIG, _exit_on_launcher_death)
+        on_launcher_death(_exit_on_term)
     send_event(events, who, "spawned")
     end = None
     code = 1
@@ -292,7 +296,7 @@ def bridge_main(cfg: Config, peer: int, origin_run_id: str, store_port: int, eve
         if end is not None:
             end.close()                             # its rings: unmapped, so sweepable
         # NOTE: sweep before the link's teardown (destroy_process_group), which can be slow
-        if node and _launcher_gone(parent_pid):
+        if node and not parent_alive(parent_pid):
             sweep_until_clean(cfg.runtime.run_id)   # the node's workers die with the launcher
         if end is not None and end.link is not None:
             end.link.close()
@@ -303,27 +307,3 @@ def bridge_main(cfg: Config, peer: int, origin_run_id: str, store_port: int, eve
 def _exit_on_term(*_args) -> None:
     raise SystemExit(1)
 
-
-#: the remote relay's ``PR_SET_PDEATHSIG``: its launcher's spawning thread exited
-RELAY_DEATHSIG = signal.SIGUSR1
-#: how long a relay told of its launcher's death waits for the launcher's last thread (seconds)
-LAUNCHER_EXIT_WAIT = 5.0
-_launcher_died = False
-
-
-def _exit_on_launcher_death(*_args) -> None:
-    global _launcher_died
-    _launcher_died = True
-    raise SystemExit(1)
-
-
-def _launcher_gone(parent_pid: int) -> bool:
-    """Whether the launcher is gone (the relay reparented); after :data:`RELAY_DEATHSIG`,
-    waits up to :data:`LAUNCHER_EXIT_WAIT` for it (a SIGKILLed launcher's threads exit one by
-    one, and until the last has, the relay's parent pid is still the launcher's)."""
-    deadline = time.monotonic() + (LAUNCHER_EXIT_WAIT if _launcher_died else 0.0)
-    while parent_alive(parent_pid):
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(0.02)
-    return True
