@@ -159,7 +159,7 @@ class Fp8Slots:
         over the whole stack; over 1 it may split the GEMM across threads and round apart)."""
         per = self.w2_q[0].numel() * 3 * (2 + 4 + (0 if self.dtype == torch.float32
                                                    else self.dtype.itemsize))
-        return max(2, CHUNK_BYTES // per)
+        return max(2, min(self.n, CHUNK_BYTES // per))
 
     def dense_range(self, a: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Dequantized (w13 [b-a, 2I, H], w2 [b-a, H, I]) of slots ``a..b-1``: views of the
