@@ -132,22 +132,52 @@ def fp8_child(ckpt: str, batch: int, steps: int, reps: int, threads: int) -> dic
             res = _fp8_steps(models, batch, steps, reps)
         finally:
             dist.destroy_process_group()
-    store = models["per_step"].moe_layers[0].store
-    if hasattr(store, "dense_range"):                   # the chunked per-step path
-        from xllm_eplb.model.moe import chunk_spans
-
-        def deq():
-            for a, b in chunk_spans(store.n, store.chunk):
-                store.dense_range(a, b)
-        deq()
-        best = float("inf")
-        for _ in range(5):
-            t0 = time.perf_counter()
-            deq()
-            best = min(best, time.perf_counter() - t0)
-        res["dequant_ms_per_layer"] = 1e3 * best
-        res["chunk_experts"] = store.chunk
+    if hasattr(models["per_step"].moe_layers[0].store, "dense_range"):   # chunked per step
+        res["layer_ms"] = _fp8_layer(models, batch)
     return res
+
+
+class _CacheChunks:
+    """The cached store's dense weights handed out chunk by chunk as the per-step store's
+    ``dense_range`` would (no dequantization): the chunked GEMMs alone."""
+
+    def __init__(self, cached, per_step):
+        self.cache, self.n, self.chunk = cached.cache, per_step.n, per_step.chunk
+
+    def dense_range(self, a: int, b: int):
+        return self.cache[0][a:b], self.cache[1][a:b]
+
+
+def _fp8_layer(models: dict, batch: int, reps: int = 20) -> dict:
+    """One MoE layer's expert compute at a decode step of ``batch`` rows (top-k distinct
+    random slots each), split: ``cached`` (``grouped_ffn`` over the resident cache),
+    ``chunked_gemm`` (the same chunk loop over cache views: GEMMs alone), ``dequant`` (every
+    slot's ``dense_range``, chunk by chunk: dequantization alone), ``per_step`` (both, as
+    served). Median and best ms of ``reps`` interleaved timings each."""
+    import torch
+
+    from xllm_eplb.model.moe import chunk_spans, grouped_ffn
+
+    cached, per = models["cached"].moe_layers[0], models["per_step"].moe_layers[0]
+    k, S = cached.cfg.model.num_experts_per_tok, per.store.n
+    g = torch.Generator().manual_seed(0)
+    slots = torch.stack([torch.randperm(S, generator=g)[:k] for _ in range(batch)]).reshape(-1)
+    x = torch.randn(slots.numel(), cached.cfg.model.hidden_size, generator=g)
+    view = _CacheChunks(cached.store, per.store)
+    fns = {"cached": lambda: grouped_ffn(x, *cached.store.weights(slots)),
+           "chunked_gemm": lambda: grouped_ffn(x, None, None, slots, chunks=view),
+           "dequant": lambda: [per.store.dense_range(a, b)
+                               for a, b in chunk_spans(S, per.store.chunk)],
+           "per_step": lambda: grouped_ffn(x, None, None, slots, chunks=per.store)}
+    t: dict = {n: [] for n in fns}
+    for r in range(reps + 1):
+        for n, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            if r:
+                t[n].append(1e3 * (time.perf_counter() - t0))
+    return {"chunk_experts": per.store.chunk,
+            **{n: {"median": statistics.median(v), "best": min(v)} for n, v in t.items()}}
 
 
 def _fp8_steps(models: dict, batch: int, steps: int, reps: int) -> dict:
@@ -215,9 +245,14 @@ def fp8_main(args) -> int:
                 print(f"{name}: cached {res['step_ms']['cached']:.1f} ms, per-step "
                       f"{res['step_ms']['per_step']:.1f} ms -> {res['per_step_over_cached']:.2f}x; "
                       f"experts {res['experts_ms']['cached']:.1f} / "
-                      f"{res['experts_ms']['per_step']:.1f} ms; dequant alone "
-                      f"{res.get('dequant_ms_per_layer', float('nan')):.1f} ms/layer; logits "
+                      f"{res['experts_ms']['per_step']:.1f} ms; logits "
                       f"{'==' if res['logits_equal'] else '!='}", flush=True)
+                if "layer_ms" in res:
+                    lm = res["layer_ms"]
+                    print("  one layer, median ms: " + ", ".join(
+                        f"{n} {lm[n]['median']:.2f}" for n in
+                        ("cached", "chunked_gemm", "dequant", "per_step")) +
+                        f" (chunks of {lm['chunk_experts']} experts)", flush=True)
     for name, runs in out["runs"].items():
         out[f"{name}_per_step_over_cached"] = statistics.median(
             r["per_step_over_cached"] for r in runs)
