@@ -23,7 +23,7 @@ every step's logits were equal. ``--before DIR`` (another checkout, e.g. ``git a
 processes with this tree's (``--rounds`` each).
 
     python scripts/bench_model.py --fp8 [--quick] [--json PATH] [--before DIR] [--batch 32]
-        [--steps 32] [--threads 2] [--rounds 2] [--reps 3]
+        [--steps 32] [--threads 2] [--rounds 2] [--reps 2]
 """
 
 from __future__ import annotations
@@ -220,7 +220,7 @@ def torch_equal(a, b) -> bool:
 
 def fp8_main(args) -> int:
     steps = args.steps or (8 if args.quick else 32)
-    reps = args.reps or (2 if args.quick else 3)
+    reps = args.reps or 2
     rounds = args.rounds or (1 if args.quick else 2)
     trees = ([("before", str(Path(args.before).resolve()))] if args.before else []) + [
         ("after", str(ROOT))]
