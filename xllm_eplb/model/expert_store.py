@@ -15,10 +15,13 @@ migration, the staging buffers and the canary only ever see "the tensors of a sl
 :class:`Fp8Slots`: ``w13_q`` float8_e4m3fn [n, 2I, H] (gate rows, up rows), ``w13_s`` float32
 [n, 2, ceil(I/bn), ceil(H/bk)] (gate and up keep separate grids: a concatenated grid is shared
 only when I % bn == 0), ``w2_q`` [n, H, I], ``w2_s`` [n, ceil(H/bn), ceil(I/bk)]. Compute
-dequantizes with :func:`fp8.dequantize` (transformers' rule): per step the active slots only
-(memory: the fp8 footprint plus a :class:`DequantScratch` the size of one layer's active slots,
-shared by the layers of a rank), or, with ``cache``, a resident dequantized copy of every slot,
-refreshed by ``refresh`` (more memory, no per-step work). Both give identical weights.
+dequantizes by transformers' rule (:mod:`fp8`): per step the active slots only, a chunk of a
+few experts at a time right before their GEMMs (:meth:`Fp8Slots.dense_range`, used by
+``moe.grouped_ffn``; memory: the fp8 footprint plus a :class:`DequantScratch` of one chunk,
+``CHUNK_BYTES``, shared by the layers of a rank), or, with ``cache``, a resident dequantized
+copy of every slot, refreshed by ``refresh`` (more memory, no per-step work). Both give
+identical weights and outputs. ``weights`` / ``dense`` of a per-step store dequantize a whole
+stack of slots at once (the single-process reference, tests).
 """
 
 from __future__ import annotations
@@ -26,6 +29,11 @@ from __future__ import annotations
 import torch
 
 from xllm_eplb.model import fp8
+
+#: the per-step FP8 path's chunk budget (bytes of a chunk's dequantization buffers): on a
+#: 2-core EPYC (L2 1 MiB per core, L3 32 MiB) two 768 x 384 experts (~10 MiB) ran the
+#: dequantization passes ~2-4x faster than the whole active stack, four (~20 MiB) no faster
+CHUNK_BYTES = 12 << 20
 
 
 class DenseSlots:
@@ -83,7 +91,7 @@ class Fp8Slots:
                  device: torch.device, fmt: fp8.Fp8Format, cache: bool = False,
                  scratch: DequantScratch | None = None):
         self.fmt, self.dtype = fmt, dtype
-        self.inter = inter
+        self.n, self.inter = n, inter
         self.scratch = scratch if scratch is not None else DequantScratch()
         g13, g2 = fp8.grid((inter, hidden), fmt.block), fp8.grid((hidden, inter), fmt.block)
         self.w13_q = torch.empty((n, 2 * inter, hidden), dtype=fp8.FP8, device=device)
@@ -141,6 +149,34 @@ class Fp8Slots:
         fp8.dequantize(q13.view(m, 2, self.inter, H), self.w13_s[ids], b, dt,
                        out=w13.view(m, 2, self.inter, H), work=work)
         fp8.dequantize(q2, self.w2_s[ids], b, dt, out=w2, work=work)
+        return w13, w2
+
+    @property
+    def chunk(self) -> int:
+        """Experts per chunk of the per-step path (:meth:`dense_range`): as many as keep the
+        chunk's buffers (int16 bits, float32, the model dtype) within ``CHUNK_BYTES``, at
+        least 2 (a batched GEMM over 2+ experts gives each expert's rows the bits it gives
+        over the whole stack; over 1 it may split the GEMM across threads and round apart)."""
+        per = self.w2_q[0].numel() * 3 * (2 + 4 + (0 if self.dtype == torch.float32
+                                                   else self.dtype.itemsize))
+        return max(2, min(self.n, CHUNK_BYTES // per))
+
+    def dense_range(self, a: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dequantized (w13 [b-a, 2I, H], w2 [b-a, H, I]) of slots ``a..b-1``: views of the
+        scratch's chunk buffers, valid until the next call (the per-step path dequantizes a
+        chunk right before its GEMMs, so it is read back from cache, not memory)."""
+        c, dev, sc, b_ = b - a, self.w13_q.device, self.scratch, self.fmt.block
+        n = c * self.w13_q[0].numel() + c * self.w2_q[0].numel()
+        q13 = self.w13_q[a:b].view(c, 2, self.inter, -1)
+        w13, w2 = fp8.dequantize_parts(
+            [(q13, fp8.scale_factors(self.w13_s[a:b])),
+             (self.w2_q[a:b], fp8.scale_factors(self.w2_s[a:b]))], b_,
+            sc.get("chunk_f32", (n,), torch.float32, dev), sc.get("chunk_i16", (n,), torch.int16, dev))
+        w13 = w13.view(c, 2 * self.inter, -1)
+        if self.dtype != torch.float32:         # the rule's one cast, into the model dtype
+            out = sc.get("chunk_out", (n,), self.dtype, dev)
+            w13 = out[:w13.numel()].view(w13.shape).copy_(w13)
+            w2 = out[w13.numel():n].view(w2.shape).copy_(w2)
         return w13, w2
 
     def weights(self, slots: torch.Tensor):

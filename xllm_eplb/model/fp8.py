@@ -106,19 +106,46 @@ def decode(q: torch.Tensor, out: torch.Tensor | None = None,
     for every finite code (the two NaN codes, which :func:`quantize` never writes, decode to
     +-480). ``work``: an int16 buffer of at least ``q.numel()`` elements (else one is made).
 
-    How: the fp8 byte sign-extended to int16 and shifted left by 7 is the float16 with the same
-    sign, mantissa and (exponent - 8), once the stray exponent bit 14 is cleared; float16 ->
-    float32 and * 256 are exact (``unscaled``: leave out the * 256, for a caller that folds it
-    into its own product: x / 256 * (s * 256) rounds exactly as x * s). All vectorised in-place passes: torch's own fp8 conversion is
-    a scalar loop, several times slower on CPU."""
+    How: the fp8 byte sign-extended to int16 and shifted left by 7 (a wrapping multiply by
+    128: the same bits, a faster vectorised pass) is the float16 with the same sign, mantissa
+    and (exponent - 8), once the stray exponent bit 14 is cleared; float16 -> float32 and * 256
+    are exact (``unscaled``: leave out the * 256, for a caller that folds it into its own
+    product: x / 256 * (s * 256) rounds exactly as x * s). All vectorised in-place passes:
+    torch's own fp8 conversion is a scalar loop, several times slower on CPU."""
     i16 = (torch.empty(q.shape, dtype=torch.int16, device=q.device) if work is None
            else work.reshape(-1)[:q.numel()].view(q.shape))
     i16.copy_(q.view(torch.int8))
-    i16.bitwise_left_shift_(7).bitwise_and_(-16385)
+    _half_bits_(i16)
     if out is None:
         out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
     out.copy_(i16.view(torch.float16))
     return out if unscaled else out.mul_(256.0)
+
+
+def _half_bits_(i16: torch.Tensor) -> torch.Tensor:
+    """Sign-extended fp8 bytes -> the float16 bits of value / 256, in place (see decode)."""
+    return i16.mul_(128).bitwise_and_(-16385)
+
+
+def scale_factors(s: torch.Tensor) -> torch.Tensor:
+    """Scales as :func:`scale_` takes them: float32 times the 2^8 an unscaled decode leaves
+    out (exact)."""
+    return s.to(torch.float32) * 256.0
+
+
+def scale_(w: torch.Tensor, sf: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """Multiply the unscaled decode ``w`` float32 [..., R, C] in place by its blocks' factors
+    ``sf`` [..., ceil(R/bn), ceil(C/bk)] (:func:`scale_factors`): the rule's one fp32
+    product."""
+    R, C = w.shape[-2:]
+    gr, gc = sf.shape[-2:]
+    bn, bk = block
+    if R == gr * bn and C == gc * bk:
+        lead = w.shape[:-2]
+        w.view(*lead, gr, bn, gc, bk).mul_(sf.reshape(*lead, gr, 1, gc, 1))
+    else:                           # partial edge blocks: expand the grid and cut it to [R, C]
+        w.mul_(sf.repeat_interleave(bn, dim=-2)[..., :R, :].repeat_interleave(bk, dim=-1)[..., :C])
+    return w
 
 
 def dequantize(q: torch.Tensor, s: torch.Tensor, block: tuple[int, int], dtype: torch.dtype,
@@ -129,9 +156,6 @@ def dequantize(q: torch.Tensor, s: torch.Tensor, block: tuple[int, int], dtype: 
     one cast (into ``out`` when given). ``work``: (int16, float32) buffers of at least
     ``q.numel()`` elements for the temporaries (else they are allocated); a float32 ``out`` is
     its own temporary."""
-    R, C = q.shape[-2:]
-    gr, gc = s.shape[-2:]
-    bn, bk = block
     i16, f32 = work if work is not None else (None, None)
     if out is not None and out.dtype == torch.float32 and out.is_contiguous():
         w = out
@@ -139,16 +163,29 @@ def dequantize(q: torch.Tensor, s: torch.Tensor, block: tuple[int, int], dtype: 
         w = f32.reshape(-1)[:q.numel()].view(q.shape)
     else:
         w = None
-    w = decode(q, w, i16, unscaled=True)
-    sf = s.to(torch.float32) * 256.0             # the decode's 2^8, exact (see decode)
-    if R == gr * bn and C == gc * bk:
-        lead = q.shape[:-2]
-        w.view(*lead, gr, bn, gc, bk).mul_(sf.reshape(*lead, gr, 1, gc, 1))
-    else:                           # partial edge blocks: expand the grid and cut it to [R, C]
-        w.mul_(sf.repeat_interleave(bn, dim=-2)[..., :R, :].repeat_interleave(bk, dim=-1)[..., :C])
+    w = scale_(decode(q, w, i16, unscaled=True), scale_factors(s), block)
     if out is None:
         return w.to(dtype, copy=work is not None)      # never hand out the work buffer
     return w if w is out else out.copy_(w)
+
+
+def dequantize_parts(parts: list[tuple[torch.Tensor, torch.Tensor]], block: tuple[int, int],
+                     out: torch.Tensor, i16: torch.Tensor) -> list[torch.Tensor]:
+    """Several fp8 tensors at once, each by :func:`dequantize`'s rule into float32:
+    ``parts`` [(q [..., R, C], sf [..., ceil(R/bn), ceil(C/bk)] from :func:`scale_factors`)]
+    -> views of consecutive ranges of ``out`` (1-D float32) shaped as each ``q``; ``i16``
+    (1-D int16) holds the bits. Each decode pass runs once over all the parts, not once per
+    part (the per-step expert path calls this per chunk of experts: few ops, cache-sized)."""
+    off, views = 0, []
+    for q, _ in parts:
+        n = q.numel()
+        i16[off:off + n].view(q.shape).copy_(q.view(torch.int8))
+        views.append(out[off:off + n].view(q.shape))
+        off += n
+    out[:off].copy_(_half_bits_(i16[:off]).view(torch.float16))
+    for w, (_, sf) in zip(views, parts, strict=True):
+        scale_(w, sf, block)
+    return views
 
 
 def quantize(w: torch.Tensor, block: tuple[int, int],

@@ -47,7 +47,7 @@ import torch.nn.functional as F
 from xllm_eplb.config import Config
 from xllm_eplb.eplb import placement
 from xllm_eplb.eplb import replica_routing as rr
-from xllm_eplb.model.expert_store import DequantScratch, make_store, slot_checksum
+from xllm_eplb.model.expert_store import DequantScratch, Fp8Slots, make_store, slot_checksum
 from xllm_eplb.model.fp8 import Fp8Format
 from xllm_eplb.model.loader import torch_dtype
 
@@ -190,7 +190,10 @@ class FusedMoE:
         return s
 
     def _compute(self, x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        w13, w2, idx = self.store.weights(slots)
+        st = self.store
+        if st.kind == "fp8" and st.cache is None:          # per step, chunk by chunk
+            return grouped_ffn(x, None, None, slots, chunks=st)
+        w13, w2, idx = st.weights(slots)
         return grouped_ffn(x, w13, w2, idx)
 
     def count(self, slots: torch.Tensor, counted: torch.Tensor) -> torch.Tensor:
@@ -199,31 +202,48 @@ class FusedMoE:
         return out.index_add_(0, slots, counted.to(torch.int64))
 
 
-def grouped_ffn(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                idx: torch.Tensor) -> torch.Tensor:
+def grouped_ffn(x: torch.Tensor, w13: torch.Tensor | None, w2: torch.Tensor | None,
+                idx: torch.Tensor, chunks: Fp8Slots | None = None) -> torch.Tensor:
     """Row n of ``x`` [N, H] through expert ``idx[n]`` of ``w13`` [M, 2I, H], ``w2``
     [M, H, I] -> [N, H]. Rows are sorted by expert; then either one padded batched GEMM pair
     over the experts ``lo..hi`` the rows touch (:func:`_padded_ffn`: no per-expert Python,
     the weights read in place, in parallel over experts) or one GEMM pair per active expert,
-    whichever :func:`_use_padded` expects to be cheaper."""
+    whichever :func:`_use_padded` expects to be cheaper.
+
+    ``chunks`` (the FP8 per-step path: an :class:`Fp8Slots` without cache; ``w13`` and ``w2``
+    None, M its slots): the experts are dequantized ``chunks.chunk`` at a time
+    (``dense_range``), each chunk's GEMMs right after its dequantization, so the dense chunk
+    is read back from cache and only the fp8 bytes come from memory. The same choice and
+    GEMM shapes per expert as over the dequantized stack, batched GEMMs over 2+ experts: the
+    same outputs as the resident cache."""
     if x.shape[0] == 0:
         return torch.empty_like(x)
     order = torch.argsort(idx, stable=True)
     sidx = idx[order]
-    counts = torch.bincount(sidx, minlength=w13.shape[0])
+    counts = torch.bincount(sidx, minlength=w13.shape[0] if chunks is None else chunks.n)
     lo, hi = int(sidx[0]), int(sidx[-1]) + 1
     cl = counts[lo:hi].tolist()
     out = torch.empty_like(x)
     if _use_padded(cl):
-        out[order] = _padded_ffn(x[order], sidx, counts, w13, w2, lo, hi, max(cl))
+        out[order] = _padded_ffn(x[order], sidx, counts, w13, w2, lo, hi, max(cl), chunks)
         return out
     xs = x[order]
     ys = torch.empty_like(xs)
-    start = 0
+    start, run, w = 0, (0, 0), (w13, w2)
     for j, c in enumerate(cl):
-        if c:
-            ys[start:start + c] = expert_ffn(xs[start:start + c], w13[lo + j], w2[lo + j])
-            start += c
+        if not c:
+            continue
+        if chunks is None:
+            k = lo + j
+        else:                   # dequantize the run of active experts from j, chunk-sized
+            if not run[0] <= j < run[1]:
+                end = j + 1
+                while end < len(cl) and end - j < chunks.chunk and cl[end]:
+                    end += 1
+                run, w = (j, end), chunks.dense_range(lo + j, lo + end)
+            k = j - run[0]
+        ys[start:start + c] = expert_ffn(xs[start:start + c], w[0][k], w[1][k])
+        start += c
     out[order] = ys
     return out
 
@@ -245,19 +265,42 @@ def _use_padded(counts: list[int]) -> bool:
     return pad <= loop
 
 
-def _padded_ffn(xs: torch.Tensor, sidx: torch.Tensor, counts: torch.Tensor, w13: torch.Tensor,
-                w2: torch.Tensor, lo: int, hi: int, n_max: int) -> torch.Tensor:
+def _padded_ffn(xs: torch.Tensor, sidx: torch.Tensor, counts: torch.Tensor,
+                w13: torch.Tensor | None, w2: torch.Tensor | None, lo: int, hi: int, n_max: int,
+                chunks: Fp8Slots | None = None) -> torch.Tensor:
     """Rows ``xs`` [N, H] sorted by expert ``sidx`` [N] (``counts`` rows per expert) through
     experts ``lo..hi-1``: scattered into [hi-lo, n_max, H] (zero padding), two ``bmm`` over
-    the experts' weights as stored (views, no copy), gathered back -> [N, H]."""
+    the experts' weights as stored (views, no copy), or chunk by chunk of ``chunks``'
+    dequantized experts (chunks of 2+, skipping those without rows), gathered back -> [N, H]."""
     first = torch.cumsum(counts, 0) - counts                 # first sorted row of each expert
     rank = torch.arange(xs.shape[0], device=xs.device) - first[sidx]
     e = sidx - lo
     xp = xs.new_zeros((hi - lo, n_max, xs.shape[1]))
     xp[e, rank] = xs
-    g, u = torch.bmm(xp, w13[lo:hi].transpose(1, 2)).chunk(2, dim=-1)
-    yp = torch.bmm(F.silu(g) * u, w2[lo:hi].transpose(1, 2))
+    if chunks is None:
+        return _bmm_ffn(xp, w13[lo:hi], w2[lo:hi])[e, rank]
+    yp = torch.empty_like(xp)
+    cl = counts[lo:hi].tolist()
+    for a, b in chunk_spans(hi - lo, chunks.chunk):
+        if any(cl[a:b]):
+            _bmm_ffn(xp[a:b], *chunks.dense_range(lo + a, lo + b), out=yp[a:b])
     return yp[e, rank]
+
+
+def chunk_spans(n: int, c: int) -> list[tuple[int, int]]:
+    """``0..n`` cut into spans of ``c`` (>= 2), the last one 1 longer rather than 1 alone
+    (one expert alone: see ``Fp8Slots.chunk``)."""
+    b = list(range(0, n, c)) + [n]
+    if len(b) > 2 and b[-1] - b[-2] == 1:
+        del b[-2]
+    return list(zip(b[:-1], b[1:], strict=True))
+
+
+def _bmm_ffn(xp: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+             out: torch.Tensor | None = None) -> torch.Tensor:
+    """SwiGLU over experts: xp [M, n, H], w13 [M, 2I, H], w2 [M, H, I] -> [M, n, H]."""
+    g, u = torch.bmm(xp, w13.transpose(1, 2)).chunk(2, dim=-1)
+    return torch.bmm(F.silu(g) * u, w2.transpose(1, 2), out=out)
 
 
 def expert_ffn(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
