@@ -28,17 +28,23 @@ PR_SET_PDEATHSIG = 1
 LAUNCHER_DEATHSIG = signal.SIGUSR1
 _launcher_died = False
 
-def child_setup(title: str, parent_pid: int, deathsig: int = signal.SIGKILL) -> None:
+def child_setup(title: str, parent_pid: int, deathsig: int = signal.SIGKILL,
+                on_death=None) -> None:
     """Name the process, ignore terminal ^C, and die with the launcher.
 
-    ``deathsig`` is delivered when the launcher dies (Linux ``PR_SET_PDEATHSIG``); the parent
-    check covers a launcher that died before the call.
+    ``deathsig`` is delivered when the launcher dies (Linux ``PR_SET_PDEATHSIG``); with
+    ``on_death`` it is :data:`LAUNCHER_DEATHSIG` instead, handled by ``on_death()``
+    (:func:`on_launcher_death`, installed before the death signal is armed). The parent check
+    covers a launcher that died before the call.
     """
     with contextlib.suppress(Exception):
         import setproctitle
 
         setproctitle.setproctitle(title)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if on_death is not None:
+        on_launcher_death(on_death)
+        deathsig = LAUNCHER_DEATHSIG
     with contextlib.suppress(Exception):
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         libc.prctl(PR_SET_PDEATHSIG, int(deathsig), 0, 0, 0)

@@ -181,13 +181,13 @@ def engine_main(cfg: Config, events, parent_pid: int) -> None:
     """Process entry point (spawned by the launcher)."""
     # NOTE: the launcher's death (LAUNCHER_DEATHSIG) -> graceful stop, clients told the launcher
     # is gone, then sweep the run's shm; SIGTERM (the launcher's stop) -> graceful stop
-    child_setup("xllm-eplb:engine", parent_pid, deathsig=LAUNCHER_DEATHSIG)
+    stop = {"early": False}
+    child_setup("xllm-eplb:engine", parent_pid,
+                on_death=lambda: stop.update(early=True) or _raise_exit())
     Path(cfg.serve.log_dir).mkdir(parents=True, exist_ok=True)
     setup_logging("engine", cfg.serve.v, str(Path(cfg.serve.log_dir) / "engine.log"))
     res: dict = {}
-    stop = {"early": False}
     signal.signal(signal.SIGTERM, lambda *a: stop.update(early=True) or _raise_exit())
-    on_launcher_death(lambda: stop.update(early=True) or _raise_exit())
     code, reason = 1, SHUTDOWN
     try:
         code = _serve(cfg, events, parent_pid, res, stop)

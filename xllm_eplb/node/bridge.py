@@ -35,14 +35,7 @@ import msgpack
 import torch
 import torch.distributed as dist
 
-from xllm_eplb.child import (
-    LAUNCHER_DEATHSIG,
-    child_exit,
-    child_setup,
-    on_launcher_death,
-    parent_alive,
-    send_event,
-)
+from xllm_eplb.child import child_exit, child_setup, parent_alive, send_event
 from xllm_eplb.config import Config, node_ranks
 from xllm_eplb.ipc.errors import PeerDeadError, RingTimeoutError
 from xllm_eplb.ipc.messages import KIND_INPUT, decode, encode
@@ -264,12 +257,9 @@ def bridge_main(cfg: Config, peer: int, origin_run_id: str, store_port: int, eve
     who = f"bridge{peer}"
     # NOTE: the relay must sweep its node's shm when its launcher is killed (no one else is
     # left there); node 0's hubs die with the launcher (the engine sweeps node 0).
-    child_setup(f"xllm-eplb:{who}", parent_pid,
-                deathsig=LAUNCHER_DEATHSIG if node else signal.SIGKILL)
+    child_setup(f"xllm-eplb:{who}", parent_pid, on_death=_exit_on_term if node else None)
     setup_logging(who, cfg.serve.v, str(Path(cfg.serve.log_dir) / f"{who}.log"))
     signal.signal(signal.SIGTERM, _exit_on_term)
-    if node:
-        on_launcher_death(_exit_on_term)
     send_event(events, who, "spawned")
     end = None
     code = 1
