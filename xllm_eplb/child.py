@@ -28,6 +28,7 @@ PR_SET_PDEATHSIG = 1
 LAUNCHER_DEATHSIG = signal.SIGUSR1
 _launcher_died = False
 
+
 def child_setup(title: str, parent_pid: int, deathsig: int = signal.SIGKILL,
                 on_death=None) -> None:
     """Name the process, ignore terminal ^C, and die with the launcher.
@@ -72,8 +73,9 @@ def parent_alive(parent_pid: int) -> bool:
 
 
 def on_launcher_death(action) -> None:
-    """On :data:`LAUNCHER_DEATHSIG` (``child_setup(..., deathsig=LAUNCHER_DEATHSIG)``): from
-    then on :func:`parent_alive` is False, then ``action()`` runs (in the signal handler)."""
+    """On :data:`LAUNCHER_DEATHSIG` (armed by ``child_setup(..., on_death=)``): from then on
+    :func:`parent_alive` is False, then ``action()`` runs (in the signal handler); a later call
+    replaces the action (the engine's serving loop stops differently from its start-up)."""
     def handler(*_args) -> None:
         global _launcher_died
         _launcher_died = True

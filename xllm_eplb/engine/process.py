@@ -182,12 +182,16 @@ def engine_main(cfg: Config, events, parent_pid: int) -> None:
     # NOTE: the launcher's death (LAUNCHER_DEATHSIG) -> graceful stop, clients told the launcher
     # is gone, then sweep the run's shm; SIGTERM (the launcher's stop) -> graceful stop
     stop = {"early": False}
-    child_setup("xllm-eplb:engine", parent_pid,
-                on_death=lambda: stop.update(early=True) or _raise_exit())
+
+    def early(*_args) -> None:          # a stop or the launcher's death before serving
+        stop["early"] = True
+        _raise_exit()
+
+    child_setup("xllm-eplb:engine", parent_pid, on_death=early)
     Path(cfg.serve.log_dir).mkdir(parents=True, exist_ok=True)
     setup_logging("engine", cfg.serve.v, str(Path(cfg.serve.log_dir) / "engine.log"))
     res: dict = {}
-    signal.signal(signal.SIGTERM, lambda *a: stop.update(early=True) or _raise_exit())
+    signal.signal(signal.SIGTERM, early)
     code, reason = 1, SHUTDOWN
     try:
         code = _serve(cfg, events, parent_pid, res, stop)

@@ -296,4 +296,3 @@ def bridge_main(cfg: Config, peer: int, origin_run_id: str, store_port: int, eve
 
 def _exit_on_term(*_args) -> None:
     raise SystemExit(1)
-
