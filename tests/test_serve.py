@@ -120,7 +120,13 @@ def test_serve_rebalances_keeps_tokens_identical_and_stops_cleanly(start_server)
         _get(s.url + "/eplb/status")), 60, "balancedness above its start value", s)
     assert {"rounds", "layers_timed_out", "layer_in_flight", "last_policy_seconds",
             "slots_moved", "balancedness_min", "layers"} <= set(st)
-    fams = {f.name: f for f in text_string_to_metric_families(_get(s.url + "/metrics").decode())}
+    # the expert gauges refresh about once a second (engine/live_stats.py): scrape once they
+    # have seen the committed placement, not a refresh that ran just before the commit
+    def scrape_after_commit():
+        f = {m.name: m for m in text_string_to_metric_families(_get(s.url + "/metrics").decode())}
+        return f if max(x.value for x in f["xllm_eplb_hot_expert_replicas"].samples) >= 2 else None
+
+    fams = _wait(scrape_after_commit, 10, "the hot-expert gauges after the commit", s)
     committed = [x.value for x in fams["xllm_eplb_rebalance_layers"].samples
                  if x.labels.get("result") == "committed" and x.name.endswith("_total")]
     assert committed and committed[0] >= 1
