@@ -20,7 +20,8 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -e ".[dev]"
 	touch $(STAMP)
 
-install: $(STAMP)  ## create .venv: torch==2.13.0 first, then the project with [dev]
+install: $(STAMP)  ## create .venv: torch==2.13.0 first, then the project with [dev]; build the C++ kernels
+	$(BIN)/python -m xllm_eplb.kernels.build
 
 test: install  ## run the whole test suite
 	$(BIN)/python -m pytest tests

@@ -27,7 +27,7 @@ LAYERS = [
     ("elastic",),
     ("ipc",),
     ("model", "sim", "integrations"),
-    ("eplb",),
+    ("eplb", "kernels"),
     ("obs",),
     ("flags",),
     ("config",),

@@ -152,6 +152,12 @@ class ModelConfig:
     dtype: str = opt("auto", "parameter dtype (auto: the checkpoint's, float32 without one)",
                      choices=("auto", "float32", "float64", "bfloat16", "float16"))
     seed: int = opt(0, "generated checkpoint: weight seed (identical on every rank)", lo=0)
+    moe_kernel: str = opt("fused", "matrix products: fused = the project's C++ CPU kernels (one "
+                          "call per MoE layer for the routed experts, a batch-invariant linear "
+                          "for the dense layers) where they are built and the dtype is "
+                          "float32/bfloat16 on the CPU, else torch (one log line says why); "
+                          "torch = torch's ops (the reference path)",
+                          choices=("fused", "torch"))
     fp8_dequant_cache: bool = opt(False, "FP8 checkpoints: keep a dequantized copy of every "
                                   "expert slot resident (refreshed after each move): no "
                                   "per-step dequantization, 2-4x the fp8 expert memory on top; "

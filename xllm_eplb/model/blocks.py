@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from xllm_eplb.model import rope
 from xllm_eplb.model.attention import AttnBatch, KVCache, attend
+from xllm_eplb.model.dense import linear
 from xllm_eplb.model.spec import ModelSpec
 
 MLA_NORM_EPS = 1e-6        # DeepSeek's q_a/kv_a layernorms: module default, not rms_norm_eps
@@ -28,12 +29,12 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 
 def mlp(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
     """SwiGLU: x [T, H], w13 [2I, H] (gate rows, then up rows), w2 [H, I] -> [T, H]."""
-    g, u = F.linear(x, w13).chunk(2, dim=-1)
-    return F.linear(F.silu(g) * u, w2)
+    g, u = linear(x, w13).chunk(2, dim=-1)
+    return linear(F.silu(g) * u, w2)
 
 
 def _lin(x, p, name):
-    return F.linear(x, p[name], p.get(name + "_bias"))
+    return linear(x, p[name], p.get(name + "_bias"))
 
 
 class Rotary:
@@ -82,11 +83,11 @@ def mla(spec: ModelSpec, p: dict, x: torch.Tensor, cs, cache: KVCache, ab: AttnB
     if m.q_lora_rank is None:
         q = _lin(x, p, "q")
     else:
-        q = F.linear(rms_norm(_lin(x, p, "q_a"), p["q_a_norm"], MLA_NORM_EPS), p["q_b"])
+        q = linear(rms_norm(_lin(x, p, "q_a"), p["q_a_norm"], MLA_NORM_EPS), p["q_b"])
     q = q.view(T, h, m.qk_nope_head_dim + m.qk_rope_head_dim)
     q_pass, q_rot = q.split([m.qk_nope_head_dim, m.qk_rope_head_dim], dim=-1)
     c, k_rot = _lin(x, p, "kv_a").split([m.kv_lora_rank, m.qk_rope_head_dim], dim=-1)
-    kv = F.linear(rms_norm(c, p["kv_a_norm"], MLA_NORM_EPS), p["kv_b"])
+    kv = linear(rms_norm(c, p["kv_a_norm"], MLA_NORM_EPS), p["kv_b"])
     k_pass, v = kv.view(T, h, m.qk_nope_head_dim + m.v_head_dim).split(
         [m.qk_nope_head_dim, m.v_head_dim], dim=-1)
     k_rot = k_rot.view(T, 1, m.qk_rope_head_dim)

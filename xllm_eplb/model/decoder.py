@@ -26,7 +26,7 @@ from xllm_eplb.config import Config
 from xllm_eplb.eplb import counters as ctr
 from xllm_eplb.eplb.placement import initial_phy2log
 from xllm_eplb.eplb.placement_file import initial_placement
-from xllm_eplb.model import blocks
+from xllm_eplb.model import blocks, dense
 from xllm_eplb.model import dispatch as dsp
 from xllm_eplb.model import replica_dispatch as rdp
 from xllm_eplb.model.attention import KVCache
@@ -78,6 +78,8 @@ class Decoder:
         self.device = torch.device(device or ("cpu" if cfg.runtime.device == "cpu"
                                               else cfg.runtime.device))
         self.dtype = torch_dtype(cfg)
+        #: dense products on the fused kernels' linear (``model.dense``; experts: per layer)
+        self.fused_dense = dense.resolve(cfg.model.moe_kernel, self.dtype, self.device)
         self.reader = CheckpointReader(cfg.model.model, spec.quant)
         check_experts(spec, self.reader)
         #: the routed experts' FP8 format (slots hold fp8 bytes + scales), None = dense
@@ -194,6 +196,7 @@ class Decoder:
         (``step_inputs.dispatched_rows`` of the step's batches; every rank passes them or none
         does): the dispatch then skips its split-size exchange (``dispatch.padded_bounds``)."""
         t0 = time.perf_counter()
+        dense.use_fused(self.fused_dense)
         lap = Laps(self.timer)
         self.release(batch.release)
         self.truncate(batch.truncate)
@@ -233,7 +236,7 @@ class Decoder:
                         [r.start_pos + len(r.token_ids) for r in batch.rows])
         last = [s + n - 1 for s, n in si.spans]
         hn = blocks.rms_norm(h[last], self.top["norm"], spec.rms_norm_eps)
-        logits = torch.nn.functional.linear(hn, self.top["lm_head"]).to(torch.float64).cpu()
+        logits = dense.linear(hn, self.top["lm_head"]).to(torch.float64).cpu()
         lap("other")
         sampled = {r.req_id: sample(logits[j], r.temperature, r.seed, r.start_pos + len(r.token_ids),
                                     r.top_p, r.top_k)
@@ -268,7 +271,7 @@ class Decoder:
             t = time.perf_counter()
             y = blocks.mlp(x, p["shared_w13"], p["shared_w2"])
             if "shared_gate" in p:
-                y = torch.sigmoid(torch.nn.functional.linear(x, p["shared_gate"])) * y
+                y = torch.sigmoid(dense.linear(x, p["shared_gate"])) * y
             spent[0] += time.perf_counter() - t
             return y
         return shared

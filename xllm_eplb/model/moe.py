@@ -47,6 +47,8 @@ import torch.nn.functional as F
 from xllm_eplb.config import Config
 from xllm_eplb.eplb import placement
 from xllm_eplb.eplb import replica_routing as rr
+from xllm_eplb.kernels import fused_experts
+from xllm_eplb.model import dense
 from xllm_eplb.model.expert_store import DequantScratch, Fp8Slots, make_store, slot_checksum
 from xllm_eplb.model.fp8 import Fp8Format
 from xllm_eplb.model.loader import torch_dtype
@@ -76,6 +78,8 @@ class FusedMoE:
         S, H, inter = self.slots_per_rank, m.hidden_size, m.moe_intermediate_size
         dt = torch_dtype(cfg)
         self.device = torch.device(device)
+        #: the routed experts run the fused C++ kernel (``model.dense.resolve``), else torch
+        self.fused = dense.resolve(cfg.model.moe_kernel, dt, self.device)
         self.store = make_store(S, H, inter, dt, self.device, fmt=quant,
                                 cache=cfg.model.fp8_dequant_cache, scratch=scratch)
         self.tag = torch.empty((S, 2), dtype=torch.int64, device=self.device)
@@ -191,7 +195,13 @@ class FusedMoE:
 
     def _compute(self, x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         st = self.store
-        if st.kind == "fp8" and st.cache is None:          # per step, chunk by chunk
+        per_step = st.kind == "fp8" and st.cache is None    # FP8 per step, chunk by chunk
+        if self.fused:
+            if per_step:
+                return fused_chunks(x, slots, st)
+            w13, w2, idx = st.weights(slots)
+            return fused_experts(x, idx, w13, w2)
+        if per_step:
             return grouped_ffn(x, None, None, slots, chunks=st)
         w13, w2, idx = st.weights(slots)
         return grouped_ffn(x, w13, w2, idx)
@@ -285,6 +295,27 @@ def _padded_ffn(xs: torch.Tensor, sidx: torch.Tensor, counts: torch.Tensor,
         if any(cl[a:b]):
             _bmm_ffn(xp[a:b], *chunks.dense_range(lo + a, lo + b), out=yp[a:b])
     return yp[e, rank]
+
+
+def fused_chunks(x: torch.Tensor, slots: torch.Tensor, chunks: Fp8Slots) -> torch.Tensor:
+    """The FP8 per-step path on the fused kernel: the slots ``slots`` [N] use, dequantized
+    ``chunks.chunk`` at a time (``dense_range``), each chunk's rows through one kernel call
+    right after its dequantization -> [N, H] (row for row what the kernel gives over the
+    resident cache: its outputs do not depend on which rows share a call)."""
+    out = torch.empty_like(x)
+    if x.shape[0] == 0:
+        return out
+    counts = torch.bincount(slots, minlength=chunks.n).tolist()
+    active = [s for s, c in enumerate(counts) if c]
+    lo, hi = active[0], active[-1] + 1
+    for a, b in chunk_spans(hi - lo, chunks.chunk):
+        a, b = a + lo, b + lo
+        if not any(counts[a:b]):
+            continue
+        rows = torch.nonzero((slots >= a) & (slots < b)).flatten()
+        w13, w2 = chunks.dense_range(a, b)
+        out[rows] = fused_experts(x[rows], slots[rows] - a, w13.contiguous(), w2.contiguous())
+    return out
 
 
 def chunk_spans(n: int, c: int) -> list[tuple[int, int]]:

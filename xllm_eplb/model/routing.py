@@ -21,6 +21,7 @@ import torch
 
 from xllm_eplb.config import Config
 from xllm_eplb.errors import InputFileError
+from xllm_eplb.model.dense import linear
 
 _M64 = (1 << 64) - 1
 
@@ -150,7 +151,7 @@ class FamilyRouter(Router):
         if s.scoring == "sigmoid":
             return self._grouped_sigmoid(xn)
         rdt = torch.promote_types(xn.dtype, torch.float32)
-        probs = torch.softmax(torch.nn.functional.linear(xn, self.gate).to(rdt), dim=-1)
+        probs = torch.softmax(linear(xn, self.gate).to(rdt), dim=-1)
         w, ids = torch.topk(probs, self.k, dim=-1)
         if s.norm_topk_prob:
             w = w / w.sum(dim=-1, keepdim=True)
@@ -159,13 +160,13 @@ class FamilyRouter(Router):
     def _choice_scores(self, xn: torch.Tensor) -> torch.Tensor:
         if self.spec.scoring == "sigmoid":
             return self._grouped_choice(xn)[1]
-        return torch.softmax(torch.nn.functional.linear(xn, self.gate).float(), dim=-1)
+        return torch.softmax(linear(xn, self.gate).float(), dim=-1)
 
     def _grouped_choice(self, xn: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(sigmoid scores [T, E], selection scores [T, E]: + bias, groups not kept -inf)."""
         s, E = self.spec, self.num_experts
         rdt = torch.promote_types(xn.dtype, torch.float32)
-        scores = torch.nn.functional.linear(xn.to(rdt), self.gate.to(rdt)).sigmoid()
+        scores = linear(xn.to(rdt), self.gate.to(rdt)).sigmoid()
         choice = scores + self.bias.to(rdt)
         if s.n_group > 1 and s.topk_group < s.n_group:
             g = choice.view(-1, s.n_group, E // s.n_group).topk(2, dim=-1)[0].sum(dim=-1)
