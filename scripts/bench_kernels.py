@@ -4,11 +4,13 @@ decode batch's shapes, on this machine, in one run.
 
 1. ``experts``: one MoE layer's experts at a batch of ``--batch`` tokens, top-``--top-k`` of
    ``--experts`` (routing drawn with ``--seed``), every way torch offers on CPU, ms per layer:
-   reading the layer's expert weights once (``w.sum()``, the bound), ``grouped_ffn`` as shipped
-   (padded ``bmm`` pair), a ``F.linear`` pair per expert, a ``mm`` pair per expert on
+   reading the layer's expert weights once (``w.sum()``, the bound), the project's fused C++
+   kernel (``xllm_eplb.kernels.fused_experts``, every instruction-set variant this CPU runs),
+   ``grouped_ffn`` (the torch path, ``--moe_kernel=torch``: a padded ``bmm`` pair), a ``F.linear`` pair per expert, a ``mm`` pair per expert on
    pre-transposed contiguous weights, ``torch._grouped_mm`` (transformers' default experts),
    oneDNN and MKL with pre-packed weights per expert (where this torch build has them). Every
-   way's output is compared with the shipped one (max abs difference).
+   way's output is compared with the torch path's (max abs difference). ``experts_bf16``: the
+   same layer in bf16 (bound, torch path, fused kernel; differences against float64).
 2. ``rows``: ``bmm`` over all the experts at 1..12 rows per expert (the GEMV path at 1 row,
    the packing GEMM path above).
 3. ``dense``: ``F.linear`` at the batch's rows against a hidden x hidden weight: GFLOP/s and
@@ -37,6 +39,7 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from xllm_eplb import kernels  # noqa: E402
 from xllm_eplb.model.moe import grouped_ffn  # noqa: E402
 
 
@@ -81,7 +84,7 @@ def experts(a, n: int, repeat: int) -> dict:
     w13t, w2t = w13.transpose(1, 2).contiguous(), w2.transpose(1, 2).contiguous()
     ways = {
         "read_weights_once": lambda: w13.sum() + w2.sum(),
-        "grouped_ffn_shipped": lambda: grouped_ffn(xs, w13, w2, sidx),
+        "grouped_ffn_torch_path": lambda: grouped_ffn(xs, w13, w2, sidx),
         "linear_per_expert": lambda: per_expert(
             xs, cl, lambda j, v: F.linear(v, w13[j]).chunk(2, -1), lambda j, v: F.linear(v, w2[j])),
         "mm_per_expert_pretransposed": lambda: per_expert(
@@ -113,12 +116,39 @@ def experts(a, n: int, repeat: int) -> dict:
             lambda j, v: mkl(v, m2[j], w2[j], None, rows))
     except (AttributeError, RuntimeError):
         pass
+    if kernels.load():
+        for isa in kernels.isas():
+            ways[f"fused_kernel_{isa}"] = lambda isa=isa: kernels.fused_experts(xs, sidx, w13, w2,
+                                                                                  isa=isa)
     out = {"rows_per_expert": cl, "weight_bytes": (w13.numel() + w2.numel()) * 4, "ms": {},
            "max_abs_diff": {}}
     for name, fn in ways.items():
         out["ms"][name] = best_ms(fn, n, repeat)
         if name != "read_weights_once":
             out["max_abs_diff"][name] = float((fn() - ref).abs().max())
+    return out
+
+
+def experts_bf16(a, n: int, repeat: int) -> dict:
+    """The same layer in bf16: reading the weights once, the torch path, the fused kernel."""
+    g = torch.Generator().manual_seed(a.seed)
+    E, H, inter = a.experts, a.hidden, a.moe_width
+    w13 = (torch.randn(E, 2 * inter, H, generator=g) * 0.02).bfloat16()
+    w2 = (torch.randn(E, H, inter, generator=g) * 0.02).bfloat16()
+    idx = torch.stack([torch.randperm(E, generator=g)[:a.top_k] for _ in range(a.batch)]).flatten()
+    x = torch.randn(len(idx), H, generator=g).bfloat16()
+    ref = grouped_ffn(x.double(), w13.double(), w2.double(), idx)
+    ways = {"read_weights_once": lambda: w13.sum() + w2.sum(),
+            "grouped_ffn_torch_path": lambda: grouped_ffn(x, w13, w2, idx)}
+    if kernels.load():
+        for isa in kernels.isas():
+            ways[f"fused_kernel_{isa}"] = lambda isa=isa: kernels.fused_experts(x, idx, w13, w2,
+                                                                                  isa=isa)
+    out = {"weight_bytes": (w13.numel() + w2.numel()) * 2, "ms": {}, "max_abs_diff_vs_fp64": {}}
+    for name, fn in ways.items():
+        out["ms"][name] = best_ms(fn, n, repeat)
+        if name != "read_weights_once":
+            out["max_abs_diff_vs_fp64"][name] = float((fn().double() - ref).abs().max())
     return out
 
 
@@ -205,7 +235,7 @@ def main() -> int:
     n = 5 if a.quick else 20
     t0 = time.perf_counter()
     res = {"command": " ".join(sys.argv), "torch": torch.__version__, "threads": a.threads,
-           "experts": experts(a, n, a.repeat),
+           "experts": experts(a, n, a.repeat), "experts_bf16": experts_bf16(a, n, a.repeat),
            "rows": rows_sweep(a, n, a.repeat, [1, 2, 4, 8] if a.quick else [1, 2, 4, 6, 8, 10, 12]),
            "dense": dense(a, n, a.repeat), "gloo": gloo(50 if a.quick else 300)}
     e = res["experts"]
@@ -217,6 +247,16 @@ def main() -> int:
         diff = e["max_abs_diff"].get(name)
         print(f"  {name:32s} {ms:7.2f} ms" + (f"   max |diff| {diff:.1e}" if diff is not None
                                                 else ""))
+    b = res["experts_bf16"]
+    print(f"the same layer in bf16 ({b['weight_bytes'] / 1e6:.0f} MB of weights):")
+    for name, ms in b["ms"].items():
+        diff = b["max_abs_diff_vs_fp64"].get(name)
+        print(f"  {name:32s} {ms:7.2f} ms" + (f"   max |diff vs fp64| {diff:.1e}"
+                                                if diff is not None else ""))
+    bound = e["ms"]["read_weights_once"]
+    for name in [k for k in e["ms"] if k.startswith("fused_kernel")][:1]:
+        print(f"fp32 {name} / reading the weights once: {e['ms'][name] / bound:.2f}x "
+              f"(torch path {e['ms']['grouped_ffn_torch_path'] / bound:.2f}x)")
     print("bmm pair over every expert, ms by rows per expert: "
           + ", ".join(f"{m}: {ms:.2f}" for m, ms in res["rows"].items()))
     d = res["dense"]

@@ -342,7 +342,8 @@ def expert_ffn(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Te
 
 
 class LogicalMoE:
-    """Single-process reference: every logical expert of one layer, no placement, no dispatch.
+    """Single-process reference: every logical expert of one layer, no placement, no dispatch
+    (the fused kernel or the torch path, as ``--moe_kernel`` and the dtype decide).
 
     ``w13`` [E, 2inter, H], ``w2`` [E, H, I]; same weights as any FusedMoE slot holding the
     expert (FP8 experts: read into an FP8 store of E slots and dequantized once, by the same
@@ -365,9 +366,13 @@ class LogicalMoE:
         self.num_logical = E
         ids = torch.arange(E, device=torch.device(device))
         self.w13, self.w2 = store.dense(ids) if quant is not None else store.weights(ids)[:2]
+        self.fused = dense.resolve(cfg.model.moe_kernel, self.w13.dtype, device)
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         """x [T, H], topk_ids [T, k] logical -> expert outputs [T, k, H] (unweighted)."""
         T, k = topk_ids.shape
         xr = x.repeat_interleave(k, dim=0)
-        return grouped_ffn(xr, self.w13, self.w2, topk_ids.reshape(-1)).reshape(T, k, -1)
+        ids = topk_ids.reshape(-1)
+        y = (fused_experts(xr, ids, self.w13.contiguous(), self.w2.contiguous()) if self.fused
+             else grouped_ffn(xr, self.w13, self.w2, ids))
+        return y.reshape(T, k, -1)
