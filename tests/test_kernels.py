@@ -21,7 +21,7 @@ from xllm_eplb.model import dense, fp8
 from xllm_eplb.model.moe import FusedMoE, grouped_ffn
 
 # odd sizes: tails after the 16/32-wide vector steps in both GEMMs
-S, H, I = 12, 100, 36
+S, H, W = 12, 100, 36
 DTYPES = [torch.float32, torch.bfloat16]
 
 
@@ -33,7 +33,7 @@ def test_the_library_is_built_by_the_install():
 ISAS = kernels.isas() or ["generic"]
 
 
-def _weights(dtype, g, s=S, h=H, i=I):
+def _weights(dtype, g, s=S, h=H, i=W):
     w13 = (torch.randn(s, 2 * i, h, generator=g) / h ** 0.5).to(dtype)
     w2 = (torch.randn(s, h, i, generator=g) / i ** 0.5).to(dtype)
     return w13, w2
@@ -125,19 +125,19 @@ def test_biases_and_activations(dtype, act):
     g = torch.Generator().manual_seed(4)
     w13, w2 = _weights(dtype, g)
     w13 = w13 * 4                                   # gate/up values beyond the clamp limit
-    b13 = torch.randn(S, 2 * I, generator=g).to(dtype)
+    b13 = torch.randn(S, 2 * W, generator=g).to(dtype)
     b2 = torch.randn(S, H, generator=g).to(dtype)
     slots = _slots(g)
     x = torch.randn(len(slots), H, generator=g).to(dtype)
     alpha, limit = 1.702, 3.0
     d = {n: t.double() for n, t in dict(x=x, w13=w13, w2=w2, b13=b13, b2=b2).items()}
     hu = torch.einsum("nh,nkh->nk", d["x"], d["w13"][slots]) + d["b13"][slots]
-    h = _act_ref(hu[:, :I], hu[:, I:], act, alpha, limit)
+    h = _act_ref(hu[:, :W], hu[:, W:], act, alpha, limit)
     ref = torch.einsum("ni,nhi->nh", h, d["w2"][slots]) + d["b2"][slots]
     y = kernels.fused_experts(x, slots, w13, w2, b13, b2, act=act, alpha=alpha, limit=limit)
     tol = 1e-4 if dtype == torch.float32 else 0.05
     assert _err(y, ref) <= tol * ref.abs().max().item()
-    assert (hu[:, :I] > limit).any()                 # the clamp was exercised
+    assert (hu[:, :W] > limit).any()                 # the clamp was exercised
 
 
 def test_empty_batch_and_bad_input_name_the_rule():

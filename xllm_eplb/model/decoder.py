@@ -22,6 +22,7 @@ import time
 import numpy as np
 import torch
 
+from xllm_eplb import kernels
 from xllm_eplb.config import Config
 from xllm_eplb.eplb import counters as ctr
 from xllm_eplb.eplb.placement import initial_phy2log
@@ -105,7 +106,8 @@ class Decoder:
         else:
             self.moe_layers = self._sharded(cfg, phy2log)
             log.info(event("expert slots", rank=self.ep_rank, layers=len(self.moe_layers),
-                           slots=cfg.slots_per_rank, **self.expert_memory()))
+                           slots=cfg.slots_per_rank, **self.expert_memory(),
+                           kernel=self.kernel_name()))
         kvh, kd, vd = blocks.kv_dims(spec)
         self.kv = KVCache(spec.num_layers, kvh, kd, vd, m.max_position_embeddings, self.dtype,
                           self.device, slots=min(cfg.runtime.max_batch_size, 16))  # grows
@@ -118,6 +120,11 @@ class Decoder:
                         "(rows over capacity are %s)", e.moe_capacity_mode,
                         e.moe_capacity_factor, str(e.moe_fallback_routing).lower(),
                         "re-routed or dropped" if e.moe_fallback_routing else "dropped")
+
+    def kernel_name(self) -> str:
+        """What runs the matrix products: ``fused:<isa>`` (the C++ kernels) or ``torch``."""
+        isas = kernels.isas()
+        return f"fused:{isas[0]}" if self.fused_dense and isas else "torch"
 
     def expert_memory(self) -> dict:
         """This rank's expert slot storage summed over its MoE layers: ``format`` and
