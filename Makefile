@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 install: $(STAMP)  ## create .venv: torch==2.13.0 first, then the project with [dev]; build the C++ kernels
-	$(BIN)/python -m xllm_eplb.kernels.build
+	$(BIN)/python -m xllm_eplb.kernels
 
 test: install  ## run the whole test suite
 	$(BIN)/python -m pytest tests

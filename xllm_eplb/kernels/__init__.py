@@ -38,7 +38,7 @@ def load() -> bool:
             path = build.library_path()
             if not path.exists():
                 raise FileNotFoundError(f"not built for these sources ({path.parent.name}): run "
-                                        f"`make install` or `python -m xllm_eplb.kernels.build`")
+                                        f"`make install` or `python -m xllm_eplb.kernels`")
             torch.ops.load_library(str(path))
             _state["isas"] = list(torch.ops.xllm_eplb.isas())
             _state["ok"] = True

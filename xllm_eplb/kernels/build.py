@@ -1,6 +1,6 @@
 """Builds the fused CPU MoE kernel (``csrc/``) with torch's C++ extension machinery.
 
-``python -m xllm_eplb.kernels.build`` (run by ``make install``) compiles the sources into
+``python -m xllm_eplb.kernels`` (run by ``make install``) compiles the sources into
 ``_build/<tag>/xllm_eplb_kernels_<tag>.so``; ``tag`` hashes the sources, the flags, the torch
 version and the compiler, so a changed source or a new torch builds a new library and a stale
 one is never loaded. :func:`library_path` says where the library of the current sources lives
@@ -69,7 +69,7 @@ def build(verbose: bool = False) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m xllm_eplb.kernels.build",
+    ap = argparse.ArgumentParser(prog="python -m xllm_eplb.kernels",
                                  description="Build the fused CPU MoE kernel (C++ extension).")
     ap.add_argument("--verbose", action="store_true", help="print the compiler commands")
     ap.add_argument("--strict", action="store_true",
