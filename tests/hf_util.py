@@ -18,6 +18,12 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 FAMILIES = ("deepseek_v3", "qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v2",
             "glm4_moe")
+#: the families the serve-level and every-dispatch-mode tests run (the dispatch paths do not
+#: depend on the family; the later families share these servers' code and are checked
+#: against transformers in test_hf_parity, EP1/2/4 with live moves and replica routing)
+SERVED_FAMILIES = FAMILIES[:4]
+#: families whose EP parity runs with per-step replica routing on (``balanced``)
+REPLICA_ROUTED = ("olmoe", "deepseek_v2", "glm4_moe")
 COMMON = dict(vocab_size=512, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
               max_position_embeddings=256, tie_word_embeddings=False)
 TINY = {

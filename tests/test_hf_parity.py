@@ -1,8 +1,12 @@
 """Every family against transformers (the oracle nobody here wrote): logits within 1e-5 x
 max|logit| and 32 greedy tokens identical, single process and on EP2 / EP4 real gloo ranks,
-with live expert migrations (P2P, canary on) between decode steps."""
+with live expert migrations (P2P, canary on) between decode steps; the families of
+``hf_util.REPLICA_ROUTED`` with per-step replica routing on (``balanced``: tokens of an expert
+with a redundant replica split between its copies)."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import hf_util
 import numpy as np
@@ -47,7 +51,9 @@ def _family_on_rank(rank, world, path, dequant_cache=False):
     from xllm_eplb.worker.comm import groups_from_world
     from xllm_eplb.worker.migration import ModelEplbHooks
 
-    cfg = cfg_for(path, ep_size=world, redundant_experts_num=1, dequant_cache=dequant_cache)
+    routing = "balanced" if Path(path).name in hf_util.REPLICA_ROUTED else "static"
+    cfg = cfg_for(path, ep_size=world, redundant_experts_num=1, dequant_cache=dequant_cache,
+                  eplb_replica_routing=routing)
     groups = groups_from_world(cfg)
     model = Decoder(cfg, rank, groups.ep_group)
     reads_at_load = list(model.reader.reads)
@@ -77,6 +83,7 @@ def _family_on_rank(rank, world, path, dequant_cache=False):
     return {"got": got, "changed": changed, "reads_at_load": reads_at_load,
             "reads_after": list(model.reader.reads),
             "slots0": slots0, "moe_layers": list(model.spec.moe_layers),
+            "routing": model.cfg.eplb.eplb_replica_routing,
             "all_keys": sorted(model.reader.meta)}
 
 
@@ -115,6 +122,7 @@ def test_expert_parallel_matches_transformers_across_live_moves(world, hf_ckpts)
         for rank in range(world):
             r = out[rank][f]
             assert len(r["changed"]) == len(SWITCH_STEPS)
+            assert r["routing"] == ("balanced" if f in hf_util.REPLICA_ROUTED else "static")
             assert r["reads_after"] == r["reads_at_load"]       # moves never re-read the file
             # per-rank loading: exactly the non-expert tensors + this rank's slots' experts
             assert sorted(r["reads_at_load"]) == expected_reads(r), (f, world, rank)

@@ -22,22 +22,24 @@ import click
 
 from xllm_eplb.cli import handle_user_errors
 
-ARCHS = ("deepseek_v3", "qwen3_moe", "qwen2_moe", "mixtral")
+ARCHS = ("deepseek_v3", "qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v2", "glm4_moe")
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 
 # option name -> (CheckpointSpec field, type, help)
 SIZE_OPTIONS = {
     "--num-layers": ("num_layers", int, "decoder layers (default 4)"),
-    "--dense-layers": ("first_k_dense", int, "leading dense layers (default 1; mixtral 0)"),
+    "--dense-layers": ("first_k_dense", int, "leading dense layers (default 1; mixtral and "
+                       "olmoe 0)"),
     "--num-experts": ("num_experts", int, "routed experts per MoE layer (default 64)"),
     "--top-k": ("top_k", int, "experts per token (default 4)"),
-    "--shared-experts": ("n_shared_experts", int, "shared experts, deepseek_v3/qwen2_moe "
-                         "(default 1)"),
+    "--shared-experts": ("n_shared_experts", int, "shared experts, deepseek_v3/deepseek_v2/"
+                         "glm4_moe/qwen2_moe (default 1)"),
     "--hidden-size": ("hidden_size", int, "model width (default 64)"),
     "--moe-intermediate-size": ("moe_intermediate_size", int, "expert FFN width (default 32)"),
     "--intermediate-size": ("intermediate_size", int, "dense FFN width (default 128)"),
     "--num-heads": ("num_heads", int, "attention heads (default 4)"),
-    "--num-kv-heads": ("num_kv_heads", int, "key/value heads (default heads/2; deepseek: heads)"),
+    "--num-kv-heads": ("num_kv_heads", int, "key/value heads (default heads/2; deepseek "
+                       "MLA: heads)"),
     "--vocab-size": ("vocab_size", int, "vocabulary incl. 4 special tokens (default 512)"),
     "--max-position-embeddings": ("max_position_embeddings", int, "longest sequence "
                                   "(default 2048)"),

@@ -1,7 +1,8 @@
 """``make_checkpoint``: write a tiny Hugging Face-format MoE checkpoint with a deliberate routing skew.
 
 The folder it writes is what ``save_pretrained`` of transformers would write for the family
-(``deepseek_v3``, ``qwen3_moe``, ``qwen2_moe``, ``mixtral``), so transformers and this engine load
+(``deepseek_v3``, ``qwen3_moe``, ``qwen2_moe``, ``mixtral``, ``olmoe``, ``deepseek_v2``,
+``glm4_moe``), so transformers and this engine load
 the same files; nothing here imports transformers:
 
 - ``config.json``: the family's config as transformers 5 saves it (same keys, same values, no
@@ -48,7 +49,12 @@ from xllm_eplb.model import checkpoint_tokenizer as ctok
 from xllm_eplb.model import fp8
 from xllm_eplb.model.checkpoint_configs import generation_config, hf_config, tensor_shapes
 
-ARCHS = ("deepseek_v3", "qwen3_moe", "qwen2_moe", "mixtral")
+ARCHS = ("deepseek_v3", "qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v2", "glm4_moe")
+NO_DENSE = ("mixtral", "olmoe")                     # every layer MoE
+GROUPED = ("deepseek_v3", "deepseek_v2", "glm4_moe")  # n_group / topk_group routers
+MLA = ("deepseek_v3", "deepseek_v2")
+SHARED = ("deepseek_v3", "deepseek_v2", "glm4_moe", "qwen2_moe")   # always a shared expert
+NO_RENORM = ("qwen2_moe", "olmoe", "deepseek_v2")   # norm_topk_prob False by default
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
           "float64": torch.float64}
 MAX_TOPICS = 16
@@ -69,25 +75,25 @@ class CheckpointSpec:
     """
 
     num_layers: int = 4
-    first_k_dense: int | None = None        # deepseek_v3/qwen*: 1; mixtral: 0 (it has none)
+    first_k_dense: int | None = None        # 1; mixtral / olmoe: 0 (they have none)
     num_experts: int = 64
     top_k: int = 4
-    n_shared_experts: int = 1               # deepseek_v3 shared experts / qwen2_moe shared expert
+    n_shared_experts: int = 1               # deepseek / glm4_moe shared experts, qwen2_moe's one
     hidden_size: int = 64
     moe_intermediate_size: int = 32
     intermediate_size: int = 128            # dense layers' FFN width
     num_heads: int = 4
-    num_kv_heads: int | None = None         # GQA families: num_heads // 2 (deepseek: num_heads)
-    head_dim: int | None = None             # qwen3_moe explicit head_dim (default hidden/heads)
+    num_kv_heads: int | None = None         # GQA families: num_heads // 2 (MLA: num_heads)
+    head_dim: int | None = None             # qwen3_moe/glm4_moe head_dim (default hidden/heads)
     q_lora_rank: int = 32
     kv_lora_rank: int = 32
     qk_nope_head_dim: int = 16
     qk_rope_head_dim: int = 8
     v_head_dim: int = 16
-    n_group: int | None = None              # deepseek_v3: largest of 8/4/2/1 dividing E, >= 2 each
-    topk_group: int | None = None           # deepseek_v3: half the groups (at least 1)
+    n_group: int | None = None              # GROUPED: largest of 8/4/2/1 dividing E, >= 2 each
+    topk_group: int | None = None           # GROUPED: half the groups (at least 1)
     routed_scaling_factor: float = 2.5
-    norm_topk_prob: bool | None = None      # deepseek_v3/qwen3_moe: True; qwen2_moe: False
+    norm_topk_prob: bool | None = None      # True; NO_RENORM families: False
     tie_word_embeddings: bool = False
     vocab_size: int = 512
     max_position_embeddings: int = 2048
@@ -113,12 +119,14 @@ def resolve(arch: str, spec: CheckpointSpec) -> CheckpointSpec:
     """Fill the family defaults into ``spec`` and check it; raises CheckpointError."""
     if arch not in ARCHS:
         _fail("arch", arch, f"must be one of {', '.join(ARCHS)}")
-    mixtral, ds = arch == "mixtral", arch == "deepseek_v3"
+    mixtral, ds, mla = arch == "mixtral", arch in GROUPED, arch in MLA
     s = replace(
         spec,
-        first_k_dense=(0 if mixtral else 1) if spec.first_k_dense is None else spec.first_k_dense,
-        num_kv_heads=spec.num_kv_heads or (spec.num_heads if ds else max(1, spec.num_heads // 2)),
-        norm_topk_prob=(arch != "qwen2_moe") if spec.norm_topk_prob is None else spec.norm_topk_prob,
+        first_k_dense=(0 if arch in NO_DENSE else 1) if spec.first_k_dense is None
+        else spec.first_k_dense,
+        num_kv_heads=spec.num_kv_heads or (spec.num_heads if mla else max(1, spec.num_heads // 2)),
+        norm_topk_prob=(arch not in NO_RENORM) if spec.norm_topk_prob is None
+        else spec.norm_topk_prob,
         rope_theta=spec.rope_theta or (1e6 if mixtral else 1e4),
         rms_norm_eps=spec.rms_norm_eps or (1e-5 if mixtral else 1e-6))
     if s.n_group is None:
@@ -139,21 +147,26 @@ def _check(arch: str, s: CheckpointSpec) -> None:
         _fail("dtype", s.dtype, f"must be one of {', '.join(DTYPES)}")
     if not 0 <= s.first_k_dense < s.num_layers:
         _fail("first_k_dense", s.first_k_dense, f"must be in [0, num_layers={s.num_layers})")
-    if arch == "mixtral" and s.first_k_dense:
-        _fail("first_k_dense", s.first_k_dense, "mixtral has no dense layers (use 0)")
+    if arch in NO_DENSE and s.first_k_dense:
+        _fail("first_k_dense", s.first_k_dense, f"{arch} has no dense layers (use 0)")
     if s.top_k > s.num_experts:
         _fail("top_k", s.top_k, f"must be <= num_experts={s.num_experts}")
     if s.qk_rope_head_dim < 2 or s.qk_rope_head_dim % 2:
         _fail("qk_rope_head_dim", s.qk_rope_head_dim, "must be even and >= 2")
     hd = s.head_dim or s.hidden_size // s.num_heads
-    if arch != "deepseek_v3":
+    if arch == "olmoe" and hd * s.num_heads != s.hidden_size:
+        _fail("head_dim", hd, f"olmoe's q_norm spans hidden_size: must be hidden_size / "
+              f"num_heads = {s.hidden_size}/{s.num_heads}")
+    if arch == "glm4_moe" and hd % 4:
+        _fail("head_dim", hd, "glm4_moe rotates half of each head: must be a multiple of 4")
+    if arch not in MLA:
         if s.head_dim is None and s.hidden_size % s.num_heads:
             _fail("num_heads", s.num_heads, f"must divide hidden_size={s.hidden_size}")
         if hd % 2:
             _fail("head_dim", hd, "must be even (RoPE rotates pairs)")
         if s.num_heads % s.num_kv_heads:
             _fail("num_kv_heads", s.num_kv_heads, f"must divide num_heads={s.num_heads}")
-    if arch == "deepseek_v3":
+    if arch in GROUPED:
         if s.num_experts % s.n_group or s.num_experts // s.n_group < 2:
             _fail("n_group", s.n_group, f"must divide num_experts={s.num_experts} into groups "
                   "of >= 2 experts")
@@ -161,7 +174,7 @@ def _check(arch: str, s: CheckpointSpec) -> None:
             _fail("topk_group", s.topk_group, f"must be in [1, n_group={s.n_group}]")
         if s.top_k > s.topk_group * (s.num_experts // s.n_group):
             _fail("top_k", s.top_k, "must be <= topk_group * experts per group")
-    if arch in ("deepseek_v3", "qwen2_moe") and s.n_shared_experts < 1:
+    if arch in SHARED and s.n_shared_experts < 1:
         _fail("n_shared_experts", s.n_shared_experts, f"{arch} always has a shared expert (>= 1)")
     if s.vocab_size < 256 + ctok.NUM_SPECIAL + 1:
         _fail("vocab_size", s.vocab_size, f"must be >= {256 + ctok.NUM_SPECIAL + 1} "
