@@ -75,13 +75,14 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 def gqa(spec: ModelSpec, p: dict, x: torch.Tensor, cs, cache: KVCache, ab: AttnBatch,
         layer: int) -> torch.Tensor:
-    """Grouped-query attention (mixtral, qwen2_moe, qwen3_moe, glm4_moe, olmoe): x [T, H] ->
-    [T, H]."""
+    """Grouped-query attention (mixtral, qwen2_moe, qwen3_moe, glm4_moe, olmoe, gpt_oss with
+    its sinks and sliding-window layers): x [T, H] -> [T, H]."""
     T, hd = x.shape[0], spec.head_dim
     q, k, v = _qkv(spec, p, x)
     cos, sin = cs
     q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-    o = attend(cache, ab, layer, q, k, v, hd ** -0.5)
+    window = spec.sliding_window if layer in spec.sliding_layers else 0
+    o = attend(cache, ab, layer, q, k, v, hd ** -0.5, window=window, sinks=p.get("sinks"))
     return _lin(o.reshape(T, -1), p, "o")
 
 

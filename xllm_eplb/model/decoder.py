@@ -28,6 +28,7 @@ from xllm_eplb.eplb.placement import initial_phy2log
 from xllm_eplb.eplb.placement_file import initial_placement
 from xllm_eplb.model import blocks
 from xllm_eplb.model import dispatch as dsp
+from xllm_eplb.model import expert_act
 from xllm_eplb.model import replica_dispatch as rdp
 from xllm_eplb.model.attention import KVCache
 from xllm_eplb.model.batch import RankBatch
@@ -82,6 +83,8 @@ class Decoder:
         check_experts(spec, self.reader)
         #: the routed experts' FP8 format (slots hold fp8 bytes + scales), None = dense
         self.expert_quant = spec.quant if experts_fp8(spec, self.reader) else None
+        #: the experts' FFN variant (gpt_oss: biases + clamped SwiGLU; PLAIN for the others)
+        self.expert_act = expert_act.from_spec(spec)
         self.top, self.layers = load_params(spec, self.reader, self.dtype, self.device)
         self.num_layers, self.num_moe_layers = spec.num_layers, len(spec.moe_layers)
         self.moe_index = {i: ml for ml, i in enumerate(spec.moe_layers)}
@@ -98,7 +101,7 @@ class Decoder:
         self.logical_layers: list[LogicalMoE] = []
         if _reference:
             self.logical_layers = [LogicalMoE(cfg, ml, self.device, source=self._source,
-                                              quant=self.expert_quant)
+                                              quant=self.expert_quant, act=self.expert_act)
                                    for ml in range(self.num_moe_layers)]
         else:
             self.moe_layers = self._sharded(cfg, phy2log)
@@ -151,7 +154,7 @@ class Decoder:
                                "Decoder.reference(cfg)")
         scratch = DequantScratch()        # FP8 per-step buffers, shared by the layers
         return [FusedMoE(cfg, ml, self.ep_rank, phy2log[ml], self.device, source=self._source,
-                         quant=self.expert_quant, scratch=scratch)
+                         quant=self.expert_quant, scratch=scratch, act=self.expert_act)
                 for ml in range(self.num_moe_layers)]
 
     # ---- per-request state and dispatch path -------------------------------------------------

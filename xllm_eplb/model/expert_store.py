@@ -11,7 +11,8 @@ migration, the staging buffers and the canary only ever see "the tensors of a sl
 - ``refresh(slots)``: recompute derived state of those slots after their tensors were written
   (a migration, a load).
 
-:class:`DenseSlots`: ``w13`` [n, 2I, H] and ``w2`` [n, H, I] in the model dtype.
+:class:`DenseSlots`: ``w13`` [n, 2I, H] and ``w2`` [n, H, I] in the model dtype (with
+``bias``, gpt_oss: also ``b13`` [n, 2I] and ``b2`` [n, H], :mod:`expert_act`).
 :class:`Fp8Slots`: ``w13_q`` float8_e4m3fn [n, 2I, H] (gate rows, up rows), ``w13_s`` float32
 [n, 2, ceil(I/bn), ceil(H/bk)] (gate and up keep separate grids: a concatenated grid is shared
 only when I % bn == 0), ``w2_q`` [n, H, I], ``w2_s`` [n, ceil(H/bn), ceil(I/bk)]. Compute
@@ -42,18 +43,27 @@ class DenseSlots:
     kind = "dense"
 
     def __init__(self, n: int, hidden: int, inter: int, dtype: torch.dtype,
-                 device: torch.device):
+                 device: torch.device, bias: bool = False):
         self.w13 = torch.empty((n, 2 * inter, hidden), dtype=dtype, device=device)
         self.w2 = torch.empty((n, hidden, inter), dtype=dtype, device=device)
+        self.b13 = torch.empty((n, 2 * inter), dtype=dtype, device=device) if bias else None
+        self.b2 = torch.empty((n, hidden), dtype=dtype, device=device) if bias else None
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        return {"w13": self.w13, "w2": self.w2}
+        out = {"w13": self.w13, "w2": self.w2}
+        if self.b13 is not None:
+            out.update(b13=self.b13, b2=self.b2)
+        return out
 
     def slot(self, s: int) -> dict[str, torch.Tensor]:
-        return {"w13": self.w13[s], "w2": self.w2[s]}
+        return {k: t[s] for k, t in self.tensors().items()}
 
     def weights(self, slots: torch.Tensor):
         return self.w13, self.w2, slots
+
+    def biases(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(``b13`` [n, 2I], ``b2`` [n, H]) of every slot, or None without expert biases."""
+        return None if self.b13 is None else (self.b13, self.b2)
 
     def refresh(self, slots) -> None:
         """Nothing is derived from dense slots."""
@@ -186,6 +196,10 @@ class Fp8Slots:
         w13, w2 = self.dense(ids, scratch=True)
         return w13, w2, idx
 
+    def biases(self) -> None:
+        """FP8 experts have no biases."""
+        return None
+
     def refresh(self, slots) -> None:
         """Re-dequantize the resident cache of ``slots`` (after a load or a move)."""
         if self.cache is None:
@@ -210,12 +224,15 @@ def _nbytes(tensors: dict[str, torch.Tensor]) -> int:
 
 def make_store(n: int, hidden: int, inter: int, dtype: torch.dtype, device, *,
                fmt: fp8.Fp8Format | None, cache: bool = False,
-               scratch: DequantScratch | None = None):
+               scratch: DequantScratch | None = None, bias: bool = False):
     """The store of ``n`` slots: :class:`Fp8Slots` for FP8 experts (``fmt``; ``scratch``:
-    the per-step path's buffers, shared by a rank's layers), else dense."""
+    the per-step path's buffers, shared by a rank's layers), else dense (``bias``: with
+    expert biases)."""
     device = torch.device(device)
     if fmt is None:
-        return DenseSlots(n, hidden, inter, dtype, device)
+        return DenseSlots(n, hidden, inter, dtype, device, bias)
+    if bias:
+        raise ValueError("FP8 experts with biases are not supported")
     return Fp8Slots(n, hidden, inter, dtype, device, fmt, cache, scratch)
 
 

@@ -49,6 +49,8 @@ def _attn(spec: ModelSpec, get, pre: str) -> dict:
     out["o"] = get(pre + "o_proj.weight", (H, h * hd))
     if spec.o_bias:
         out["o_bias"] = get(pre + "o_proj.bias", (H,))
+    if spec.sinks:                    # gpt_oss: one sink logit per head
+        out["sinks"] = get(pre + "sinks", (h,))
     if spec.qk_norm:                  # per head, or over the whole projection (olmoe)
         qn, kn = (hd, hd) if spec.qk_norm_per_head else (h * hd, kv * hd)
         out["q_norm"] = get(pre + "q_norm.weight", (qn,))
@@ -72,6 +74,9 @@ def _ffn(spec: ModelSpec, reader: CheckpointReader, get, i: int, dtype: torch.dt
     if spec.scoring == "sigmoid":
         out["gate"] = reader.get(pre + "gate.weight", (E, H), torch.float32)
         out["gate_bias"] = reader.get(pre + "gate.e_score_correction_bias", (E,), torch.float32)
+    elif spec.router_bias:              # gpt_oss: mlp.router.{weight,bias}
+        out["gate"] = get(pre + "router.weight", (E, H))
+        out["gate_bias"] = get(pre + "router.bias", (E,))
     elif spec.family == "deepseek_v2":   # an fp32 router in transformers (fp64 stays fp64)
         out["gate"] = reader.get(pre + "gate.weight", (E, H),
                                  torch.promote_types(dtype, torch.float32))

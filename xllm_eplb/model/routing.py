@@ -126,8 +126,9 @@ class Router:
 class FamilyRouter(Router):
     """Router of a checkpoint's MoE layer (``routing_mode=model``), as its family computes it:
 
-    - softmax (mixtral, qwen2_moe, qwen3_moe, olmoe): fp32 softmax of ``x @ gate^T`` -> top-k ->
-      renormalised if ``norm_topk_prob`` (mixtral: always);
+    - softmax (mixtral, qwen2_moe, qwen3_moe, olmoe, gpt_oss): fp32 softmax of ``x @ gate^T``
+      (+ the router bias, gpt_oss) -> top-k -> renormalised if ``norm_topk_prob`` (mixtral,
+      gpt_oss: always; gpt_oss's softmax over its top-k logits is the same);
     - softmax (deepseek_v2), all fp32: ``topk_method=group_limited_greedy`` first keeps the
       ``topk_group`` groups of highest max probability (the others' probabilities set to 0),
       then top-k; never renormalised; times ``routed_scaling_factor``;
@@ -164,7 +165,9 @@ class FamilyRouter(Router):
         deepseek_v2) projects in fp32 too. Group-limited: the groups not kept are 0."""
         s, E = self.spec, self.num_experts
         rdt = torch.promote_types(xn.dtype, torch.float32)
-        if self.gate.dtype == xn.dtype:
+        if s.router_bias:                    # gpt_oss: a router Linear with a bias
+            logits = torch.nn.functional.linear(xn, self.gate, self.bias).to(rdt)
+        elif self.gate.dtype == xn.dtype:
             logits = torch.nn.functional.linear(xn, self.gate).to(rdt)
         else:
             logits = torch.nn.functional.linear(xn.to(rdt), self.gate.to(rdt))

@@ -19,8 +19,9 @@ from pathlib import Path
 from xllm_eplb.errors import InputFileError
 from xllm_eplb.model.fp8 import Fp8Format, parse_quant
 
-FAMILIES = ("deepseek_v2", "deepseek_v3", "glm4_moe", "mixtral", "olmoe", "qwen2_moe",
-            "qwen3_moe")
+FAMILIES = ("deepseek_v2", "deepseek_v3", "glm4_moe", "gpt_oss", "mixtral", "olmoe",
+            "qwen2_moe", "qwen3_moe")
+LAYER_TYPES = ("full_attention", "sliding_attention")
 TOPK_METHODS = ("greedy", "group_limited_greedy")
 DEEPSEEK_STYLE = ("deepseek_v3", "deepseek_v2", "glm4_moe")   # n_routed_experts, groups
 DTYPES = ("float32", "float64", "bfloat16", "float16")
@@ -75,6 +76,13 @@ class ModelSpec:
     clip_qkv: float | None = None      # olmoe: q, k, v clamped to [-clip, clip] after the norms
     rotary_dim: int = 0                # glm4_moe partial RoPE: the first dims rotated; 0 = all
     topk_method: str = "greedy"        # softmax routers; deepseek_v2: group_limited_greedy too
+    sinks: bool = False                # gpt_oss: a learned logit per head joins each softmax
+    sliding_window: int = 0            # gpt_oss: keys within this many positions (0 = all) ...
+    sliding_layers: tuple[int, ...] = ()   # ... in these decoder layers
+    router_bias: bool = False          # gpt_oss: the router Linear has a bias
+    expert_bias: bool = False          # gpt_oss: expert biases b13 [2I] (gate, up), b2 [H]
+    swiglu_limit: float = 0.0          # gpt_oss clamped SwiGLU (0 = plain SwiGLU) ...
+    swiglu_alpha: float = 1.0          # ... (up + 1) * g * sigmoid(alpha g), g <= limit
     mla: MLASpec | None = None
     dtype: str = "float32"
     quant: Fp8Format | None = None     # config.json quantization_config (FP8 block scales)
@@ -210,6 +218,8 @@ def parse_spec(folder: str | Path) -> ModelSpec:
         return _glm4_moe(c, common, kv, hd)
     if fam == "olmoe":
         return _olmoe(c, common, kv, hd)
+    if fam == "gpt_oss":
+        return _gpt_oss(c, common, kv, hd)
     if fam == "mixtral":
         return ModelSpec(**common, num_kv_heads=kv, head_dim=hd,
                          moe_intermediate_size=c.int("intermediate_size"),
@@ -339,3 +349,31 @@ def _olmoe(c: _Cfg, common: dict, kv: int, hd: int) -> ModelSpec:
                      scoring="softmax", norm_topk_prob=c.bool("norm_topk_prob", False),
                      attn_bias=bias, o_bias=bias, qk_norm=True, qk_norm_per_head=False,
                      clip_qkv=clip)
+
+
+def _layer_types(c: _Cfg, L: int) -> tuple[int, ...]:
+    """gpt_oss: the decoder layers of ``layer_types`` that attend in a sliding window
+    (transformers' default: the even ones)."""
+    lt = c.d.get("layer_types")
+    if lt is None:
+        lt = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(L)]
+    if not isinstance(lt, list) or len(lt) != L or any(t not in LAYER_TYPES for t in lt):
+        raise c.err("layer_types", lt, f"must list {L} of {' / '.join(LAYER_TYPES)}")
+    return tuple(i for i, t in enumerate(lt) if t == "sliding_attention")
+
+
+def _gpt_oss(c: _Cfg, common: dict, kv: int, hd: int) -> ModelSpec:
+    """gpt-oss: GQA with biases and a learned sink logit per head, alternating sliding-window
+    and full attention, YaRN RoPE; every layer MoE: a router with a bias, top-k of the logits
+    then a softmax over those k (the renormalised top-k of the full softmax); experts with biases and a clamped SwiGLU."""
+    inter = c.int("intermediate_size")
+    sliding = _layer_types(c, common["num_layers"])
+    window = c.int("sliding_window", 128) if sliding else 0
+    return ModelSpec(**common, num_kv_heads=kv, head_dim=hd, moe_intermediate_size=inter,
+                     intermediate_size=inter, moe_layers=tuple(range(common["num_layers"])),
+                     scoring="softmax", norm_topk_prob=True,   # = softmax of the top-k logits
+                     attn_bias=c.bool("attention_bias", True),
+                     o_bias=c.bool("attention_bias", True), sinks=True, sliding_window=window,
+                     sliding_layers=sliding, router_bias=True, expert_bias=True,
+                     swiglu_limit=c.float("swiglu_limit", 7.0),
+                     swiglu_alpha=c.float("swiglu_alpha", 1.702))
