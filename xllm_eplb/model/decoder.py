@@ -26,9 +26,8 @@ from xllm_eplb.config import Config
 from xllm_eplb.eplb import counters as ctr
 from xllm_eplb.eplb.placement import initial_phy2log
 from xllm_eplb.eplb.placement_file import initial_placement
-from xllm_eplb.model import blocks
+from xllm_eplb.model import blocks, expert_act
 from xllm_eplb.model import dispatch as dsp
-from xllm_eplb.model import expert_act
 from xllm_eplb.model import replica_dispatch as rdp
 from xllm_eplb.model.attention import KVCache
 from xllm_eplb.model.batch import RankBatch
