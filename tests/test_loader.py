@@ -103,8 +103,8 @@ def test_bad_folders_and_configs(hf_ckpts, tmp_path):
     p = _copy(hf_ckpts, tmp_path / "a")
     _edit_config(p, model_type="llama")
     with pytest.raises(InputFileError, match=r"'model_type'='llama' is not supported; supported "
-                       r"model_types: deepseek_v2, deepseek_v3, glm4_moe, mixtral, olmoe, "
-                       r"qwen2_moe, qwen3_moe"):
+                       r"model_types: deepseek_v2, deepseek_v3, glm4_moe, gpt_oss, mixtral, "
+                       r"olmoe, qwen2_moe, qwen3_moe"):
         Decoder.reference(cfg_for(p))
     p = _copy(hf_ckpts, tmp_path / "b")
     _edit_config(p, num_experts_per_tok=0)
@@ -132,6 +132,10 @@ def test_bad_folders_and_configs(hf_ckpts, tmp_path):
      r"'partial_rotary_factor'=1.5 must be a number in \(0, 1\]"),
     ("olmoe", dict(head_dim=8), r"'head_dim'=8 must be hidden_size / num_attention_heads"),
     ("olmoe", dict(clip_qkv=-1), r"'clip_qkv'=-1 must be a positive number"),
+    ("gpt_oss", dict(layer_types=["full_attention", "chunked_attention", "full_attention"]),
+     r"'layer_types'=\[.*\] must list 3 of full_attention / sliding_attention"),
+    ("gpt_oss", dict(quantization_config={"quant_method": "mxfp4"}),
+     r"'quantization_config.quant_method'='mxfp4' is not supported"),
 ])
 def test_new_families_refuse_what_they_cannot_serve(hf_ckpts, tmp_path, family, edit, match):
     p = _copy(hf_ckpts, tmp_path, family)
@@ -154,6 +158,10 @@ def test_new_families_read_what_their_configs_say(hf_ckpts):
     assert (g.scoring, g.rotary_dim, g.head_dim, g.qk_norm, g.attn_bias, g.o_bias) == (
         "sigmoid", 12, 24, True, True, False)
     assert g.shared_intermediate_size == 32 and g.moe_layers == (1, 2)
+    o = parse_spec(hf_ckpts["gpt_oss"])
+    assert (o.sinks, o.sliding_window, o.sliding_layers, o.router_bias, o.expert_bias) == (
+        True, 6, (0, 2), True, True)
+    assert (o.swiglu_limit, o.swiglu_alpha, o.rope_scaling["factor"]) == (0.6, 1.702, 4.0)
 
 
 def test_bad_tensors(hf_ckpts, tmp_path):

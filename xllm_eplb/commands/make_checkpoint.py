@@ -22,14 +22,15 @@ import click
 
 from xllm_eplb.cli import handle_user_errors
 
-ARCHS = ("deepseek_v3", "qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v2", "glm4_moe")
+ARCHS = ("deepseek_v3", "qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v2", "glm4_moe",
+         "gpt_oss")
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 
 # option name -> (CheckpointSpec field, type, help)
 SIZE_OPTIONS = {
     "--num-layers": ("num_layers", int, "decoder layers (default 4)"),
-    "--dense-layers": ("first_k_dense", int, "leading dense layers (default 1; mixtral and "
-                       "olmoe 0)"),
+    "--dense-layers": ("first_k_dense", int, "leading dense layers (default 1; mixtral, olmoe "
+                       "and gpt_oss 0)"),
     "--num-experts": ("num_experts", int, "routed experts per MoE layer (default 64)"),
     "--top-k": ("top_k", int, "experts per token (default 4)"),
     "--shared-experts": ("n_shared_experts", int, "shared experts, deepseek_v3/deepseek_v2/"

@@ -2,7 +2,7 @@
 
 The folder it writes is what ``save_pretrained`` of transformers would write for the family
 (``deepseek_v3``, ``qwen3_moe``, ``qwen2_moe``, ``mixtral``, ``olmoe``, ``deepseek_v2``,
-``glm4_moe``), so transformers and this engine load
+``glm4_moe``, ``gpt_oss``; gpt_oss's experts fused as its hub files hold them, unquantized), so transformers and this engine load
 the same files; nothing here imports transformers:
 
 - ``config.json``: the family's config as transformers 5 saves it (same keys, same values, no
@@ -49,8 +49,9 @@ from xllm_eplb.model import checkpoint_tokenizer as ctok
 from xllm_eplb.model import fp8
 from xllm_eplb.model.checkpoint_configs import generation_config, hf_config, tensor_shapes
 
-ARCHS = ("deepseek_v3", "qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v2", "glm4_moe")
-NO_DENSE = ("mixtral", "olmoe")                     # every layer MoE
+ARCHS = ("deepseek_v3", "qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v2", "glm4_moe",
+         "gpt_oss")
+NO_DENSE = ("mixtral", "olmoe", "gpt_oss")          # every layer MoE
 GROUPED = ("deepseek_v3", "deepseek_v2", "glm4_moe")  # n_group / topk_group routers
 MLA = ("deepseek_v3", "deepseek_v2")
 SHARED = ("deepseek_v3", "deepseek_v2", "glm4_moe", "qwen2_moe")   # always a shared expert
@@ -75,7 +76,7 @@ class CheckpointSpec:
     """
 
     num_layers: int = 4
-    first_k_dense: int | None = None        # 1; mixtral / olmoe: 0 (they have none)
+    first_k_dense: int | None = None        # 1; mixtral/olmoe/gpt_oss: 0 (none)
     num_experts: int = 64
     top_k: int = 4
     n_shared_experts: int = 1               # deepseek / glm4_moe shared experts, qwen2_moe's one
@@ -97,7 +98,7 @@ class CheckpointSpec:
     tie_word_embeddings: bool = False
     vocab_size: int = 512
     max_position_embeddings: int = 2048
-    rope_theta: float | None = None         # 10000 (mixtral: 1e6)
+    rope_theta: float | None = None         # 10000 (mixtral: 1e6, gpt_oss: 1.5e5)
     rms_norm_eps: float | None = None       # 1e-6 (mixtral: 1e-5)
     routing_skew: float = 1.0
     seed: int = 0
@@ -127,7 +128,7 @@ def resolve(arch: str, spec: CheckpointSpec) -> CheckpointSpec:
         num_kv_heads=spec.num_kv_heads or (spec.num_heads if mla else max(1, spec.num_heads // 2)),
         norm_topk_prob=(arch not in NO_RENORM) if spec.norm_topk_prob is None
         else spec.norm_topk_prob,
-        rope_theta=spec.rope_theta or (1e6 if mixtral else 1e4),
+        rope_theta=spec.rope_theta or (1e6 if mixtral else 1.5e5 if arch == "gpt_oss" else 1e4),
         rms_norm_eps=spec.rms_norm_eps or (1e-5 if mixtral else 1e-6))
     if s.n_group is None:
         s = replace(s, n_group=_auto_groups(s.num_experts) if ds else None)
@@ -246,8 +247,11 @@ def _value(s: CheckpointSpec, key: str, shape: tuple[int, ...]) -> torch.Tensor:
     output projections N(0, (0.25 / sqrt(fan_in))^2); other matrices N(0, 1 / fan_in)."""
     if "norm" in key:
         return 1.0 + randn(s.seed, key, shape, 0.05)
-    if key.endswith(".bias"):
+    if key.endswith((".bias", "_bias")):
         return randn(s.seed, key, shape, 0.02)
+    if key.endswith(("experts.gate_up_proj", "experts.down_proj")):     # gpt_oss: x @ W
+        std = shape[-2] ** -0.5 * (0.25 if key.endswith("down_proj") else 1.0)
+        return randn(s.seed, key, shape, std)
     std = shape[-1] ** -0.5
     if key.rsplit(".", 2)[-2] in OUT_PROJ:
         std *= 0.25
@@ -267,7 +271,8 @@ def state_dict(arch: str, spec: CheckpointSpec) -> dict[str, torch.Tensor]:
             v = embed
         elif key == "lm_head.weight":
             v = embed / s.hidden_size ** 0.5
-        elif key.endswith((".mlp.gate.weight", ".block_sparse_moe.gate.weight")):
+        elif key.endswith((".mlp.gate.weight", ".block_sparse_moe.gate.weight",
+                           ".mlp.router.weight")):
             layer = int(key.split(".")[2])
             v = _router(s, key, T, layer - s.first_k_dense, num_moe)
         elif key.endswith("e_score_correction_bias"):
@@ -376,6 +381,9 @@ def make_checkpoint(arch: str = "deepseek_v3", out: str | os.PathLike = ".", *,
               f"unknown size (known: {', '.join(CheckpointSpec.__dataclass_fields__)})")
     block = _quant_args(quant, block_size, scale_dtype)
     s = resolve(arch, CheckpointSpec(**sizes))
+    if quant and arch == "gpt_oss":
+        _fail("quant", quant, "gpt_oss checkpoints are written unquantized (its hub files hold "
+              "MXFP4 experts, which this engine does not serve yet)")
     p = prepare_folder(out, force)
     tok = ctok.train_tokenizer(s.vocab_size)
     ids = ctok.special_ids(tok)

@@ -13,7 +13,7 @@ from __future__ import annotations
 ARCHITECTURES = {"deepseek_v3": "DeepseekV3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
                  "qwen2_moe": "Qwen2MoeForCausalLM", "mixtral": "MixtralForCausalLM",
                  "olmoe": "OlmoeForCausalLM", "deepseek_v2": "DeepseekV2ForCausalLM",
-                 "glm4_moe": "Glm4MoeForCausalLM"}
+                 "glm4_moe": "Glm4MoeForCausalLM", "gpt_oss": "GptOssForCausalLM"}
 MLA_ARCHS = ("deepseek_v3", "deepseek_v2")
 GLM_PARTIAL_ROTARY = 0.5           # GLM-4.5's partial_rotary_factor (half of each head rotated)
 
@@ -79,6 +79,25 @@ def _glm4_moe(s) -> dict:
     }
 
 
+def _gpt_oss(s) -> dict:
+    """transformers' GptOssConfig defaults (YaRN factor 32, as gpt-oss's 131072 over 4096
+    positions: here over max_position_embeddings / 32; window 128, alternating sliding / full
+    layers, SwiGLU alpha 1.702 and limit 7)."""
+    return {
+        "attention_bias": True, "head_dim": _head_dim(s),
+        "intermediate_size": s.moe_intermediate_size,
+        "layer_types": ["sliding_attention" if (i + 1) % 2 else "full_attention"
+                        for i in range(s.num_layers)],
+        "num_local_experts": s.num_experts, "router_aux_loss_coef": 0.001,
+        "rope_parameters": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0,
+                            "original_max_position_embeddings":
+                            max(1, s.max_position_embeddings // 32),
+                            "rope_theta": float(s.rope_theta), "rope_type": "yarn",
+                            "truncate": False},
+        "sliding_window": 128, "swiglu_alpha": 1.702, "swiglu_limit": 7.0,
+    }
+
+
 def _olmoe(s) -> dict:
     return {"attention_bias": False, "clip_qkv": None, "intermediate_size": s.moe_intermediate_size,
             "norm_topk_prob": s.norm_topk_prob, "num_experts": s.num_experts,
@@ -114,7 +133,7 @@ def _mixtral(s) -> dict:
 
 _FAMILY = {"deepseek_v3": _deepseek_v3, "qwen3_moe": _qwen3_moe, "qwen2_moe": _qwen2_moe,
            "mixtral": _mixtral, "olmoe": _olmoe, "deepseek_v2": _deepseek_v2,
-           "glm4_moe": _glm4_moe}
+           "glm4_moe": _glm4_moe, "gpt_oss": _gpt_oss}
 
 
 def hf_config(arch: str, s, ids: dict) -> dict:
@@ -155,6 +174,9 @@ def _gqa(arch: str, s) -> dict[str, tuple[int, ...]]:
         out.update({"q_norm.weight": (hd,), "k_norm.weight": (hd,)})
     if arch == "olmoe":                       # one norm over the whole q (k) projection
         out.update({"q_norm.weight": (q,), "k_norm.weight": (kv,)})
+    if arch == "gpt_oss":
+        out.update({"q_proj.bias": (q,), "k_proj.bias": (kv,), "v_proj.bias": (kv,),
+                    "o_proj.bias": (H,), "sinks": (s.num_heads,)})
     return out
 
 
@@ -172,6 +194,11 @@ def _moe(arch: str, s) -> dict[str, tuple[int, ...]]:
             out.update({p + "w1.weight": (inter, H), p + "w2.weight": (H, inter),
                         p + "w3.weight": (inter, H)})
         return out
+    if arch == "gpt_oss":                     # fused on disk, x @ W layout, gate/up interleaved
+        return {"mlp.router.weight": (E, H), "mlp.router.bias": (E,),
+                "mlp.experts.gate_up_proj": (E, H, 2 * inter),
+                "mlp.experts.gate_up_proj_bias": (E, 2 * inter),
+                "mlp.experts.down_proj": (E, inter, H), "mlp.experts.down_proj_bias": (E, H)}
     out = {"mlp.gate.weight": (E, H)}
     if arch in ("deepseek_v3", "glm4_moe"):
         out["mlp.gate.e_score_correction_bias"] = (E,)

@@ -49,7 +49,7 @@ FIELDS = {"num_layers": "num_layers", "first_k_dense": "first_k_dense_replace",
           "intermediate_size": "intermediate_size", "num_heads": "num_attention_heads",
           "vocab_size": "vocab_size", "max_position_embeddings": "max_position_embeddings",
           "routing_skew": "routing_skew", "seed": "seed", "dtype": "dtype"}
-NO_SHARED = ("qwen3_moe", "mixtral", "olmoe")
+NO_SHARED = ("qwen3_moe", "mixtral", "olmoe", "gpt_oss")
 
 
 def spec_for(cfg: Config) -> tuple[str, checkpoint.CheckpointSpec]:
@@ -72,7 +72,7 @@ def spec_for(cfg: Config) -> tuple[str, checkpoint.CheckpointSpec]:
     elif m.n_shared_experts < 1:
         raise ConfigError(f"n_shared_experts={m.n_shared_experts}: the generated {arch} "
                           f"checkpoint always has a shared expert (>= 1); use "
-                          f"--model_arch=qwen3_moe, mixtral or olmoe for none")
+                          f"--model_arch=qwen3_moe, mixtral, olmoe or gpt_oss for none")
     try:
         return arch, checkpoint.resolve(arch, checkpoint.CheckpointSpec(**sizes))
     except checkpoint.CheckpointError as e:
