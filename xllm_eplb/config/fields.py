@@ -147,8 +147,8 @@ class ModelConfig:
     routing_skew: float = opt(1.0, "generated checkpoint: strength of the token-topic/router "
                               "alignment (0 = none)", lo=0)
     model: str = opt("", "Hugging Face checkpoint folder (config.json + *.safetensors) of a "
-                     "deepseek_v3 / deepseek_v2 / glm4_moe / qwen3_moe / qwen2_moe / mixtral / "
-                     "olmoe model; its config.json "
+                     "deepseek_v3 / deepseek_v2 / glm4_moe / gpt_oss / qwen3_moe / qwen2_moe / "
+                     "mixtral / olmoe model; its config.json "
                      "then sets the architecture fields of this section")
     dtype: str = opt("auto", "parameter dtype (auto: the checkpoint's, float32 without one)",
                      choices=("auto", "float32", "float64", "bfloat16", "float16"))
@@ -160,7 +160,7 @@ class ModelConfig:
     # --- generated default checkpoint (issue 12) ---
     model_arch: str = opt("deepseek_v3", "generated checkpoint (no --model): its family",
                           choices=("deepseek_v3", "qwen3_moe", "qwen2_moe", "mixtral", "olmoe",
-                                   "deepseek_v2", "glm4_moe"))
+                                   "deepseek_v2", "glm4_moe", "gpt_oss"))
     model_cache_dir: str = opt(".cache/checkpoints", "generated checkpoint (no --model): the "
                                "cache folder; one sub-folder per shape, seed and generator "
                                "version, written once (at this default, the environment's "
