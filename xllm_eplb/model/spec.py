@@ -1,7 +1,8 @@
 """``ModelSpec``: the architecture of a Hugging Face MoE checkpoint, read from its config.json.
 
 One typed record for the supported families (``deepseek_v3``, ``deepseek_v2``, ``glm4_moe``,
-``qwen3_moe``, ``qwen2_moe``, ``mixtral``, ``olmoe``). Both spellings of the config found on disk are accepted: RoPE as
+``gpt_oss``, ``qwen3_moe``, ``qwen2_moe``, ``mixtral``, ``olmoe``; docs/checkpoints.md's family
+table says what each reads and refuses). Both spellings of the config found on disk are accepted: RoPE as
 ``rope_parameters{rope_theta, rope_type, ...}`` (transformers 5.x) or ``rope_theta`` +
 ``rope_scaling{type|rope_type, ...}`` (hub / 4.x), and the expert count as ``num_experts``,
 ``num_local_experts`` or ``n_routed_experts``. Hub-only DeepSeek fields (``scoring_func``,
