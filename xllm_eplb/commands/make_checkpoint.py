@@ -65,10 +65,13 @@ def _size_options(fn):
 @click.option("--tie-word-embeddings", is_flag=True, help="no lm_head.weight: tied to the "
               "embedding")
 @click.option("--force", is_flag=True, help="write into a non-empty folder")
-@click.option("--quant", type=click.Choice(["none", "fp8"]), default="none", show_default=True,
+@click.option("--quant", type=click.Choice(["none", "fp8", "mxfp4"]), default="none",
+              show_default=True,
               help="fp8: every block-aligned decoder Linear as float8_e4m3fn + one "
               "weight_scale_inv per block (DeepSeek-V3 / Qwen3 FP8 format); the others stay in "
-              "--dtype and are listed in quantization_config.modules_to_not_convert")
+              "--dtype and are listed in quantization_config.modules_to_not_convert. mxfp4 "
+              "(gpt_oss only): the routed experts as MXFP4 blocks + e8m0 scales, gpt-oss's "
+              "hub format")
 @click.option("--block-size", type=click.IntRange(min=1), default=128, show_default=True,
               help="--quant fp8: rows and columns per scale block")
 @click.option("--scale-dtype", type=click.Choice(["float32", "bfloat16", "float16"]),

@@ -46,7 +46,7 @@ from safetensors.torch import save
 
 from xllm_eplb.errors import UserError
 from xllm_eplb.model import checkpoint_tokenizer as ctok
-from xllm_eplb.model import fp8
+from xllm_eplb.model import fp8, mxfp4
 from xllm_eplb.model.checkpoint_configs import generation_config, hf_config, tensor_shapes
 
 ARCHS = ("deepseek_v3", "qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v2", "glm4_moe",
@@ -346,7 +346,7 @@ def prepare_folder(out: str | os.PathLike, force: bool) -> Path:
     return p
 
 
-QUANTS = ("fp8",)
+QUANTS = ("fp8", "mxfp4")
 SCALE_DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -362,6 +362,26 @@ def _quant_args(quant, block_size, scale_dtype) -> tuple[int, int]:
     return b
 
 
+#: gpt-oss's hub ``quantization_config``
+MXFP4_CONFIG = {"modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                           "model.embed_tokens", "lm_head"],
+                "quant_method": "mxfp4"}
+
+
+def _mxfp4_experts(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """gpt_oss's fused experts (``gate_up_proj`` [E, H, 2I], ``down_proj`` [E, I, H]) as
+    MXFP4 ``*_blocks`` / ``*_scales`` of their transposes (gpt-oss's hub layout, one row per
+    output column); the biases and every other tensor kept."""
+    out = {}
+    for k, v in sd.items():
+        if k.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            blocks, scales = mxfp4.quantize(v.transpose(1, 2).float())
+            out[k + "_blocks"], out[k + "_scales"] = blocks, scales
+        else:
+            out[k] = v
+    return out
+
+
 def make_checkpoint(arch: str = "deepseek_v3", out: str | os.PathLike = ".", *,
                     force: bool = False, quant: str | None = None,
                     block_size: int | tuple[int, int] = 128, scale_dtype: str = "float32",
@@ -371,7 +391,8 @@ def make_checkpoint(arch: str = "deepseek_v3", out: str | os.PathLike = ".", *,
     ``sizes``: any :class:`CheckpointSpec` field (``seed=``, ``dtype=``, ``num_experts=`` ...).
     ``quant="fp8"``: every block-aligned decoder Linear as float8_e4m3fn + ``weight_scale_inv``
     (``scale_dtype``) per ``block_size`` block (:func:`fp8.quantize_state_dict`), the others
-    named in ``quantization_config.modules_to_not_convert``.
+    named in ``quantization_config.modules_to_not_convert``. ``quant="mxfp4"`` (gpt_oss only):
+    the routed experts as MXFP4 blocks and scales (:mod:`mxfp4`), as gpt-oss's hub files.
     ``config.json`` is written last, so its presence means the folder is complete. Raises
     CheckpointError for a bad size, an unknown family or a non-empty folder (unless ``force``).
     """
@@ -381,9 +402,11 @@ def make_checkpoint(arch: str = "deepseek_v3", out: str | os.PathLike = ".", *,
               f"unknown size (known: {', '.join(CheckpointSpec.__dataclass_fields__)})")
     block = _quant_args(quant, block_size, scale_dtype)
     s = resolve(arch, CheckpointSpec(**sizes))
-    if quant and arch == "gpt_oss":
-        _fail("quant", quant, "gpt_oss checkpoints are written unquantized (its hub files hold "
-              "MXFP4 experts, which this engine does not serve yet)")
+    if (quant == "mxfp4") != (quant is not None and arch == "gpt_oss"):
+        _fail("quant", quant, "gpt_oss takes mxfp4 (its hub format), the other families fp8")
+    if quant == "mxfp4" and (s.hidden_size % mxfp4.BLOCK or s.moe_intermediate_size % mxfp4.BLOCK):
+        _fail("quant", quant, f"mxfp4 needs hidden_size and moe_intermediate_size multiples of "
+              f"{mxfp4.BLOCK}")
     p = prepare_folder(out, force)
     tok = ctok.train_tokenizer(s.vocab_size)
     ids = ctok.special_ids(tok)
@@ -391,6 +414,9 @@ def make_checkpoint(arch: str = "deepseek_v3", out: str | os.PathLike = ".", *,
     if quant == "fp8":
         sd, skipped = fp8.quantize_state_dict(sd, block, fp8.SCALE_TORCH[scale_dtype])
         config["quantization_config"] = fp8.quantization_config(block, skipped)
+    if quant == "mxfp4":
+        sd = _mxfp4_experts(sd)
+        config["quantization_config"] = MXFP4_CONFIG
     _write_atomic(p / "model.safetensors", save(sd, metadata={"format": "pt"}))
     _write_atomic(p / "tokenizer.json", tok.to_str(pretty=True).encode())
     _write_atomic(p / "tokenizer_config.json", _json_bytes(ctok.tokenizer_config(s.max_position_embeddings)))

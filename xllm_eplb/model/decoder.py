@@ -100,7 +100,8 @@ class Decoder:
         self.logical_layers: list[LogicalMoE] = []
         if _reference:
             self.logical_layers = [LogicalMoE(cfg, ml, self.device, source=self._source,
-                                              quant=self.expert_quant, act=self.expert_act)
+                                              quant=self.expert_quant, act=self.expert_act,
+                                              mxfp4_experts=spec.mxfp4)
                                    for ml in range(self.num_moe_layers)]
         else:
             self.moe_layers = self._sharded(cfg, phy2log)
@@ -153,7 +154,8 @@ class Decoder:
                                "Decoder.reference(cfg)")
         scratch = DequantScratch()        # FP8 per-step buffers, shared by the layers
         return [FusedMoE(cfg, ml, self.ep_rank, phy2log[ml], self.device, source=self._source,
-                         quant=self.expert_quant, scratch=scratch, act=self.expert_act)
+                         quant=self.expert_quant, scratch=scratch, act=self.expert_act,
+                         mxfp4_experts=self.spec.mxfp4)
                 for ml in range(self.num_moe_layers)]
 
     # ---- per-request state and dispatch path -------------------------------------------------

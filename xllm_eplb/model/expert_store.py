@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from xllm_eplb.model import fp8
+from xllm_eplb.model import fp8, mxfp4
 
 #: the per-step FP8 path's chunk budget (bytes of a chunk's dequantization buffers): on a
 #: 2-core EPYC (L2 1 MiB per core, L3 32 MiB) two 768 x 384 experts (~10 MiB) ran the
@@ -61,8 +61,10 @@ class DenseSlots:
     def weights(self, slots: torch.Tensor):
         return self.w13, self.w2, slots
 
-    def biases(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(``b13`` [n, 2I], ``b2`` [n, H]) of every slot, or None without expert biases."""
+    def biases(self, slots: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(``b13`` [n, 2I], ``b2`` [n, H]) of every slot (indexed like :meth:`weights`), or
+        None without expert biases."""
         return None if self.b13 is None else (self.b13, self.b2)
 
     def refresh(self, slots) -> None:
@@ -196,7 +198,7 @@ class Fp8Slots:
         w13, w2 = self.dense(ids, scratch=True)
         return w13, w2, idx
 
-    def biases(self) -> None:
+    def biases(self, slots=None) -> None:
         """FP8 experts have no biases."""
         return None
 
@@ -218,17 +220,70 @@ class Fp8Slots:
         return out
 
 
+class Mxfp4Slots:
+    """gpt_oss's MXFP4 experts as stored (:mod:`mxfp4`): ``w13_b`` uint8 [n, 2I, H/32, 16]
+    (gate rows, then up rows), ``w13_e`` uint8 [n, 2I, H/32] (e8m0 scales), ``w2_b`` [n, H,
+    I/32, 16], ``w2_e`` [n, H, I/32], and the biases ``b13`` [n, 2I], ``b2`` [n, H] in the
+    model dtype. Compute dequantizes the step's active slots only (:meth:`weights`; memory:
+    the MXFP4 bytes plus the active experts' dense copy during the layer), by the rule of
+    transformers' ``convert_moe_packed_tensors``."""
+
+    kind = "mxfp4"
+
+    def __init__(self, n: int, hidden: int, inter: int, dtype: torch.dtype,
+                 device: torch.device):
+        G, g, u8 = hidden // mxfp4.BLOCK, inter // mxfp4.BLOCK, torch.uint8
+        self.n, self.dtype = n, dtype
+        self.w13_b = torch.empty((n, 2 * inter, G, 16), dtype=u8, device=device)
+        self.w13_e = torch.empty((n, 2 * inter, G), dtype=u8, device=device)
+        self.w2_b = torch.empty((n, hidden, g, 16), dtype=u8, device=device)
+        self.w2_e = torch.empty((n, hidden, g), dtype=u8, device=device)
+        self.b13 = torch.empty((n, 2 * inter), dtype=dtype, device=device)
+        self.b2 = torch.empty((n, hidden), dtype=dtype, device=device)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {"w13_b": self.w13_b, "w13_e": self.w13_e, "w2_b": self.w2_b,
+                "w2_e": self.w2_e, "b13": self.b13, "b2": self.b2}
+
+    def slot(self, s: int) -> dict[str, torch.Tensor]:
+        return {k: t[s] for k, t in self.tensors().items()}
+
+    def weights(self, slots: torch.Tensor):
+        """The dequantized weights of the distinct slots of ``slots`` [N]: (w13 [m, 2I, H],
+        w2 [m, H, I], idx [N] into them)."""
+        ids, idx = torch.unique(slots, return_inverse=True)
+        return (mxfp4.dequantize(self.w13_b[ids], self.w13_e[ids], self.dtype),
+                mxfp4.dequantize(self.w2_b[ids], self.w2_e[ids], self.dtype), idx)
+
+    def biases(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The biases of the distinct slots of ``slots``, indexed like :meth:`weights`."""
+        ids = torch.unique(slots)
+        return self.b13[ids], self.b2[ids]
+
+    def refresh(self, slots) -> None:
+        """Nothing is derived from MXFP4 slots (dequantized per step)."""
+
+    def describe(self) -> dict:
+        t = self.tensors()
+        return {"format": self.kind, "bytes": _nbytes(t),
+                "mxfp4_bytes": _nbytes({k: v for k, v in t.items() if k.endswith(("_b", "_e"))}),
+                "dequant": "per_step"}
+
+
 def _nbytes(tensors: dict[str, torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
 def make_store(n: int, hidden: int, inter: int, dtype: torch.dtype, device, *,
                fmt: fp8.Fp8Format | None, cache: bool = False,
-               scratch: DequantScratch | None = None, bias: bool = False):
+               scratch: DequantScratch | None = None, bias: bool = False,
+               mxfp4_experts: bool = False):
     """The store of ``n`` slots: :class:`Fp8Slots` for FP8 experts (``fmt``; ``scratch``:
-    the per-step path's buffers, shared by a rank's layers), else dense (``bias``: with
-    expert biases)."""
+    the per-step path's buffers, shared by a rank's layers), :class:`Mxfp4Slots` for gpt_oss's
+    MXFP4 experts (``mxfp4_experts``), else dense (``bias``: with expert biases)."""
     device = torch.device(device)
+    if mxfp4_experts:
+        return Mxfp4Slots(n, hidden, inter, dtype, device)
     if fmt is None:
         return DenseSlots(n, hidden, inter, dtype, device, bias)
     if bias:

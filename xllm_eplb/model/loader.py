@@ -27,12 +27,12 @@ import torch
 
 from xllm_eplb.config import Config
 from xllm_eplb.errors import InputFileError
-from xllm_eplb.model import fp8
+from xllm_eplb.model import fp8, mxfp4
 from xllm_eplb.model.spec import ModelSpec
 
 ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
              "BF16": torch.bfloat16, "I64": torch.int64, "I32": torch.int32,
-             fp8.ST_FP8: fp8.FP8}
+             fp8.ST_FP8: fp8.FP8, mxfp4.ST_U8: torch.uint8}
 INDEX = "model.safetensors.index.json"
 MAX_HEADER = 100 << 20
 TORCH_DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
@@ -233,6 +233,8 @@ def expert_weights(spec: ModelSpec, reader: CheckpointReader, i: int, e: int,
     H, inter, E = spec.hidden_size, spec.moe_intermediate_size, spec.num_experts
     pre = moe_prefix(spec, reader, i) + "experts."
     out = out or {}
+    if spec.mxfp4:
+        return _mxfp4_expert(reader, pre, e, (E, H, inter), dtype, out)
     if spec.family == "gpt_oss":
         return _gpt_oss_expert(reader, pre, e, (E, H, inter), dtype, out)
     if fused_experts(spec, reader, i):
@@ -280,6 +282,40 @@ def _gpt_oss_expert(reader: CheckpointReader, pre: str, e: int, dims: tuple, dty
     b2 = out.get("b2", torch.empty(H, dtype=dtype))
     b2.copy_(db)
     return {"w13": w13, "w2": w2, "b13": b13, "b2": b2}
+
+
+def _mxfp4_shapes(E: int, H: int, inter: int) -> dict[str, tuple[int, ...]]:
+    """gpt_oss's MXFP4 expert tensors (:mod:`mxfp4`) and the bf16 biases."""
+    G, g = H // mxfp4.BLOCK, inter // mxfp4.BLOCK
+    return {"gate_up_proj_blocks": (E, 2 * inter, G, 16), "gate_up_proj_scales": (E, 2 * inter, G),
+            "down_proj_blocks": (E, H, g, 16), "down_proj_scales": (E, H, g),
+            "gate_up_proj_bias": (E, 2 * inter), "down_proj_bias": (E, H)}
+
+
+def _mxfp4_expert(reader: CheckpointReader, pre: str, e: int, dims: tuple, dtype: torch.dtype,
+                  out: dict) -> dict:
+    """Row ``e`` of gpt_oss's MXFP4 experts into an :class:`~expert_store.Mxfp4Slots` slot,
+    as stored (no dequantization): the gate_up rows de-interleaved (gate rows 0::2, then up
+    rows 1::2) with their scales; ``down_proj`` blocks and scales as they are; the biases as
+    in :func:`_gpt_oss_expert`."""
+    E, H, inter = dims
+    shapes = _mxfp4_shapes(E, H, inter)
+    u8 = torch.uint8
+    gb, gs, db, ds = (reader.get_row(pre + n, e, shapes[n], u8) for n in mxfp4.EXPERT_TENSORS)
+    gub = reader.get_row(pre + "gate_up_proj_bias", e, shapes["gate_up_proj_bias"], dtype)
+    dnb = reader.get_row(pre + "down_proj_bias", e, shapes["down_proj_bias"], dtype)
+    res = {"w13_b": out.get("w13_b", torch.empty_like(gb)),
+           "w13_e": out.get("w13_e", torch.empty_like(gs)),
+           "w2_b": out.get("w2_b", torch.empty_like(db)),
+           "w2_e": out.get("w2_e", torch.empty_like(ds)),
+           "b13": out.get("b13", torch.empty_like(gub)), "b2": out.get("b2", torch.empty_like(dnb))}
+    for name, src in (("w13_b", gb), ("w13_e", gs), ("b13", gub)):
+        res[name][:inter].copy_(src[0::2])
+        res[name][inter:].copy_(src[1::2])
+    res["w2_b"].copy_(db)
+    res["w2_e"].copy_(ds)
+    res["b2"].copy_(dnb)
+    return res
 
 
 def expert_names(spec: ModelSpec) -> tuple[str, str, str]:
@@ -332,7 +368,8 @@ def check_experts(spec: ModelSpec, reader: CheckpointReader) -> None:
     for i in spec.moe_layers:
         pre = moe_prefix(spec, reader, i) + "experts."
         if spec.family == "gpt_oss":
-            for n, shape in _gpt_oss_shapes(E, H, inter).items():
+            shapes = _mxfp4_shapes(E, H, inter) if spec.mxfp4 else _gpt_oss_shapes(E, H, inter)
+            for n, shape in shapes.items():
                 reader.check_shape(pre + n, shape)
             continue
         if fused_experts(spec, reader, i):

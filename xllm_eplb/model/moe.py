@@ -60,12 +60,14 @@ class FusedMoE:
     ``[ep_rank*S, (ep_rank+1)*S)`` is materialised from ``source``. ``scratch``: the FP8
     per-step path's buffers (``expert_store.DequantScratch``; the decoder shares one between
     its layers; default: the layer's own). ``act``: the experts' FFN variant
-    (:mod:`expert_act`; gpt_oss: biases in the store and a clamped SwiGLU).
+    (:mod:`expert_act`; gpt_oss: biases in the store and a clamped SwiGLU);
+    ``mxfp4_experts``: gpt_oss's MXFP4 slots (``expert_store.Mxfp4Slots``).
     """
 
     def __init__(self, cfg: Config, layer_id: int, ep_rank: int, phy2log: np.ndarray,
                  device: torch.device | str = "cpu", *, source, quant: Fp8Format | None = None,
-                 scratch: DequantScratch | None = None, act: ExpertAct = PLAIN):
+                 scratch: DequantScratch | None = None, act: ExpertAct = PLAIN,
+                 mxfp4_experts: bool = False):
         m = cfg.model
         self.cfg = cfg
         self.source = source
@@ -81,7 +83,7 @@ class FusedMoE:
         self.act = act
         self.store = make_store(S, H, inter, dt, self.device, fmt=quant,
                                 cache=cfg.model.fp8_dequant_cache, scratch=scratch,
-                                bias=act.bias)
+                                bias=act.bias, mxfp4_experts=mxfp4_experts)
         self.tag = torch.empty((S, 2), dtype=torch.int64, device=self.device)
         self.csum = torch.empty(S, dtype=torch.float64, device=self.device)
         self.local_expert_ids = torch.empty(S, dtype=torch.int64, device=self.device)
@@ -200,7 +202,7 @@ class FusedMoE:
         w13, w2, idx = st.weights(slots)
         if self.act is PLAIN:
             return grouped_ffn(x, w13, w2, idx)
-        return grouped_ffn(x, w13, w2, idx, bias=st.biases(), act=self.act)
+        return grouped_ffn(x, w13, w2, idx, bias=st.biases(slots), act=self.act)
 
     def count(self, slots: torch.Tensor, counted: torch.Tensor) -> torch.Tensor:
         """Per-slot load of received rows: int64 [S] (rows with ``counted`` 0 excluded)."""
@@ -349,11 +351,12 @@ class LogicalMoE:
     """
 
     def __init__(self, cfg: Config, layer_id: int, device: torch.device | str = "cpu", *,
-                 source, quant: Fp8Format | None = None, act: ExpertAct = PLAIN):
+                 source, quant: Fp8Format | None = None, act: ExpertAct = PLAIN,
+                 mxfp4_experts: bool = False):
         m = cfg.model
         E = m.num_experts
         store = make_store(E, m.hidden_size, m.moe_intermediate_size, torch_dtype(cfg), device,
-                           fmt=quant, bias=act.bias)
+                           fmt=quant, bias=act.bias, mxfp4_experts=mxfp4_experts)
         for e in range(E):
             dst = store.slot(e)
             w = source(layer_id, e, dst)
@@ -364,7 +367,7 @@ class LogicalMoE:
         self.num_logical = E
         ids = torch.arange(E, device=torch.device(device))
         self.w13, self.w2 = store.dense(ids) if quant is not None else store.weights(ids)[:2]
-        self.act, self.bias = act, store.biases()
+        self.act, self.bias = act, store.biases(ids)
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         """x [T, H], topk_ids [T, k] logical -> expert outputs [T, k, H] (unweighted)."""

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from xllm_eplb.errors import InputFileError
+from xllm_eplb.model import mxfp4
 from xllm_eplb.model.fp8 import Fp8Format, parse_quant
 
 FAMILIES = ("deepseek_v2", "deepseek_v3", "glm4_moe", "gpt_oss", "mixtral", "olmoe",
@@ -84,6 +85,7 @@ class ModelSpec:
     expert_bias: bool = False          # gpt_oss: expert biases b13 [2I] (gate, up), b2 [H]
     swiglu_limit: float = 0.0          # gpt_oss clamped SwiGLU (0 = plain SwiGLU) ...
     swiglu_alpha: float = 1.0          # ... (up + 1) * g * sigmoid(alpha g), g <= limit
+    mxfp4: bool = False                # gpt_oss: MXFP4 experts (quant_method mxfp4, model/mxfp4)
     mla: MLASpec | None = None
     dtype: str = "float32"
     quant: Fp8Format | None = None     # config.json quantization_config (FP8 block scales)
@@ -206,7 +208,7 @@ def parse_spec(folder: str | Path) -> ModelSpec:
                   rope_theta=theta, rope_scaling=scaling,
                   tie_word_embeddings=c.bool("tie_word_embeddings", False), num_experts=E,
                   top_k=c.int("num_experts_per_tok"), dtype=_dtype(c),
-                  quant=parse_quant(d, folder / "config.json"))
+                  quant=parse_quant(_without_mxfp4(d, fam), folder / "config.json"))
     if common["top_k"] > E:
         raise c.err("num_experts_per_tok", common["top_k"], f"must be <= the {E} experts")
     if fam in ("deepseek_v3", "deepseek_v2"):
@@ -352,6 +354,18 @@ def _olmoe(c: _Cfg, common: dict, kv: int, hd: int) -> ModelSpec:
                      clip_qkv=clip)
 
 
+def _is_mxfp4(d: dict, fam) -> bool:
+    q = d.get("quantization_config")
+    return fam == "gpt_oss" and isinstance(q, dict) and q.get("quant_method") == mxfp4.METHOD
+
+
+def _without_mxfp4(d: dict, fam) -> dict:
+    """config.json without gpt_oss's MXFP4 ``quantization_config`` (read by the gpt_oss
+    parser; any other quantization goes to :func:`fp8.parse_quant`)."""
+    return {k: v for k, v in d.items() if k != "quantization_config"} if _is_mxfp4(d, fam) \
+        else d
+
+
 def _layer_types(c: _Cfg, L: int) -> tuple[int, ...]:
     """gpt_oss: the decoder layers of ``layer_types`` that attend in a sliding window
     (transformers' default: the even ones)."""
@@ -368,6 +382,11 @@ def _gpt_oss(c: _Cfg, common: dict, kv: int, hd: int) -> ModelSpec:
     and full attention, YaRN RoPE; every layer MoE: a router with a bias, top-k of the logits
     then a softmax over those k (the renormalised top-k of the full softmax); experts with biases and a clamped SwiGLU."""
     inter = c.int("intermediate_size")
+    mx = _is_mxfp4(c.d, "gpt_oss")
+    for name, v in (("hidden_size", common["hidden_size"]), ("intermediate_size", inter)):
+        if mx and v % mxfp4.BLOCK:
+            raise c.err(name, v, f"must be a multiple of {mxfp4.BLOCK} (MXFP4 experts: one "
+                        f"scale per {mxfp4.BLOCK} values)")
     sliding = _layer_types(c, common["num_layers"])
     window = c.int("sliding_window", 128) if sliding else 0
     return ModelSpec(**common, num_kv_heads=kv, head_dim=hd, moe_intermediate_size=inter,
@@ -377,4 +396,4 @@ def _gpt_oss(c: _Cfg, common: dict, kv: int, hd: int) -> ModelSpec:
                      o_bias=c.bool("attention_bias", True), sinks=True, sliding_window=window,
                      sliding_layers=sliding, router_bias=True, expert_bias=True,
                      swiglu_limit=c.float("swiglu_limit", 7.0),
-                     swiglu_alpha=c.float("swiglu_alpha", 1.702))
+                     swiglu_alpha=c.float("swiglu_alpha", 1.702), mxfp4=mx)
