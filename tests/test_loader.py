@@ -134,7 +134,11 @@ def test_bad_folders_and_configs(hf_ckpts, tmp_path):
     ("olmoe", dict(clip_qkv=-1), r"'clip_qkv'=-1 must be a positive number"),
     ("gpt_oss", dict(layer_types=["full_attention", "chunked_attention", "full_attention"]),
      r"'layer_types'=\[.*\] must list 3 of full_attention / sliding_attention"),
-    ("gpt_oss", dict(quantization_config={"quant_method": "mxfp4"}),
+    ("gpt_oss", dict(quantization_config={"quant_method": "mxfp4"}, intermediate_size=48),
+     r"'intermediate_size'=48 must be a multiple of 32 \(MXFP4 experts"),
+    ("gpt_oss", dict(quantization_config={"quant_method": "bitsandbytes"}),
+     r"'quantization_config.quant_method'='bitsandbytes' is not supported"),
+    ("qwen3_moe", dict(quantization_config={"quant_method": "mxfp4"}),
      r"'quantization_config.quant_method'='mxfp4' is not supported"),
 ])
 def test_new_families_refuse_what_they_cannot_serve(hf_ckpts, tmp_path, family, edit, match):

@@ -62,7 +62,10 @@ def mx(tmp_path_factory):
 
 
 def test_single_process_matches_transformers_on_the_dequantized_experts(mx):
+    from xllm_eplb.model.fp8 import quant_info
+
     q, ref = mx
+    assert quant_info(str(q), False) == {"quant_method": "mxfp4", "expert_dequant": "per_step"}
     want_toks, want_logits = hf_generate(ref)
     model = Decoder.reference(cfg_for(q))
     assert model.spec.mxfp4 and model.logical_layers[0].w13.dtype == torch.float32
