@@ -18,11 +18,15 @@ from xllm_eplb.model.spec import ModelSpec
 MLA_NORM_EPS = 1e-6        # DeepSeek's q_a/kv_a layernorms: module default, not rms_norm_eps
 
 
-def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    """HF RMSNorm: normalise in fp32 (fp64 stays fp64), cast back, then scale. [.., D]."""
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, weight_first: bool = False
+             ) -> torch.Tensor:
+    """HF RMSNorm: normalise in fp32 (fp64 stays fp64), cast back, then scale. [.., D].
+    ``weight_first`` (gpt_oss): scale in fp32, then cast back (the same in fp32 / fp64)."""
     work = torch.float64 if x.dtype == torch.float64 else torch.float32
     h = x.to(work)
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    if weight_first:
+        return (w.to(work) * h).to(x.dtype)
     return w * h.to(x.dtype)
 
 

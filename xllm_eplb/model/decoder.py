@@ -211,11 +211,11 @@ class Decoder:
         moe_cpu = 0.0
         lap("other")
         for i, p in enumerate(self.layers):
-            x = blocks.rms_norm(h, p["in_norm"], spec.rms_norm_eps)
+            x = blocks.rms_norm(h, p["in_norm"], spec.rms_norm_eps, spec.norm_weight_first)
             if n_real:
                 a = self.attn(spec, p, x[:n_real], cs, self.kv, si.ab, i)
                 h = torch.cat([h[:n_real] + a, h[n_real:]]) if h.shape[0] > n_real else h + a
-            x = blocks.rms_norm(h, p["post_norm"], spec.rms_norm_eps)
+            x = blocks.rms_norm(h, p["post_norm"], spec.rms_norm_eps, spec.norm_weight_first)
             lap("attention")
             if i not in self.moe_index:
                 h = h + blocks.mlp(x, p["mlp_w13"], p["mlp_w2"])
@@ -236,7 +236,8 @@ class Decoder:
         self.kv.advance([r.req_id for r in batch.rows],
                         [r.start_pos + len(r.token_ids) for r in batch.rows])
         last = [s + n - 1 for s, n in si.spans]
-        hn = blocks.rms_norm(h[last], self.top["norm"], spec.rms_norm_eps)
+        hn = blocks.rms_norm(h[last], self.top["norm"], spec.rms_norm_eps,
+                             spec.norm_weight_first)
         logits = torch.nn.functional.linear(hn, self.top["lm_head"]).to(torch.float64).cpu()
         lap("other")
         sampled = {r.req_id: sample(logits[j], r.temperature, r.seed, r.start_pos + len(r.token_ids),

@@ -86,6 +86,7 @@ class ModelSpec:
     swiglu_limit: float = 0.0          # gpt_oss clamped SwiGLU (0 = plain SwiGLU) ...
     swiglu_alpha: float = 1.0          # ... (up + 1) * g * sigmoid(alpha g), g <= limit
     mxfp4: bool = False                # gpt_oss: MXFP4 experts (quant_method mxfp4, model/mxfp4)
+    norm_weight_first: bool = False    # gpt_oss: RMSNorm scales in fp32 before the cast back
     mla: MLASpec | None = None
     dtype: str = "float32"
     quant: Fp8Format | None = None     # config.json quantization_config (FP8 block scales)
@@ -396,4 +397,5 @@ def _gpt_oss(c: _Cfg, common: dict, kv: int, hd: int) -> ModelSpec:
                      o_bias=c.bool("attention_bias", True), sinks=True, sliding_window=window,
                      sliding_layers=sliding, router_bias=True, expert_bias=True,
                      swiglu_limit=c.float("swiglu_limit", 7.0),
-                     swiglu_alpha=c.float("swiglu_alpha", 1.702), mxfp4=mx)
+                     swiglu_alpha=c.float("swiglu_alpha", 1.702), mxfp4=mx,
+                     norm_weight_first=True)
