@@ -22,8 +22,10 @@ step-time breakdown (``/eplb/status`` ``step_breakdown``, this run's delta: mode
 slowest rank, ring, EPLB hooks, sampling, scheduling / HTTP, idle).
 
 Configs: ``compute`` (qwen3_moe, hidden 768, 4 MoE layers, 32 experts top-4, width 384, vocab
-4096, fp32: issue 32's), ``hf_compute`` (``scripts/bench_hf.py``'s ``compute``, deepseek_v3) and
-``tiny`` (the default checkpoint of ``serve`` without ``--model``; engine EP1, EP2, EP4).
+4096, fp32: issue 32's), ``hf_compute`` (``scripts/bench_hf.py``'s ``compute``, deepseek_v3),
+``tiny`` (the default checkpoint of ``serve`` without ``--model``; engine EP1, EP2, EP4) and
+``compute_olmoe`` / ``compute_glm4_moe`` / ``compute_deepseek_v2`` (issue 40's families at
+``compute``'s sizes, engine EP1; the roofline fraction compares them per parameter).
 ``--quick``: ``tiny`` only, 8 new tokens, EP1 and EP2. ``--device cuda``: transformers, single
 and engine EP1 on one GPU (an engine that cannot start there is reported, the rest still runs).
 ``--before DIR`` (another checkout, e.g. ``git worktree add /tmp/before <commit>``): its
@@ -58,9 +60,18 @@ HF_COMPUTE = dict(hidden_size=1024, num_layers=4, num_experts=16, top_k=2,
                   moe_intermediate_size=512, intermediate_size=2048, num_heads=16,
                   q_lora_rank=384, kv_lora_rank=256, qk_nope_head_dim=64, qk_rope_head_dim=32,
                   v_head_dim=64)
+#: issue 40's families at ``compute``'s sizes (deepseek_v2: MLA ranks of ``hf_compute``'s
+#: proportions), for a per-parameter comparison with qwen3_moe's ``compute``
+FAMILY_COMPUTE = {
+    "olmoe": dict(COMPUTE),
+    "glm4_moe": dict(COMPUTE, n_shared_experts=1),
+    "deepseek_v2": dict(COMPUTE, n_shared_experts=1, q_lora_rank=288, kv_lora_rank=192,
+                        qk_nope_head_dim=48, qk_rope_head_dim=16, v_head_dim=48),
+}
 CONFIGS = {"compute": ("qwen3_moe", COMPUTE, (1, 2)), "hf_compute": ("deepseek_v3", HF_COMPUTE,
                                                                       (1, 2)),
-           "tiny": (None, None, (1, 2, 4))}
+           "tiny": (None, None, (1, 2, 4)),
+           **{f"compute_{f}": (f, sizes, (1,)) for f, sizes in FAMILY_COMPUTE.items()}}
 
 
 # --- the machine ---------------------------------------------------------------------------

@@ -62,6 +62,16 @@ def ds8_ckpt(tmp_path_factory) -> Path:
                            num_experts=8, top_k=2)
 
 
+@pytest.fixture(scope="session")
+def glm8_ckpt(tmp_path_factory) -> Path:
+    """A generated glm4_moe checkpoint with 8 experts, top-2 (GQA with partial RoPE, sigmoid
+    grouped routing, a shared expert): the elastic shrink test's model; read only."""
+    from xllm_eplb.model.checkpoint import make_checkpoint
+
+    return make_checkpoint("glm4_moe", tmp_path_factory.mktemp("glm8_ckpt") / "c",
+                           num_experts=8, top_k=2)
+
+
 @pytest.fixture
 def repo_root() -> Path:
     """The repository root (the directory holding pyproject.toml)."""

@@ -47,3 +47,25 @@ def test_weight_bytes_and_the_decode_bound(roof, tmp_path):
     attn = [4 * ctx * 2 * L * 4 * (16 + 16) for ctx in (9, 10)]          # 4 heads, q.k and p.v
     assert roof.roofline(d, 4, 8, 3, 5.0, slow)["decode_step_s"] == pytest.approx(
         4 * per_row + sum(attn) / 2)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss"])
+def test_bench_families_counts_the_active_parameters(arch, tmp_path):
+    """``scripts/bench_families.py``: every non-embedding tensor of the file plus top-k
+    experts per MoE layer (gpt_oss: with their biases), against the file's own tensors."""
+    from safetensors.torch import load_file
+
+    sys.path.insert(0, str(SCRIPTS))
+    try:
+        import bench_families
+    finally:
+        sys.path.remove(str(SCRIPTS))
+    H, inter, E, k = 64, 32, 8, 2
+    d = make_checkpoint(arch, tmp_path / arch, hidden_size=H, moe_intermediate_size=inter,
+                        num_experts=E, top_k=k, num_layers=2, first_k_dense=0)
+    sd = load_file(d / "model.safetensors")
+    expert = sum(t.numel() for n, t in sd.items() if ".experts." in n)
+    rest = sum(t.numel() for n, t in sd.items()
+               if ".experts." not in n and n != "model.embed_tokens.weight")
+    model = bench_families.build(arch, d)
+    assert bench_families.active_params(model) == rest + expert * k // E

@@ -1,10 +1,14 @@
 """Chunked prefill on the real model: a prompt longer than --max_prefill_tokens, scheduled in
 chunks by the real Scheduler beside another request's decode rows, gives the tokens and logits
-of one whole-prompt prefill (greedy, float64)."""
+of one whole-prompt prefill (greedy, float64); also for gpt_oss, whose sliding-window layers
+(128 positions) span chunk boundaries."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
+import pytest
 
 from xllm_eplb.config import Config, EplbConfig, ModelConfig
 from xllm_eplb.engine.scheduler import Request, Scheduler, is_pure_decode_step
@@ -32,8 +36,10 @@ def _whole(model: Decoder, prompt: list[int]) -> tuple[list[int], list[np.ndarra
     return toks, logits
 
 
-def test_chunked_prefill_gives_the_tokens_and_logits_of_one_prefill():
-    cfg = with_default_checkpoint(Config(eplb=EplbConfig(ep_size=4), model=SMALL))
+@pytest.mark.parametrize("arch", ["deepseek_v3", "gpt_oss"])
+def test_chunked_prefill_gives_the_tokens_and_logits_of_one_prefill(arch):
+    cfg = with_default_checkpoint(Config(eplb=EplbConfig(ep_size=4),
+                                         model=replace(SMALL, model_arch=arch)))
     model = Decoder.reference(cfg)
     prompt = [int(x) for x in np.random.default_rng(3).integers(0, 512, size=300)]
     want, want_logits = _whole(model, prompt)

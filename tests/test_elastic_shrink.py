@@ -1,5 +1,5 @@
 """Elastic shrink (issue #23 items 5-6) black-box on a real `xllm-eplb serve --elastic_ep=true
---elastic_restart=false` at EP4 (real processes, shm, gloo): a worker SIGKILLed in the middle
+--elastic_restart=false` at EP4 of a glm4_moe checkpoint (real processes, shm, gloo): a worker SIGKILLed in the middle
 of streams is NOT replaced; the survivors re-form with compact ranks, re-plan the experts (the
 dead rank's orphans read from the checkpoint, the transfer canary checked) and keep serving:
 every request in flight finishes with exactly the tokens of a fault-free run (float64, greedy
@@ -41,14 +41,15 @@ def _covers_all(placement, ep_size: int, num_experts: int = 8) -> None:
 
 
 @pytest.mark.timeout(420)
-def test_killed_workers_are_left_out_and_the_survivors_keep_serving(ds8_ckpt, start_server):
-    s = start_server("--ep-size", "4", "--model", str(ds8_ckpt), "--dtype=float64",
+def test_killed_workers_are_left_out_and_the_survivors_keep_serving(glm8_ckpt, start_server):
+    s = start_server("--ep-size", "4", "--model", str(glm8_ckpt), "--dtype=float64",
                      "--workload=none", "--enable_eplb=true", "--eplb_canary=true",
                      "--elastic_ep=true",
                      "--elastic_restart=false", "--redundant_experts_num=2",
                      "--elastic_silence_seconds=2", "--max_batch_size=4")
     s.wait_ready(240)
     client = openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0, timeout=120)
+    assert client.models.list().data[0].model_extra["family"] == "glm4_moe"
     ref = [client.completions.create(**_kw(i)).choices[0].model_extra["token_ids"]
            for i in range(len(PROMPTS))]
     results = []

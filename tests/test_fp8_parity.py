@@ -23,9 +23,11 @@ from xllm_eplb.model.decoder import Decoder
 #: qwen3_moe: non-square 16 x 32 blocks, bf16 scales
 CASES = {"deepseek_v3": dict(block_size=16, scale_dtype="float32"),
          "qwen3_moe": dict(block_size=(16, 32), scale_dtype="bfloat16")}
-#: single-process only (the same loader and store; F16 scales and mixtral's w1/w3/w2 names)
+#: single-process only (the same loader and store; F16 scales and mixtral's w1/w3/w2 names;
+#: glm4_moe as GLM-4.5-FP8 ships: the q/k/v biases and the router stay unquantized)
 EP1_ONLY = {"mixtral": dict(block_size=(32, 16), scale_dtype="float32", num_experts=8, top_k=2),
-            "qwen2_moe": dict(block_size=16, scale_dtype="float16")}
+            "qwen2_moe": dict(block_size=16, scale_dtype="float16"),
+            "glm4_moe": dict(block_size=16, scale_dtype="bfloat16")}
 _HF: dict = {}
 
 

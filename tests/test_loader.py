@@ -18,6 +18,7 @@ from xllm_eplb.errors import ConfigError, InputFileError
 from xllm_eplb.model.batch import RankBatch, SeqRow
 from xllm_eplb.model.decoder import Decoder
 from xllm_eplb.model.resolve import resolve_config
+from xllm_eplb.model.spec import parse_spec
 
 pytestmark = pytest.mark.oracle  # builds checkpoints with transformers, its oracle
 
@@ -102,7 +103,8 @@ def test_bad_folders_and_configs(hf_ckpts, tmp_path):
     p = _copy(hf_ckpts, tmp_path / "a")
     _edit_config(p, model_type="llama")
     with pytest.raises(InputFileError, match=r"'model_type'='llama' is not supported; supported "
-                       r"model_types: deepseek_v3, mixtral, qwen2_moe, qwen3_moe"):
+                       r"model_types: deepseek_v2, deepseek_v3, glm4_moe, gpt_oss, mixtral, "
+                       r"olmoe, qwen2_moe, qwen3_moe"):
         Decoder.reference(cfg_for(p))
     p = _copy(hf_ckpts, tmp_path / "b")
     _edit_config(p, num_experts_per_tok=0)
@@ -112,6 +114,58 @@ def test_bad_folders_and_configs(hf_ckpts, tmp_path):
     with pytest.raises(ConfigError, match=r"config.json: n_routed_experts=16 \(routed experts per "
                        r"MoE layer\): must be divisible by --ep_size=3"):
         Decoder.reference(cfg_for(p, ep_size=3))
+
+
+@pytest.mark.parametrize("family, edit, match", [
+    ("deepseek_v2", dict(mlp_bias=True), r"'mlp_bias'=True is not supported"),
+    ("deepseek_v2", dict(topk_method="noaux_tc"), r"'topk_method'='noaux_tc' is not supported "
+     r"\(greedy or group_limited_greedy\)"),
+    ("deepseek_v2", dict(n_group=3), r"'n_group'=3 must divide the 16 routed experts"),
+    ("deepseek_v2", dict(topk_group=1, num_experts_per_tok=5),
+     r"'num_experts_per_tok'=5 must be <= topk_group=1 x 4 experts per group"),
+    ("glm4_moe", dict(rope_parameters={"rope_theta": 1e4, "rope_type": "default",
+                                       "partial_rotary_factor": 0.125}),
+     r"'partial_rotary_factor'=0.125 must rotate an even number >= 2 of the head_dim=24 "
+     r"dims \(got 3\)"),
+    ("glm4_moe", dict(rope_parameters={"rope_theta": 1e4, "rope_type": "default",
+                                       "partial_rotary_factor": 1.5}),
+     r"'partial_rotary_factor'=1.5 must be a number in \(0, 1\]"),
+    ("olmoe", dict(head_dim=8), r"'head_dim'=8 must be hidden_size / num_attention_heads"),
+    ("olmoe", dict(clip_qkv=-1), r"'clip_qkv'=-1 must be a positive number"),
+    ("gpt_oss", dict(layer_types=["full_attention", "chunked_attention", "full_attention"]),
+     r"'layer_types'=\[.*\] must list 3 of full_attention / sliding_attention"),
+    ("gpt_oss", dict(quantization_config={"quant_method": "mxfp4"}, intermediate_size=48),
+     r"'intermediate_size'=48 must be a multiple of 32 \(MXFP4 experts"),
+    ("gpt_oss", dict(quantization_config={"quant_method": "bitsandbytes"}),
+     r"'quantization_config.quant_method'='bitsandbytes' is not supported"),
+    ("qwen3_moe", dict(quantization_config={"quant_method": "mxfp4"}),
+     r"'quantization_config.quant_method'='mxfp4' is not supported"),
+])
+def test_new_families_refuse_what_they_cannot_serve(hf_ckpts, tmp_path, family, edit, match):
+    p = _copy(hf_ckpts, tmp_path, family)
+    _edit_config(p, **edit)
+    with pytest.raises(InputFileError, match=match) as ei:
+        parse_spec(p)
+    assert str(p / "config.json") in _one_line(ei)
+
+
+def test_new_families_read_what_their_configs_say(hf_ckpts):
+    """The family details transformers' configs carry, as the spec reads them."""
+    o, v2, g = (parse_spec(hf_ckpts[f]) for f in ("olmoe", "deepseek_v2", "glm4_moe"))
+    assert (o.qk_norm, o.qk_norm_per_head, o.clip_qkv, o.norm_topk_prob) == (True, False, 1.5,
+                                                                              False)
+    assert o.moe_layers == (0, 1, 2) and o.moe_intermediate_size == 32
+    assert (v2.scoring, v2.topk_method, v2.n_group, v2.topk_group) == ("softmax",
+                                                                       "group_limited_greedy", 4, 2)
+    assert (v2.norm_topk_prob, v2.routed_scaling_factor, v2.mla.q_lora_rank) == (False, 1.5, None)
+    assert v2.shared_intermediate_size == 64 and v2.moe_layers == (1, 2)
+    assert (g.scoring, g.rotary_dim, g.head_dim, g.qk_norm, g.attn_bias, g.o_bias) == (
+        "sigmoid", 12, 24, True, True, False)
+    assert g.shared_intermediate_size == 32 and g.moe_layers == (1, 2)
+    o = parse_spec(hf_ckpts["gpt_oss"])
+    assert (o.sinks, o.sliding_window, o.sliding_layers, o.router_bias, o.expert_bias) == (
+        True, 6, (0, 2), True, True)
+    assert (o.swiglu_limit, o.swiglu_alpha, o.rope_scaling["factor"]) == (0.6, 1.702, 4.0)
 
 
 def test_bad_tensors(hf_ckpts, tmp_path):

@@ -11,7 +11,7 @@ import shutil
 import numpy as np
 import pytest
 from hf_parity_util import hf_generate
-from hf_util import FAMILIES
+from hf_util import SERVED_FAMILIES as FAMILIES
 from test_serve import _get, _post, _wait
 
 PROMPTS = [[5, 17, 300, 42, 8, 9, 100, 77, 23], [7, 3], [11, 12, 13, 14, 15]]
@@ -78,6 +78,7 @@ def test_serve_checkpoint_rebalances_with_transformers_tokens(family, hf_ckpts, 
                      "--eplb_min_peak_load_improvement=0", "--eplb_policy_kind=balanced",
                      "--eplb_plan_on=tokens")
     s.wait_ready(180)
+    assert _get(s.url + "/v1/models")["data"][0]["family"] == family
     assert _generate(s, ignore_eos=True) == [(w, "length") for w in want]
     _check_logprobs(s, want[0], hf_logits[0])
     st = _wait(lambda: (lambda st: st if st["layers_committed"] >= 2 else None)(

@@ -22,22 +22,25 @@ import click
 
 from xllm_eplb.cli import handle_user_errors
 
-ARCHS = ("deepseek_v3", "qwen3_moe", "qwen2_moe", "mixtral")
+ARCHS = ("deepseek_v3", "qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v2", "glm4_moe",
+         "gpt_oss")
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 
 # option name -> (CheckpointSpec field, type, help)
 SIZE_OPTIONS = {
     "--num-layers": ("num_layers", int, "decoder layers (default 4)"),
-    "--dense-layers": ("first_k_dense", int, "leading dense layers (default 1; mixtral 0)"),
+    "--dense-layers": ("first_k_dense", int, "leading dense layers (default 1; mixtral, olmoe "
+                       "and gpt_oss 0)"),
     "--num-experts": ("num_experts", int, "routed experts per MoE layer (default 64)"),
     "--top-k": ("top_k", int, "experts per token (default 4)"),
-    "--shared-experts": ("n_shared_experts", int, "shared experts, deepseek_v3/qwen2_moe "
-                         "(default 1)"),
+    "--shared-experts": ("n_shared_experts", int, "shared experts, deepseek_v3/deepseek_v2/"
+                         "glm4_moe/qwen2_moe (default 1)"),
     "--hidden-size": ("hidden_size", int, "model width (default 64)"),
     "--moe-intermediate-size": ("moe_intermediate_size", int, "expert FFN width (default 32)"),
     "--intermediate-size": ("intermediate_size", int, "dense FFN width (default 128)"),
     "--num-heads": ("num_heads", int, "attention heads (default 4)"),
-    "--num-kv-heads": ("num_kv_heads", int, "key/value heads (default heads/2; deepseek: heads)"),
+    "--num-kv-heads": ("num_kv_heads", int, "key/value heads (default heads/2; deepseek "
+                       "MLA: heads)"),
     "--vocab-size": ("vocab_size", int, "vocabulary incl. 4 special tokens (default 512)"),
     "--max-position-embeddings": ("max_position_embeddings", int, "longest sequence "
                                   "(default 2048)"),
@@ -62,10 +65,13 @@ def _size_options(fn):
 @click.option("--tie-word-embeddings", is_flag=True, help="no lm_head.weight: tied to the "
               "embedding")
 @click.option("--force", is_flag=True, help="write into a non-empty folder")
-@click.option("--quant", type=click.Choice(["none", "fp8"]), default="none", show_default=True,
+@click.option("--quant", type=click.Choice(["none", "fp8", "mxfp4"]), default="none",
+              show_default=True,
               help="fp8: every block-aligned decoder Linear as float8_e4m3fn + one "
               "weight_scale_inv per block (DeepSeek-V3 / Qwen3 FP8 format); the others stay in "
-              "--dtype and are listed in quantization_config.modules_to_not_convert")
+              "--dtype and are listed in quantization_config.modules_to_not_convert. mxfp4 "
+              "(gpt_oss only): the routed experts as MXFP4 blocks + e8m0 scales, gpt-oss's "
+              "hub format")
 @click.option("--block-size", type=click.IntRange(min=1), default=128, show_default=True,
               help="--quant fp8: rows and columns per scale block")
 @click.option("--scale-dtype", type=click.Choice(["float32", "bfloat16", "float16"]),

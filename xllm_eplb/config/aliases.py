@@ -52,8 +52,9 @@ FOREIGN: dict[str, str] = {
     "enable_prefix_caching": "this engine has no prefix caching",
     "speculative_config": "this engine has no speculative decoding",
     "speculative_algorithm": "this engine has no speculative decoding",
-    "trust_remote_code": "this engine runs no model code from the checkpoint: the four "
-                         "families (deepseek_v3, qwen3_moe, qwen2_moe, mixtral) are built in",
+    "trust_remote_code": "this engine runs no model code from the checkpoint: its eight "
+                         "families (deepseek_v3, deepseek_v2, glm4_moe, gpt_oss, qwen3_moe, "
+                         "qwen2_moe, mixtral, olmoe) are built in",
     "quantization": "this engine takes the quantization from the checkpoint's config.json "
                     "(block-wise FP8 checkpoints are served as they are; --fp8_dequant_cache "
                     "keeps dequantized copies): no flag chooses it",

@@ -139,15 +139,16 @@ class ModelConfig:
                                        "smaller value caps the checkpoint's, a larger one is "
                                        "refused (2048 reads as not given)", lo=2)
     scoring_func: str = opt("sigmoid", "router scores, reported from the checkpoint (sigmoid: "
-                            "deepseek_v3, softmax: the other families); a value set here is "
-                            "replaced", choices=("softmax", "sigmoid"))
+                            "deepseek_v3 and glm4_moe, softmax: the other families); a value "
+                            "set here is replaced", choices=("softmax", "sigmoid"))
     routing_mode: str = opt("model", "model = real router over token clusters; trace = sample "
                             "top-k from a load trace (benchmarks only)", choices=("model", "trace"))
     routing_trace: str = opt("", "trace-driven routing: path of an SGLang dump / .npy / .npz")
     routing_skew: float = opt(1.0, "generated checkpoint: strength of the token-topic/router "
                               "alignment (0 = none)", lo=0)
     model: str = opt("", "Hugging Face checkpoint folder (config.json + *.safetensors) of a "
-                     "deepseek_v3 / qwen3_moe / qwen2_moe / mixtral model; its config.json "
+                     "deepseek_v3 / deepseek_v2 / glm4_moe / gpt_oss / qwen3_moe / qwen2_moe / "
+                     "mixtral / olmoe model; its config.json "
                      "then sets the architecture fields of this section")
     dtype: str = opt("auto", "parameter dtype (auto: the checkpoint's, float32 without one)",
                      choices=("auto", "float32", "float64", "bfloat16", "float16"))
@@ -164,7 +165,8 @@ class ModelConfig:
                                   "false = dequantize the step's active experts per step")
     # --- generated default checkpoint (issue 12) ---
     model_arch: str = opt("deepseek_v3", "generated checkpoint (no --model): its family",
-                          choices=("deepseek_v3", "qwen3_moe", "qwen2_moe", "mixtral"))
+                          choices=("deepseek_v3", "qwen3_moe", "qwen2_moe", "mixtral", "olmoe",
+                                   "deepseek_v2", "glm4_moe", "gpt_oss"))
     model_cache_dir: str = opt(".cache/checkpoints", "generated checkpoint (no --model): the "
                                "cache folder; one sub-folder per shape, seed and generator "
                                "version, written once (at this default, the environment's "

@@ -257,7 +257,8 @@ def _routes(app: FastAPI, backend: ApiBackend) -> None:
 
 def _model_card(s: ServedModel) -> dict:
     return {"id": s.name, "object": "model", "created": s.created, "owned_by": "xllm-eplb",
-            "max_model_len": s.limits.max_position_embeddings, "quantization": s.quantization}
+            "max_model_len": s.limits.max_position_embeddings, "quantization": s.quantization,
+            "family": s.family}
 
 
 #: path prefixes that need the API key when one is set

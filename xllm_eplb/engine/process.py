@@ -46,13 +46,15 @@ def _api(cfg: Config, engine_ref: dict):
     from xllm_eplb.engine.record_api import record_router
     from xllm_eplb.engine.tokenizer import served_tokenizer
     from xllm_eplb.model.fp8 import quant_info
+    from xllm_eplb.model.spec import parse_spec
 
     m = cfg.model
     limits = ApiLimits.served(m)
     # the checkpoint's tokenizer (--model, or the default the launcher generated without it)
     tok = served_tokenizer(m.model or None, cfg.serve.tokenizer, cfg.serve.chat_template)
     served = ServedModel(cfg.serve.served_model_name, tok, limits, created=int(time.time()),
-                         quantization=quant_info(m.model, m.fp8_dequant_cache))
+                         quantization=quant_info(m.model, m.fp8_dequant_cache),
+                         family=parse_spec(m.model).family if m.model else None)
 
     def eng():
         return engine_ref.get("engine")

@@ -67,6 +67,7 @@ class ServedModel:
     limits: ApiLimits
     created: int = 0
     quantization: dict | None = None    # the checkpoint's FP8 format (model.fp8.quant_info)
+    family: str | None = None           # the checkpoint's model_type (deepseek_v3, glm4_moe ...)
 
 
 # --- schema ---------------------------------------------------------------------------------

@@ -125,6 +125,20 @@ class AttnBatch:
         mask = (kp <= start + j) & real
         mask = mask | (~real & (kp == 0))
         self.mask = mask[:, None]                                  # [R, 1, n_max, P]
+        self._qpos, self._kp, self._windowed = (start + j)[:, None], kp[:, None], {}
+        self._pad = (~real & (kp == 0))[:, None]
+
+    def mask_for(self, window: int = 0) -> torch.Tensor:
+        """The step's mask [R, 1, n_max, P], with a sliding window of ``window`` positions
+        (key position > query position - window, transformers' rule; 0 = none) when given.
+        Padded query rows keep seeing position 0 only."""
+        if not window:
+            return self.mask
+        m = self._windowed.get(window)
+        if m is None:
+            m = (self.mask & (self._kp > self._qpos - window)) | self._pad
+            self._windowed[window] = m
+        return m
 
 
 #: dtypes whose attention runs in fp32 on the CPU (:func:`attend`)
@@ -132,11 +146,15 @@ LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 
 def attend(cache: KVCache, ab: AttnBatch, layer: int, q: torch.Tensor, k: torch.Tensor,
-           v: torch.Tensor, scale: float) -> torch.Tensor:
+           v: torch.Tensor, scale: float, *, window: int = 0,
+           sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q [T, h, dk], k [T, kvh, dk], v [T, kvh, dv] of the step's real tokens -> [T, h, dv].
 
     Writes k, v at (slot, position) of each token, then attends over every cached position
-    (bf16 and fp16 on the CPU: in fp32, the result cast back)."""
+    (bf16 and fp16 on the CPU: in fp32, the result cast back; ``window``: only the last
+    ``window`` of them, gpt_oss's sliding layers; the cache still keeps them all). ``sinks``
+    [h] (gpt_oss): a learned logit per head joins each softmax and is dropped after it
+    (:func:`_sink_attention`)."""
     ck, cv = cache.k[layer], cache.v[layer]                       # [slots, kvh, cap, d] views
     ck[ab.tok_slot, :, ab.tok_pos] = k.to(cache.dtype)
     cv[ab.tok_slot, :, ab.tok_pos] = v.to(cache.dtype)
@@ -151,12 +169,36 @@ def attend(cache: KVCache, ab: AttnBatch, layer: int, q: torch.Tensor, k: torch.
         # 32 requests, 12 heads, 40 positions: 1.38 ms vs 0.34 ms a call), and fp32 is the
         # more accurate: attend in fp32, return in the model dtype
         q, K, V = q.float(), K.float(), V.float()
+    mask = ab.mask_for(window)
     if ab.n_max == 1:                      # one token per request (decode): rows are requests
-        o = F.scaled_dot_product_attention(q.unsqueeze(2), K, V, attn_mask=ab.mask,
-                                           scale=scale, enable_gqa=K.shape[1] != h)
+        Q = q.unsqueeze(2)                                        # [R, h, 1, dk]
+    else:
+        Q = q.new_zeros((ab.R, ab.n_max, h, q.shape[2]))
+        Q[ab.tok_row, ab.tok_col] = q
+        Q = Q.transpose(1, 2)                                     # [R, h, n_max, dk]
+    if sinks is None:
+        o = F.scaled_dot_product_attention(Q, K, V, attn_mask=mask, scale=scale,
+                                           enable_gqa=K.shape[1] != h)
+    else:
+        o = _sink_attention(Q, K, V, mask, scale, sinks)
+    if ab.n_max == 1:
         return o.squeeze(2).to(out)                               # [T, h, dv]
-    Q = q.new_zeros((ab.R, ab.n_max, h, q.shape[2]))
-    Q[ab.tok_row, ab.tok_col] = q
-    o = F.scaled_dot_product_attention(Q.transpose(1, 2), K, V, attn_mask=ab.mask, scale=scale,
-                                       enable_gqa=K.shape[1] != h)
     return o.transpose(1, 2)[ab.tok_row, ab.tok_col].to(out)      # [T, h, dv]
+
+
+def _sink_attention(Q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, mask: torch.Tensor,
+                    scale: float, sinks: torch.Tensor) -> torch.Tensor:
+    """Attention with a sink logit per head (gpt_oss, as transformers' eager path): Q [R, h,
+    n, dk], K [R, kvh, P, dk], V [R, kvh, P, dv], mask [R, 1, n, P] bool, sinks [h] -> [R, h,
+    n, dv]. The sink's column takes part in the softmax (max-subtracted) and is then dropped,
+    so the weights of the real keys sum to less than 1."""
+    rep = Q.shape[1] // K.shape[1]
+    if rep > 1:
+        K, V = K.repeat_interleave(rep, dim=1), V.repeat_interleave(rep, dim=1)
+    s = torch.matmul(Q, K.transpose(2, 3)) * scale
+    s = s.masked_fill(~mask, torch.finfo(s.dtype).min)
+    sink = sinks.to(s.dtype).reshape(1, -1, 1, 1).expand(s.shape[0], -1, s.shape[2], 1)
+    s = torch.cat([s, sink], dim=-1)
+    s = s - s.max(dim=-1, keepdim=True).values
+    p = torch.softmax(s, dim=-1)[..., :-1].to(V.dtype)
+    return torch.matmul(p, V)

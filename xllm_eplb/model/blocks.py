@@ -19,11 +19,15 @@ from xllm_eplb.model.spec import ModelSpec
 MLA_NORM_EPS = 1e-6        # DeepSeek's q_a/kv_a layernorms: module default, not rms_norm_eps
 
 
-def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    """HF RMSNorm: normalise in fp32 (fp64 stays fp64), cast back, then scale. [.., D]."""
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, weight_first: bool = False
+             ) -> torch.Tensor:
+    """HF RMSNorm: normalise in fp32 (fp64 stays fp64), cast back, then scale. [.., D].
+    ``weight_first`` (gpt_oss): scale in fp32, then cast back (the same in fp32 / fp64)."""
     work = torch.float64 if x.dtype == torch.float64 else torch.float32
     h = x.to(work)
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    if weight_first:
+        return (w.to(work) * h).to(x.dtype)
     return w * h.to(x.dtype)
 
 
@@ -48,19 +52,42 @@ class Rotary:
         return rope.cos_sin(pos, self.inv, self.factor, dtype)
 
 
+def _qkv(spec: ModelSpec, p: dict, x: torch.Tensor):
+    """q [T, h, hd], k and v [T, kvh, hd] before RoPE: the projections, the q/k RMSNorms
+    (per head, or over the whole projection for olmoe), then olmoe's ``clip_qkv`` clamp."""
+    T, hd, eps = x.shape[0], spec.head_dim, spec.rms_norm_eps
+    q, k, v = _lin(x, p, "q"), _lin(x, p, "k"), _lin(x, p, "v")
+    if spec.qk_norm and not spec.qk_norm_per_head:
+        q, k = rms_norm(q, p["q_norm"], eps), rms_norm(k, p["k_norm"], eps)
+    if spec.clip_qkv is not None:
+        c = spec.clip_qkv
+        q, k, v = q.clamp(-c, c), k.clamp(-c, c), v.clamp(-c, c)
+    q = q.view(T, spec.num_heads, hd)
+    k, v = k.view(T, spec.num_kv_heads, hd), v.view(T, spec.num_kv_heads, hd)
+    if spec.qk_norm and spec.qk_norm_per_head:
+        q, k = rms_norm(q, p["q_norm"], eps), rms_norm(k, p["k_norm"], eps)
+    return q, k, v
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on the first ``cos.shape[-1]`` dims of x [T, heads, hd] (all of them unless the
+    family rotates part of each head, glm4_moe), the rest passed through."""
+    rd = cos.shape[-1]
+    if rd == x.shape[-1]:
+        return rope.apply(x, cos, sin)
+    return torch.cat([rope.apply(x[..., :rd], cos, sin), x[..., rd:]], dim=-1)
+
+
 def gqa(spec: ModelSpec, p: dict, x: torch.Tensor, cs, cache: KVCache, ab: AttnBatch,
         layer: int) -> torch.Tensor:
-    """Grouped-query attention (mixtral, qwen2_moe, qwen3_moe): x [T, H] -> [T, H]."""
+    """Grouped-query attention (mixtral, qwen2_moe, qwen3_moe, glm4_moe, olmoe, gpt_oss with
+    its sinks and sliding-window layers): x [T, H] -> [T, H]."""
     T, hd = x.shape[0], spec.head_dim
-    q = _lin(x, p, "q").view(T, spec.num_heads, hd)
-    k = _lin(x, p, "k").view(T, spec.num_kv_heads, hd)
-    v = _lin(x, p, "v").view(T, spec.num_kv_heads, hd)
-    if spec.qk_norm:
-        q, k = rms_norm(q, p["q_norm"], spec.rms_norm_eps), rms_norm(k, p["k_norm"],
-                                                                      spec.rms_norm_eps)
+    q, k, v = _qkv(spec, p, x)
     cos, sin = cs
-    q, k = rope.apply(q, cos, sin), rope.apply(k, cos, sin)
-    o = attend(cache, ab, layer, q, k, v, hd ** -0.5)
+    q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+    window = spec.sliding_window if layer in spec.sliding_layers else 0
+    o = attend(cache, ab, layer, q, k, v, hd ** -0.5, window=window, sinks=p.get("sinks"))
     return _lin(o.reshape(T, -1), p, "o")
 
 
@@ -114,4 +141,8 @@ def kv_dims(spec: ModelSpec) -> tuple[int, int, int]:
 
 
 def rope_dim(spec: ModelSpec) -> int:
-    return spec.mla.qk_rope_head_dim if spec.mla is not None else spec.head_dim
+    """Rotated dims per head: MLA's rope part, a partial-RoPE family's ``rotary_dim``, else
+    the whole head."""
+    if spec.mla is not None:
+        return spec.mla.qk_rope_head_dim
+    return spec.rotary_dim or spec.head_dim

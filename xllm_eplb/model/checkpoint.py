@@ -1,7 +1,8 @@
 """``make_checkpoint``: write a tiny Hugging Face-format MoE checkpoint with a deliberate routing skew.
 
 The folder it writes is what ``save_pretrained`` of transformers would write for the family
-(``deepseek_v3``, ``qwen3_moe``, ``qwen2_moe``, ``mixtral``), so transformers and this engine load
+(``deepseek_v3``, ``qwen3_moe``, ``qwen2_moe``, ``mixtral``, ``olmoe``, ``deepseek_v2``,
+``glm4_moe``, ``gpt_oss``; gpt_oss's experts fused as its hub files hold them, unquantized), so transformers and this engine load
 the same files; nothing here imports transformers:
 
 - ``config.json``: the family's config as transformers 5 saves it (same keys, same values, no
@@ -45,10 +46,16 @@ from safetensors.torch import save
 
 from xllm_eplb.errors import UserError
 from xllm_eplb.model import checkpoint_tokenizer as ctok
-from xllm_eplb.model import fp8
+from xllm_eplb.model import fp8, mxfp4
 from xllm_eplb.model.checkpoint_configs import generation_config, hf_config, tensor_shapes
 
-ARCHS = ("deepseek_v3", "qwen3_moe", "qwen2_moe", "mixtral")
+ARCHS = ("deepseek_v3", "qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v2", "glm4_moe",
+         "gpt_oss")
+NO_DENSE = ("mixtral", "olmoe", "gpt_oss")          # every layer MoE
+GROUPED = ("deepseek_v3", "deepseek_v2", "glm4_moe")  # n_group / topk_group routers
+MLA = ("deepseek_v3", "deepseek_v2")
+SHARED = ("deepseek_v3", "deepseek_v2", "glm4_moe", "qwen2_moe")   # always a shared expert
+NO_RENORM = ("qwen2_moe", "olmoe", "deepseek_v2")   # norm_topk_prob False by default
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
           "float64": torch.float64}
 MAX_TOPICS = 16
@@ -69,29 +76,29 @@ class CheckpointSpec:
     """
 
     num_layers: int = 4
-    first_k_dense: int | None = None        # deepseek_v3/qwen*: 1; mixtral: 0 (it has none)
+    first_k_dense: int | None = None        # 1; mixtral/olmoe/gpt_oss: 0 (none)
     num_experts: int = 64
     top_k: int = 4
-    n_shared_experts: int = 1               # deepseek_v3 shared experts / qwen2_moe shared expert
+    n_shared_experts: int = 1               # deepseek / glm4_moe shared experts, qwen2_moe's one
     hidden_size: int = 64
     moe_intermediate_size: int = 32
     intermediate_size: int = 128            # dense layers' FFN width
     num_heads: int = 4
-    num_kv_heads: int | None = None         # GQA families: num_heads // 2 (deepseek: num_heads)
-    head_dim: int | None = None             # qwen3_moe explicit head_dim (default hidden/heads)
+    num_kv_heads: int | None = None         # GQA families: num_heads // 2 (MLA: num_heads)
+    head_dim: int | None = None             # qwen3_moe/glm4_moe head_dim (default hidden/heads)
     q_lora_rank: int = 32
     kv_lora_rank: int = 32
     qk_nope_head_dim: int = 16
     qk_rope_head_dim: int = 8
     v_head_dim: int = 16
-    n_group: int | None = None              # deepseek_v3: largest of 8/4/2/1 dividing E, >= 2 each
-    topk_group: int | None = None           # deepseek_v3: half the groups (at least 1)
+    n_group: int | None = None              # GROUPED: largest of 8/4/2/1 dividing E, >= 2 each
+    topk_group: int | None = None           # GROUPED: half the groups (at least 1)
     routed_scaling_factor: float = 2.5
-    norm_topk_prob: bool | None = None      # deepseek_v3/qwen3_moe: True; qwen2_moe: False
+    norm_topk_prob: bool | None = None      # True; NO_RENORM families: False
     tie_word_embeddings: bool = False
     vocab_size: int = 512
     max_position_embeddings: int = 2048
-    rope_theta: float | None = None         # 10000 (mixtral: 1e6)
+    rope_theta: float | None = None         # 10000 (mixtral: 1e6, gpt_oss: 1.5e5)
     rms_norm_eps: float | None = None       # 1e-6 (mixtral: 1e-5)
     routing_skew: float = 1.0
     seed: int = 0
@@ -113,13 +120,15 @@ def resolve(arch: str, spec: CheckpointSpec) -> CheckpointSpec:
     """Fill the family defaults into ``spec`` and check it; raises CheckpointError."""
     if arch not in ARCHS:
         _fail("arch", arch, f"must be one of {', '.join(ARCHS)}")
-    mixtral, ds = arch == "mixtral", arch == "deepseek_v3"
+    mixtral, ds, mla = arch == "mixtral", arch in GROUPED, arch in MLA
     s = replace(
         spec,
-        first_k_dense=(0 if mixtral else 1) if spec.first_k_dense is None else spec.first_k_dense,
-        num_kv_heads=spec.num_kv_heads or (spec.num_heads if ds else max(1, spec.num_heads // 2)),
-        norm_topk_prob=(arch != "qwen2_moe") if spec.norm_topk_prob is None else spec.norm_topk_prob,
-        rope_theta=spec.rope_theta or (1e6 if mixtral else 1e4),
+        first_k_dense=(0 if arch in NO_DENSE else 1) if spec.first_k_dense is None
+        else spec.first_k_dense,
+        num_kv_heads=spec.num_kv_heads or (spec.num_heads if mla else max(1, spec.num_heads // 2)),
+        norm_topk_prob=(arch not in NO_RENORM) if spec.norm_topk_prob is None
+        else spec.norm_topk_prob,
+        rope_theta=spec.rope_theta or (1e6 if mixtral else 1.5e5 if arch == "gpt_oss" else 1e4),
         rms_norm_eps=spec.rms_norm_eps or (1e-5 if mixtral else 1e-6))
     if s.n_group is None:
         s = replace(s, n_group=_auto_groups(s.num_experts) if ds else None)
@@ -139,21 +148,26 @@ def _check(arch: str, s: CheckpointSpec) -> None:
         _fail("dtype", s.dtype, f"must be one of {', '.join(DTYPES)}")
     if not 0 <= s.first_k_dense < s.num_layers:
         _fail("first_k_dense", s.first_k_dense, f"must be in [0, num_layers={s.num_layers})")
-    if arch == "mixtral" and s.first_k_dense:
-        _fail("first_k_dense", s.first_k_dense, "mixtral has no dense layers (use 0)")
+    if arch in NO_DENSE and s.first_k_dense:
+        _fail("first_k_dense", s.first_k_dense, f"{arch} has no dense layers (use 0)")
     if s.top_k > s.num_experts:
         _fail("top_k", s.top_k, f"must be <= num_experts={s.num_experts}")
     if s.qk_rope_head_dim < 2 or s.qk_rope_head_dim % 2:
         _fail("qk_rope_head_dim", s.qk_rope_head_dim, "must be even and >= 2")
     hd = s.head_dim or s.hidden_size // s.num_heads
-    if arch != "deepseek_v3":
+    if arch == "olmoe" and hd * s.num_heads != s.hidden_size:
+        _fail("head_dim", hd, f"olmoe's q_norm spans hidden_size: must be hidden_size / "
+              f"num_heads = {s.hidden_size}/{s.num_heads}")
+    if arch == "glm4_moe" and hd % 4:
+        _fail("head_dim", hd, "glm4_moe rotates half of each head: must be a multiple of 4")
+    if arch not in MLA:
         if s.head_dim is None and s.hidden_size % s.num_heads:
             _fail("num_heads", s.num_heads, f"must divide hidden_size={s.hidden_size}")
         if hd % 2:
             _fail("head_dim", hd, "must be even (RoPE rotates pairs)")
         if s.num_heads % s.num_kv_heads:
             _fail("num_kv_heads", s.num_kv_heads, f"must divide num_heads={s.num_heads}")
-    if arch == "deepseek_v3":
+    if arch in GROUPED:
         if s.num_experts % s.n_group or s.num_experts // s.n_group < 2:
             _fail("n_group", s.n_group, f"must divide num_experts={s.num_experts} into groups "
                   "of >= 2 experts")
@@ -161,7 +175,7 @@ def _check(arch: str, s: CheckpointSpec) -> None:
             _fail("topk_group", s.topk_group, f"must be in [1, n_group={s.n_group}]")
         if s.top_k > s.topk_group * (s.num_experts // s.n_group):
             _fail("top_k", s.top_k, "must be <= topk_group * experts per group")
-    if arch in ("deepseek_v3", "qwen2_moe") and s.n_shared_experts < 1:
+    if arch in SHARED and s.n_shared_experts < 1:
         _fail("n_shared_experts", s.n_shared_experts, f"{arch} always has a shared expert (>= 1)")
     if s.vocab_size < 256 + ctok.NUM_SPECIAL + 1:
         _fail("vocab_size", s.vocab_size, f"must be >= {256 + ctok.NUM_SPECIAL + 1} "
@@ -233,8 +247,11 @@ def _value(s: CheckpointSpec, key: str, shape: tuple[int, ...]) -> torch.Tensor:
     output projections N(0, (0.25 / sqrt(fan_in))^2); other matrices N(0, 1 / fan_in)."""
     if "norm" in key:
         return 1.0 + randn(s.seed, key, shape, 0.05)
-    if key.endswith(".bias"):
+    if key.endswith((".bias", "_bias")):
         return randn(s.seed, key, shape, 0.02)
+    if key.endswith(("experts.gate_up_proj", "experts.down_proj")):     # gpt_oss: x @ W
+        std = shape[-2] ** -0.5 * (0.25 if key.endswith("down_proj") else 1.0)
+        return randn(s.seed, key, shape, std)
     std = shape[-1] ** -0.5
     if key.rsplit(".", 2)[-2] in OUT_PROJ:
         std *= 0.25
@@ -254,7 +271,8 @@ def state_dict(arch: str, spec: CheckpointSpec) -> dict[str, torch.Tensor]:
             v = embed
         elif key == "lm_head.weight":
             v = embed / s.hidden_size ** 0.5
-        elif key.endswith((".mlp.gate.weight", ".block_sparse_moe.gate.weight")):
+        elif key.endswith((".mlp.gate.weight", ".block_sparse_moe.gate.weight",
+                           ".mlp.router.weight")):
             layer = int(key.split(".")[2])
             v = _router(s, key, T, layer - s.first_k_dense, num_moe)
         elif key.endswith("e_score_correction_bias"):
@@ -328,7 +346,7 @@ def prepare_folder(out: str | os.PathLike, force: bool) -> Path:
     return p
 
 
-QUANTS = ("fp8",)
+QUANTS = ("fp8", "mxfp4")
 SCALE_DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -344,6 +362,26 @@ def _quant_args(quant, block_size, scale_dtype) -> tuple[int, int]:
     return b
 
 
+#: gpt-oss's hub ``quantization_config``
+MXFP4_CONFIG = {"modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                           "model.embed_tokens", "lm_head"],
+                "quant_method": "mxfp4"}
+
+
+def _mxfp4_experts(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """gpt_oss's fused experts (``gate_up_proj`` [E, H, 2I], ``down_proj`` [E, I, H]) as
+    MXFP4 ``*_blocks`` / ``*_scales`` of their transposes (gpt-oss's hub layout, one row per
+    output column); the biases and every other tensor kept."""
+    out = {}
+    for k, v in sd.items():
+        if k.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            blocks, scales = mxfp4.quantize(v.transpose(1, 2).float())
+            out[k + "_blocks"], out[k + "_scales"] = blocks, scales
+        else:
+            out[k] = v
+    return out
+
+
 def make_checkpoint(arch: str = "deepseek_v3", out: str | os.PathLike = ".", *,
                     force: bool = False, quant: str | None = None,
                     block_size: int | tuple[int, int] = 128, scale_dtype: str = "float32",
@@ -353,7 +391,8 @@ def make_checkpoint(arch: str = "deepseek_v3", out: str | os.PathLike = ".", *,
     ``sizes``: any :class:`CheckpointSpec` field (``seed=``, ``dtype=``, ``num_experts=`` ...).
     ``quant="fp8"``: every block-aligned decoder Linear as float8_e4m3fn + ``weight_scale_inv``
     (``scale_dtype``) per ``block_size`` block (:func:`fp8.quantize_state_dict`), the others
-    named in ``quantization_config.modules_to_not_convert``.
+    named in ``quantization_config.modules_to_not_convert``. ``quant="mxfp4"`` (gpt_oss only):
+    the routed experts as MXFP4 blocks and scales (:mod:`mxfp4`), as gpt-oss's hub files.
     ``config.json`` is written last, so its presence means the folder is complete. Raises
     CheckpointError for a bad size, an unknown family or a non-empty folder (unless ``force``).
     """
@@ -363,6 +402,11 @@ def make_checkpoint(arch: str = "deepseek_v3", out: str | os.PathLike = ".", *,
               f"unknown size (known: {', '.join(CheckpointSpec.__dataclass_fields__)})")
     block = _quant_args(quant, block_size, scale_dtype)
     s = resolve(arch, CheckpointSpec(**sizes))
+    if (quant == "mxfp4") != (quant is not None and arch == "gpt_oss"):
+        _fail("quant", quant, "gpt_oss takes mxfp4 (its hub format), the other families fp8")
+    if quant == "mxfp4" and (s.hidden_size % mxfp4.BLOCK or s.moe_intermediate_size % mxfp4.BLOCK):
+        _fail("quant", quant, f"mxfp4 needs hidden_size and moe_intermediate_size multiples of "
+              f"{mxfp4.BLOCK}")
     p = prepare_folder(out, force)
     tok = ctok.train_tokenizer(s.vocab_size)
     ids = ctok.special_ids(tok)
@@ -370,6 +414,9 @@ def make_checkpoint(arch: str = "deepseek_v3", out: str | os.PathLike = ".", *,
     if quant == "fp8":
         sd, skipped = fp8.quantize_state_dict(sd, block, fp8.SCALE_TORCH[scale_dtype])
         config["quantization_config"] = fp8.quantization_config(block, skipped)
+    if quant == "mxfp4":
+        sd = _mxfp4_experts(sd)
+        config["quantization_config"] = MXFP4_CONFIG
     _write_atomic(p / "model.safetensors", save(sd, metadata={"format": "pt"}))
     _write_atomic(p / "tokenizer.json", tok.to_str(pretty=True).encode())
     _write_atomic(p / "tokenizer_config.json", _json_bytes(ctok.tokenizer_config(s.max_position_embeddings)))

@@ -11,7 +11,11 @@ to keep this module free of imports from ``checkpoint``).
 from __future__ import annotations
 
 ARCHITECTURES = {"deepseek_v3": "DeepseekV3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-                 "qwen2_moe": "Qwen2MoeForCausalLM", "mixtral": "MixtralForCausalLM"}
+                 "qwen2_moe": "Qwen2MoeForCausalLM", "mixtral": "MixtralForCausalLM",
+                 "olmoe": "OlmoeForCausalLM", "deepseek_v2": "DeepseekV2ForCausalLM",
+                 "glm4_moe": "Glm4MoeForCausalLM", "gpt_oss": "GptOssForCausalLM"}
+MLA_ARCHS = ("deepseek_v3", "deepseek_v2")
+GLM_PARTIAL_ROTARY = 0.5           # GLM-4.5's partial_rotary_factor (half of each head rotated)
 
 
 def _common(arch: str, s, ids: dict) -> dict:
@@ -45,6 +49,61 @@ def _deepseek_v3(s) -> dict:
     }
 
 
+def _deepseek_v2(s) -> dict:
+    return {
+        "attention_bias": False, "first_k_dense_replace": s.first_k_dense,
+        "head_dim": s.qk_rope_head_dim, "intermediate_size": s.intermediate_size,
+        "kv_lora_rank": s.kv_lora_rank, "mlp_bias": False,
+        "moe_intermediate_size": s.moe_intermediate_size, "n_group": s.n_group,
+        "n_routed_experts": s.num_experts, "n_shared_experts": s.n_shared_experts,
+        "norm_topk_prob": False, "pretraining_tp": 1, "q_lora_rank": s.q_lora_rank,
+        "qk_head_dim": s.qk_nope_head_dim + s.qk_rope_head_dim,
+        "qk_nope_head_dim": s.qk_nope_head_dim, "qk_rope_head_dim": s.qk_rope_head_dim,
+        "routed_scaling_factor": float(s.routed_scaling_factor), "topk_group": s.topk_group,
+        "topk_method": "group_limited_greedy" if s.n_group > 1 else "greedy",
+        "v_head_dim": s.v_head_dim,
+    }
+
+
+def _glm4_moe(s) -> dict:
+    return {
+        "attention_bias": True, "first_k_dense_replace": s.first_k_dense,
+        "head_dim": _head_dim(s), "intermediate_size": s.intermediate_size,
+        "moe_intermediate_size": s.moe_intermediate_size, "n_group": s.n_group,
+        "n_routed_experts": s.num_experts, "n_shared_experts": s.n_shared_experts,
+        "norm_topk_prob": s.norm_topk_prob, "num_nextn_predict_layers": 0,
+        "rope_parameters": {"partial_rotary_factor": GLM_PARTIAL_ROTARY,
+                            "rope_theta": float(s.rope_theta), "rope_type": "default"},
+        "routed_scaling_factor": float(s.routed_scaling_factor), "topk_group": s.topk_group,
+        "use_qk_norm": False,
+    }
+
+
+def _gpt_oss(s) -> dict:
+    """transformers' GptOssConfig defaults (YaRN factor 32, as gpt-oss's 131072 over 4096
+    positions: here over max_position_embeddings / 32; window 128, alternating sliding / full
+    layers, SwiGLU alpha 1.702 and limit 7)."""
+    return {
+        "attention_bias": True, "head_dim": _head_dim(s),
+        "intermediate_size": s.moe_intermediate_size,
+        "layer_types": ["sliding_attention" if (i + 1) % 2 else "full_attention"
+                        for i in range(s.num_layers)],
+        "num_local_experts": s.num_experts, "router_aux_loss_coef": 0.001,
+        "rope_parameters": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0,
+                            "original_max_position_embeddings":
+                            max(1, s.max_position_embeddings // 32),
+                            "rope_theta": float(s.rope_theta), "rope_type": "yarn",
+                            "truncate": False},
+        "sliding_window": 128, "swiglu_alpha": 1.702, "swiglu_limit": 7.0,
+    }
+
+
+def _olmoe(s) -> dict:
+    return {"attention_bias": False, "clip_qkv": None, "intermediate_size": s.moe_intermediate_size,
+            "norm_topk_prob": s.norm_topk_prob, "num_experts": s.num_experts,
+            "router_aux_loss_coef": 0.01}
+
+
 def _qwen_common(s) -> dict:
     return {
         "decoder_sparse_step": 1, "intermediate_size": s.intermediate_size,
@@ -73,7 +132,8 @@ def _mixtral(s) -> dict:
 
 
 _FAMILY = {"deepseek_v3": _deepseek_v3, "qwen3_moe": _qwen3_moe, "qwen2_moe": _qwen2_moe,
-           "mixtral": _mixtral}
+           "mixtral": _mixtral, "olmoe": _olmoe, "deepseek_v2": _deepseek_v2,
+           "glm4_moe": _glm4_moe, "gpt_oss": _gpt_oss}
 
 
 def hf_config(arch: str, s, ids: dict) -> dict:
@@ -108,10 +168,15 @@ def _gqa(arch: str, s) -> dict[str, tuple[int, ...]]:
     q, kv = s.num_heads * hd, s.num_kv_heads * hd
     out = {"q_proj.weight": (q, H), "k_proj.weight": (kv, H), "v_proj.weight": (kv, H),
            "o_proj.weight": (H, q)}
-    if arch == "qwen2_moe":
+    if arch in ("qwen2_moe", "glm4_moe"):
         out.update({"q_proj.bias": (q,), "k_proj.bias": (kv,), "v_proj.bias": (kv,)})
     if arch == "qwen3_moe":
         out.update({"q_norm.weight": (hd,), "k_norm.weight": (hd,)})
+    if arch == "olmoe":                       # one norm over the whole q (k) projection
+        out.update({"q_norm.weight": (q,), "k_norm.weight": (kv,)})
+    if arch == "gpt_oss":
+        out.update({"q_proj.bias": (q,), "k_proj.bias": (kv,), "v_proj.bias": (kv,),
+                    "o_proj.bias": (H,), "sinks": (s.num_heads,)})
     return out
 
 
@@ -129,12 +194,17 @@ def _moe(arch: str, s) -> dict[str, tuple[int, ...]]:
             out.update({p + "w1.weight": (inter, H), p + "w2.weight": (H, inter),
                         p + "w3.weight": (inter, H)})
         return out
+    if arch == "gpt_oss":                     # fused on disk, x @ W layout, gate/up interleaved
+        return {"mlp.router.weight": (E, H), "mlp.router.bias": (E,),
+                "mlp.experts.gate_up_proj": (E, H, 2 * inter),
+                "mlp.experts.gate_up_proj_bias": (E, 2 * inter),
+                "mlp.experts.down_proj": (E, inter, H), "mlp.experts.down_proj_bias": (E, H)}
     out = {"mlp.gate.weight": (E, H)}
-    if arch == "deepseek_v3":
+    if arch in ("deepseek_v3", "glm4_moe"):
         out["mlp.gate.e_score_correction_bias"] = (E,)
     for e in range(E):
         out.update(_mlp(f"mlp.experts.{e}.", H, inter))
-    if arch == "deepseek_v3":
+    if arch in ("deepseek_v3", "deepseek_v2", "glm4_moe"):
         out.update(_mlp("mlp.shared_experts.", H, inter * s.n_shared_experts))
     if arch == "qwen2_moe":
         out.update(_mlp("mlp.shared_expert.", H, inter * s.n_shared_experts))
@@ -146,7 +216,7 @@ def tensor_shapes(arch: str, s) -> dict[str, tuple[int, ...]]:
     """Every tensor key of the checkpoint -> its shape, in a stable order."""
     H, V = s.hidden_size, s.vocab_size
     out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (V, H)}
-    attn = _mla(s) if arch == "deepseek_v3" else _gqa(arch, s)
+    attn = _mla(s) if arch in MLA_ARCHS else _gqa(arch, s)
     for i in range(s.num_layers):
         p = f"model.layers.{i}."
         out.update({p + "input_layernorm.weight": (H,), p + "post_attention_layernorm.weight": (H,)})

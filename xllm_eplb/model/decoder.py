@@ -27,7 +27,7 @@ from xllm_eplb.config import Config
 from xllm_eplb.eplb import counters as ctr
 from xllm_eplb.eplb.placement import initial_phy2log
 from xllm_eplb.eplb.placement_file import initial_placement
-from xllm_eplb.model import blocks, dense
+from xllm_eplb.model import blocks, dense, expert_act
 from xllm_eplb.model import dispatch as dsp
 from xllm_eplb.model import replica_dispatch as rdp
 from xllm_eplb.model.attention import KVCache
@@ -85,6 +85,8 @@ class Decoder:
         check_experts(spec, self.reader)
         #: the routed experts' FP8 format (slots hold fp8 bytes + scales), None = dense
         self.expert_quant = spec.quant if experts_fp8(spec, self.reader) else None
+        #: the experts' FFN variant (gpt_oss: biases + clamped SwiGLU; PLAIN for the others)
+        self.expert_act = expert_act.from_spec(spec)
         self.top, self.layers = load_params(spec, self.reader, self.dtype, self.device)
         self.num_layers, self.num_moe_layers = spec.num_layers, len(spec.moe_layers)
         self.moe_index = {i: ml for ml, i in enumerate(spec.moe_layers)}
@@ -101,7 +103,8 @@ class Decoder:
         self.logical_layers: list[LogicalMoE] = []
         if _reference:
             self.logical_layers = [LogicalMoE(cfg, ml, self.device, source=self._source,
-                                              quant=self.expert_quant)
+                                              quant=self.expert_quant, act=self.expert_act,
+                                              mxfp4_experts=spec.mxfp4)
                                    for ml in range(self.num_moe_layers)]
         else:
             self.moe_layers = self._sharded(cfg, phy2log)
@@ -160,7 +163,8 @@ class Decoder:
                                "Decoder.reference(cfg)")
         scratch = DequantScratch()        # FP8 per-step buffers, shared by the layers
         return [FusedMoE(cfg, ml, self.ep_rank, phy2log[ml], self.device, source=self._source,
-                         quant=self.expert_quant, scratch=scratch)
+                         quant=self.expert_quant, scratch=scratch, act=self.expert_act,
+                         mxfp4_experts=self.spec.mxfp4)
                 for ml in range(self.num_moe_layers)]
 
     # ---- per-request state and dispatch path -------------------------------------------------
@@ -217,11 +221,11 @@ class Decoder:
         moe_cpu = 0.0
         lap("other")
         for i, p in enumerate(self.layers):
-            x = blocks.rms_norm(h, p["in_norm"], spec.rms_norm_eps)
+            x = blocks.rms_norm(h, p["in_norm"], spec.rms_norm_eps, spec.norm_weight_first)
             if n_real:
                 a = self.attn(spec, p, x[:n_real], cs, self.kv, si.ab, i)
                 h = torch.cat([h[:n_real] + a, h[n_real:]]) if h.shape[0] > n_real else h + a
-            x = blocks.rms_norm(h, p["post_norm"], spec.rms_norm_eps)
+            x = blocks.rms_norm(h, p["post_norm"], spec.rms_norm_eps, spec.norm_weight_first)
             lap("attention")
             if i not in self.moe_index:
                 h = h + blocks.mlp(x, p["mlp_w13"], p["mlp_w2"])
@@ -242,7 +246,8 @@ class Decoder:
         self.kv.advance([r.req_id for r in batch.rows],
                         [r.start_pos + len(r.token_ids) for r in batch.rows])
         last = [s + n - 1 for s, n in si.spans]
-        hn = blocks.rms_norm(h[last], self.top["norm"], spec.rms_norm_eps)
+        hn = blocks.rms_norm(h[last], self.top["norm"], spec.rms_norm_eps,
+                             spec.norm_weight_first)
         logits = dense.linear(hn, self.top["lm_head"]).to(torch.float64).cpu()
         lap("other")
         sampled = {r.req_id: sample(logits[j], r.temperature, r.seed, r.start_pos + len(r.token_ids),

@@ -6,9 +6,9 @@ it exactly like ``--model DIR``. The launcher (and ``testing.harness``) call
 :func:`with_default_checkpoint` once, before anything is spawned; workers never generate.
 
 Field mapping (ModelConfig -> :class:`checkpoint.CheckpointSpec`): ``num_layers``,
-``first_k_dense_replace`` (-> ``first_k_dense``; mixtral has no dense layers: 0),
-``num_experts``, ``num_experts_per_tok`` (-> ``top_k``), ``n_shared_experts`` (deepseek_v3 and
-qwen2_moe; qwen3_moe and mixtral have none), ``hidden_size``, ``moe_intermediate_size``,
+``first_k_dense_replace`` (-> ``first_k_dense``; mixtral and olmoe have no dense layers: 0),
+``num_experts``, ``num_experts_per_tok`` (-> ``top_k``), ``n_shared_experts`` (deepseek_v3,
+deepseek_v2, glm4_moe and qwen2_moe; qwen3_moe, mixtral and olmoe have none), ``hidden_size``, ``moe_intermediate_size``,
 ``intermediate_size``, ``num_attention_heads`` (-> ``num_heads``), ``vocab_size``,
 ``max_position_embeddings``, ``routing_skew``, ``seed`` and ``dtype`` (``auto``: float32).
 Everything else (MLA ranks, expert groups, RoPE) takes the generator's family defaults. After
@@ -49,7 +49,7 @@ FIELDS = {"num_layers": "num_layers", "first_k_dense": "first_k_dense_replace",
           "intermediate_size": "intermediate_size", "num_heads": "num_attention_heads",
           "vocab_size": "vocab_size", "max_position_embeddings": "max_position_embeddings",
           "routing_skew": "routing_skew", "seed": "seed", "dtype": "dtype"}
-NO_SHARED = ("qwen3_moe", "mixtral")
+NO_SHARED = ("qwen3_moe", "mixtral", "olmoe", "gpt_oss")
 
 
 def spec_for(cfg: Config) -> tuple[str, checkpoint.CheckpointSpec]:
@@ -65,14 +65,14 @@ def spec_for(cfg: Config) -> tuple[str, checkpoint.CheckpointSpec]:
                  vocab_size=m.vocab_size, max_position_embeddings=m.max_position_embeddings,
                  routing_skew=float(m.routing_skew), seed=int(m.seed),
                  dtype="float32" if m.dtype == "auto" else m.dtype)
-    if arch == "mixtral":
+    if arch in checkpoint.NO_DENSE:
         sizes["first_k_dense"] = 0
     if arch in NO_SHARED:
         sizes["n_shared_experts"] = 0
     elif m.n_shared_experts < 1:
         raise ConfigError(f"n_shared_experts={m.n_shared_experts}: the generated {arch} "
                           f"checkpoint always has a shared expert (>= 1); use "
-                          f"--model_arch=qwen3_moe or mixtral for none")
+                          f"--model_arch=qwen3_moe, mixtral, olmoe or gpt_oss for none")
     try:
         return arch, checkpoint.resolve(arch, checkpoint.CheckpointSpec(**sizes))
     except checkpoint.CheckpointError as e:

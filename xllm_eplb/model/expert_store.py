@@ -11,7 +11,8 @@ migration, the staging buffers and the canary only ever see "the tensors of a sl
 - ``refresh(slots)``: recompute derived state of those slots after their tensors were written
   (a migration, a load).
 
-:class:`DenseSlots`: ``w13`` [n, 2I, H] and ``w2`` [n, H, I] in the model dtype.
+:class:`DenseSlots`: ``w13`` [n, 2I, H] and ``w2`` [n, H, I] in the model dtype (with
+``bias``, gpt_oss: also ``b13`` [n, 2I] and ``b2`` [n, H], :mod:`expert_act`).
 :class:`Fp8Slots`: ``w13_q`` float8_e4m3fn [n, 2I, H] (gate rows, up rows), ``w13_s`` float32
 [n, 2, ceil(I/bn), ceil(H/bk)] (gate and up keep separate grids: a concatenated grid is shared
 only when I % bn == 0), ``w2_q`` [n, H, I], ``w2_s`` [n, ceil(H/bn), ceil(I/bk)]. Compute
@@ -28,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from xllm_eplb.model import fp8
+from xllm_eplb.model import fp8, mxfp4
 
 #: the per-step FP8 path's chunk budget (bytes of a chunk's dequantization buffers): on a
 #: 2-core EPYC (L2 1 MiB per core, L3 32 MiB) two 768 x 384 experts (~10 MiB) ran the
@@ -42,18 +43,29 @@ class DenseSlots:
     kind = "dense"
 
     def __init__(self, n: int, hidden: int, inter: int, dtype: torch.dtype,
-                 device: torch.device):
+                 device: torch.device, bias: bool = False):
         self.w13 = torch.empty((n, 2 * inter, hidden), dtype=dtype, device=device)
         self.w2 = torch.empty((n, hidden, inter), dtype=dtype, device=device)
+        self.b13 = torch.empty((n, 2 * inter), dtype=dtype, device=device) if bias else None
+        self.b2 = torch.empty((n, hidden), dtype=dtype, device=device) if bias else None
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        return {"w13": self.w13, "w2": self.w2}
+        out = {"w13": self.w13, "w2": self.w2}
+        if self.b13 is not None:
+            out.update(b13=self.b13, b2=self.b2)
+        return out
 
     def slot(self, s: int) -> dict[str, torch.Tensor]:
-        return {"w13": self.w13[s], "w2": self.w2[s]}
+        return {k: t[s] for k, t in self.tensors().items()}
 
     def weights(self, slots: torch.Tensor):
         return self.w13, self.w2, slots
+
+    def biases(self, slots: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(``b13`` [n, 2I], ``b2`` [n, H]) of every slot (indexed like :meth:`weights`), or
+        None without expert biases."""
+        return None if self.b13 is None else (self.b13, self.b2)
 
     def refresh(self, slots) -> None:
         """Nothing is derived from dense slots."""
@@ -186,6 +198,10 @@ class Fp8Slots:
         w13, w2 = self.dense(ids, scratch=True)
         return w13, w2, idx
 
+    def biases(self, slots=None) -> None:
+        """FP8 experts have no biases."""
+        return None
+
     def refresh(self, slots) -> None:
         """Re-dequantize the resident cache of ``slots`` (after a load or a move)."""
         if self.cache is None:
@@ -204,18 +220,74 @@ class Fp8Slots:
         return out
 
 
+class Mxfp4Slots:
+    """gpt_oss's MXFP4 experts as stored (:mod:`mxfp4`): ``w13_b`` uint8 [n, 2I, H/32, 16]
+    (gate rows, then up rows), ``w13_e`` uint8 [n, 2I, H/32] (e8m0 scales), ``w2_b`` [n, H,
+    I/32, 16], ``w2_e`` [n, H, I/32], and the biases ``b13`` [n, 2I], ``b2`` [n, H] in the
+    model dtype. Compute dequantizes the step's active slots only (:meth:`weights`; memory:
+    the MXFP4 bytes plus the active experts' dense copy during the layer), by the rule of
+    transformers' ``convert_moe_packed_tensors``."""
+
+    kind = "mxfp4"
+
+    def __init__(self, n: int, hidden: int, inter: int, dtype: torch.dtype,
+                 device: torch.device):
+        G, g, u8 = hidden // mxfp4.BLOCK, inter // mxfp4.BLOCK, torch.uint8
+        self.n, self.dtype = n, dtype
+        self.w13_b = torch.empty((n, 2 * inter, G, 16), dtype=u8, device=device)
+        self.w13_e = torch.empty((n, 2 * inter, G), dtype=u8, device=device)
+        self.w2_b = torch.empty((n, hidden, g, 16), dtype=u8, device=device)
+        self.w2_e = torch.empty((n, hidden, g), dtype=u8, device=device)
+        self.b13 = torch.empty((n, 2 * inter), dtype=dtype, device=device)
+        self.b2 = torch.empty((n, hidden), dtype=dtype, device=device)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {"w13_b": self.w13_b, "w13_e": self.w13_e, "w2_b": self.w2_b,
+                "w2_e": self.w2_e, "b13": self.b13, "b2": self.b2}
+
+    def slot(self, s: int) -> dict[str, torch.Tensor]:
+        return {k: t[s] for k, t in self.tensors().items()}
+
+    def weights(self, slots: torch.Tensor):
+        """The dequantized weights of the distinct slots of ``slots`` [N]: (w13 [m, 2I, H],
+        w2 [m, H, I], idx [N] into them)."""
+        ids, idx = torch.unique(slots, return_inverse=True)
+        return (mxfp4.dequantize(self.w13_b[ids], self.w13_e[ids], self.dtype),
+                mxfp4.dequantize(self.w2_b[ids], self.w2_e[ids], self.dtype), idx)
+
+    def biases(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The biases of the distinct slots of ``slots``, indexed like :meth:`weights`."""
+        ids = torch.unique(slots)
+        return self.b13[ids], self.b2[ids]
+
+    def refresh(self, slots) -> None:
+        """Nothing is derived from MXFP4 slots (dequantized per step)."""
+
+    def describe(self) -> dict:
+        t = self.tensors()
+        return {"format": self.kind, "bytes": _nbytes(t),
+                "mxfp4_bytes": _nbytes({k: v for k, v in t.items() if k.endswith(("_b", "_e"))}),
+                "dequant": "per_step"}
+
+
 def _nbytes(tensors: dict[str, torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
 def make_store(n: int, hidden: int, inter: int, dtype: torch.dtype, device, *,
                fmt: fp8.Fp8Format | None, cache: bool = False,
-               scratch: DequantScratch | None = None):
+               scratch: DequantScratch | None = None, bias: bool = False,
+               mxfp4_experts: bool = False):
     """The store of ``n`` slots: :class:`Fp8Slots` for FP8 experts (``fmt``; ``scratch``:
-    the per-step path's buffers, shared by a rank's layers), else dense."""
+    the per-step path's buffers, shared by a rank's layers), :class:`Mxfp4Slots` for gpt_oss's
+    MXFP4 experts (``mxfp4_experts``), else dense (``bias``: with expert biases)."""
     device = torch.device(device)
+    if mxfp4_experts:
+        return Mxfp4Slots(n, hidden, inter, dtype, device)
     if fmt is None:
-        return DenseSlots(n, hidden, inter, dtype, device)
+        return DenseSlots(n, hidden, inter, dtype, device, bias)
+    if bias:
+        raise ValueError("FP8 experts with biases are not supported")
     return Fp8Slots(n, hidden, inter, dtype, device, fmt, cache, scratch)
 
 

@@ -301,15 +301,21 @@ def quantize_state_dict(sd: dict[str, torch.Tensor], block: tuple[int, int],
 
 def quant_info(model_dir: str, dequant_cache: bool) -> dict | None:
     """What ``/v1/models`` and ``/eplb/status`` report for checkpoint ``model_dir``: its FP8
-    format and the expert dequantization mode, or None (not quantized / no ``--model``)."""
+    format and the expert dequantization mode (gpt_oss's MXFP4 experts: ``quant_method``
+    mxfp4, dequantized per step), or None (not quantized / no ``--model``)."""
     if not model_dir:
         return None
     import json
 
     path = Path(model_dir) / "config.json"
     try:
-        fmt = parse_quant(json.loads(path.read_text()), path)
-    except (OSError, ValueError, InputFileError):
+        d = json.loads(path.read_text())
+        q = d.get("quantization_config")
+        if d.get("model_type") == "gpt_oss" and isinstance(q, dict) \
+                and q.get("quant_method") == "mxfp4":
+            return {"quant_method": "mxfp4", "expert_dequant": "per_step"}
+        fmt = parse_quant(d, path)
+    except (OSError, ValueError, AttributeError, InputFileError):
         return None
     if fmt is None:
         return None

@@ -10,7 +10,9 @@ every tensor (and ``name[e]`` expert slice of a fused tensor) read so far.
 
 Key names (prefix ``model.layers.{i}.``) follow :mod:`spec`'s families; experts may be stored
 per expert (``experts.{e}.gate_proj|up_proj|down_proj``, Mixtral ``w1|w3|w2``) or fused
-(``experts.gate_up_proj [E, 2I, H]``, ``experts.down_proj [E, H, I]``).
+(``experts.gate_up_proj [E, 2I, H]``, ``experts.down_proj [E, H, I]``; gpt_oss, always fused:
+``gate_up_proj [E, H, 2I]`` with interleaved gate/up columns and ``down_proj [E, I, H]``, plus
+their ``_bias`` tensors, rearranged into the store's layout at load).
 """
 
 from __future__ import annotations
@@ -25,12 +27,12 @@ import torch
 
 from xllm_eplb.config import Config
 from xllm_eplb.errors import InputFileError
-from xllm_eplb.model import fp8
+from xllm_eplb.model import fp8, mxfp4
 from xllm_eplb.model.spec import ModelSpec
 
 ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
              "BF16": torch.bfloat16, "I64": torch.int64, "I32": torch.int32,
-             fp8.ST_FP8: fp8.FP8}
+             fp8.ST_FP8: fp8.FP8, mxfp4.ST_U8: torch.uint8}
 INDEX = "model.safetensors.index.json"
 MAX_HEADER = 100 << 20
 TORCH_DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
@@ -231,6 +233,10 @@ def expert_weights(spec: ModelSpec, reader: CheckpointReader, i: int, e: int,
     H, inter, E = spec.hidden_size, spec.moe_intermediate_size, spec.num_experts
     pre = moe_prefix(spec, reader, i) + "experts."
     out = out or {}
+    if spec.mxfp4:
+        return _mxfp4_expert(reader, pre, e, (E, H, inter), dtype, out)
+    if spec.family == "gpt_oss":
+        return _gpt_oss_expert(reader, pre, e, (E, H, inter), dtype, out)
     if fused_experts(spec, reader, i):
         return {"w13": reader.get_row(pre + "gate_up_proj", e, (E, 2 * inter, H), dtype,
                                       out=out.get("w13")),
@@ -246,6 +252,70 @@ def expert_weights(spec: ModelSpec, reader: CheckpointReader, i: int, e: int,
     reader.get(f"{pre}{e}.{names[1]}.weight", (inter, H), dtype, out=w13[inter:])
     d = reader.get(f"{pre}{e}.{names[2]}.weight", (H, inter), dtype, out=out.get("w2"))
     return {"w13": w13, "w2": d}
+
+
+GPT_OSS_EXPERTS = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
+
+
+def _gpt_oss_shapes(E: int, H: int, inter: int) -> dict[str, tuple[int, ...]]:
+    """gpt_oss's fused expert tensors (``x @ W`` layout, gate and up columns interleaved)."""
+    return dict(zip(GPT_OSS_EXPERTS, ((E, H, 2 * inter), (E, 2 * inter), (E, inter, H), (E, H)),
+                    strict=True))
+
+
+def _gpt_oss_expert(reader: CheckpointReader, pre: str, e: int, dims: tuple, dtype: torch.dtype,
+                    out: dict) -> dict:
+    """Row ``e`` of gpt_oss's fused experts into the store's layout: ``gate_up_proj[e]``
+    [H, 2I] (gate = columns 0::2, up = 1::2) -> ``w13`` [2I, H] (gate rows, then up rows),
+    its bias -> ``b13`` [2I] likewise, ``down_proj[e]`` [I, H] -> ``w2`` [H, I], ``b2`` [H]."""
+    E, H, inter = dims
+    shapes = _gpt_oss_shapes(E, H, inter)
+    gu, gub, dn, db = (reader.get_row(pre + n, e, shapes[n], dtype) for n in GPT_OSS_EXPERTS)
+    w13 = out.get("w13", torch.empty((2 * inter, H), dtype=dtype))
+    w13[:inter].copy_(gu[:, 0::2].t())
+    w13[inter:].copy_(gu[:, 1::2].t())
+    b13 = out.get("b13", torch.empty(2 * inter, dtype=dtype))
+    b13[:inter].copy_(gub[0::2])
+    b13[inter:].copy_(gub[1::2])
+    w2 = out.get("w2", torch.empty((H, inter), dtype=dtype))
+    w2.copy_(dn.t())
+    b2 = out.get("b2", torch.empty(H, dtype=dtype))
+    b2.copy_(db)
+    return {"w13": w13, "w2": w2, "b13": b13, "b2": b2}
+
+
+def _mxfp4_shapes(E: int, H: int, inter: int) -> dict[str, tuple[int, ...]]:
+    """gpt_oss's MXFP4 expert tensors (:mod:`mxfp4`) and the bf16 biases."""
+    G, g = H // mxfp4.BLOCK, inter // mxfp4.BLOCK
+    return {"gate_up_proj_blocks": (E, 2 * inter, G, 16), "gate_up_proj_scales": (E, 2 * inter, G),
+            "down_proj_blocks": (E, H, g, 16), "down_proj_scales": (E, H, g),
+            "gate_up_proj_bias": (E, 2 * inter), "down_proj_bias": (E, H)}
+
+
+def _mxfp4_expert(reader: CheckpointReader, pre: str, e: int, dims: tuple, dtype: torch.dtype,
+                  out: dict) -> dict:
+    """Row ``e`` of gpt_oss's MXFP4 experts into an :class:`~expert_store.Mxfp4Slots` slot,
+    as stored (no dequantization): the gate_up rows de-interleaved (gate rows 0::2, then up
+    rows 1::2) with their scales; ``down_proj`` blocks and scales as they are; the biases as
+    in :func:`_gpt_oss_expert`."""
+    E, H, inter = dims
+    shapes = _mxfp4_shapes(E, H, inter)
+    u8 = torch.uint8
+    gb, gs, db, ds = (reader.get_row(pre + n, e, shapes[n], u8) for n in mxfp4.EXPERT_TENSORS)
+    gub = reader.get_row(pre + "gate_up_proj_bias", e, shapes["gate_up_proj_bias"], dtype)
+    dnb = reader.get_row(pre + "down_proj_bias", e, shapes["down_proj_bias"], dtype)
+    res = {"w13_b": out.get("w13_b", torch.empty_like(gb)),
+           "w13_e": out.get("w13_e", torch.empty_like(gs)),
+           "w2_b": out.get("w2_b", torch.empty_like(db)),
+           "w2_e": out.get("w2_e", torch.empty_like(ds)),
+           "b13": out.get("b13", torch.empty_like(gub)), "b2": out.get("b2", torch.empty_like(dnb))}
+    for name, src in (("w13_b", gb), ("w13_e", gs), ("b13", gub)):
+        res[name][:inter].copy_(src[0::2])
+        res[name][inter:].copy_(src[1::2])
+    res["w2_b"].copy_(db)
+    res["w2_e"].copy_(ds)
+    res["b2"].copy_(dnb)
+    return res
 
 
 def expert_names(spec: ModelSpec) -> tuple[str, str, str]:
@@ -297,6 +367,11 @@ def check_experts(spec: ModelSpec, reader: CheckpointReader) -> None:
     H, inter, E = spec.hidden_size, spec.moe_intermediate_size, spec.num_experts
     for i in spec.moe_layers:
         pre = moe_prefix(spec, reader, i) + "experts."
+        if spec.family == "gpt_oss":
+            shapes = _mxfp4_shapes(E, H, inter) if spec.mxfp4 else _gpt_oss_shapes(E, H, inter)
+            for n, shape in shapes.items():
+                reader.check_shape(pre + n, shape)
+            continue
         if fused_experts(spec, reader, i):
             reader.check_shape(pre + "gate_up_proj", (E, 2 * inter, H))
             reader.check_shape(pre + "down_proj", (E, H, inter))

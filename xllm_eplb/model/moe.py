@@ -49,6 +49,7 @@ from xllm_eplb.eplb import placement
 from xllm_eplb.eplb import replica_routing as rr
 from xllm_eplb.kernels import fused_experts
 from xllm_eplb.model import dense
+from xllm_eplb.model.expert_act import PLAIN, ExpertAct
 from xllm_eplb.model.expert_store import DequantScratch, Fp8Slots, make_store, slot_checksum
 from xllm_eplb.model.fp8 import Fp8Format
 from xllm_eplb.model.loader import torch_dtype
@@ -60,12 +61,15 @@ class FusedMoE:
     ``phy2log``: the global slot table of this layer, int64 [D*S]; its slice
     ``[ep_rank*S, (ep_rank+1)*S)`` is materialised from ``source``. ``scratch``: the FP8
     per-step path's buffers (``expert_store.DequantScratch``; the decoder shares one between
-    its layers; default: the layer's own).
+    its layers; default: the layer's own). ``act``: the experts' FFN variant
+    (:mod:`expert_act`; gpt_oss: biases in the store and a clamped SwiGLU);
+    ``mxfp4_experts``: gpt_oss's MXFP4 slots (``expert_store.Mxfp4Slots``).
     """
 
     def __init__(self, cfg: Config, layer_id: int, ep_rank: int, phy2log: np.ndarray,
                  device: torch.device | str = "cpu", *, source, quant: Fp8Format | None = None,
-                 scratch: DequantScratch | None = None):
+                 scratch: DequantScratch | None = None, act: ExpertAct = PLAIN,
+                 mxfp4_experts: bool = False):
         m = cfg.model
         self.cfg = cfg
         self.source = source
@@ -80,8 +84,10 @@ class FusedMoE:
         self.device = torch.device(device)
         #: the routed experts run the fused C++ kernel (``model.dense.resolve``), else torch
         self.fused = dense.resolve(cfg.model.moe_kernel, dt, self.device)
+        self.act = act
         self.store = make_store(S, H, inter, dt, self.device, fmt=quant,
-                                cache=cfg.model.fp8_dequant_cache, scratch=scratch)
+                                cache=cfg.model.fp8_dequant_cache, scratch=scratch,
+                                bias=act.bias, mxfp4_experts=mxfp4_experts)
         self.tag = torch.empty((S, 2), dtype=torch.int64, device=self.device)
         self.csum = torch.empty(S, dtype=torch.float64, device=self.device)
         self.local_expert_ids = torch.empty(S, dtype=torch.int64, device=self.device)
@@ -195,16 +201,17 @@ class FusedMoE:
 
     def _compute(self, x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         st = self.store
-        per_step = st.kind == "fp8" and st.cache is None    # FP8 per step, chunk by chunk
-        if self.fused:
-            if per_step:
+        if st.kind == "fp8" and st.cache is None:          # per step, chunk by chunk
+            if self.fused:
                 return fused_chunks(x, slots, st)
-            w13, w2, idx = st.weights(slots)
-            return fused_experts(x, idx, w13, w2)
-        if per_step:
             return grouped_ffn(x, None, None, slots, chunks=st)
         w13, w2, idx = st.weights(slots)
-        return grouped_ffn(x, w13, w2, idx)
+        bias = None if self.act is PLAIN else st.biases(slots)
+        if self.fused:
+            return kernel_ffn(x, idx, w13, w2, bias, self.act)
+        if self.act is PLAIN:
+            return grouped_ffn(x, w13, w2, idx)
+        return grouped_ffn(x, w13, w2, idx, bias=bias, act=self.act)
 
     def count(self, slots: torch.Tensor, counted: torch.Tensor) -> torch.Tensor:
         """Per-slot load of received rows: int64 [S] (rows with ``counted`` 0 excluded)."""
@@ -213,7 +220,9 @@ class FusedMoE:
 
 
 def grouped_ffn(x: torch.Tensor, w13: torch.Tensor | None, w2: torch.Tensor | None,
-                idx: torch.Tensor, chunks: Fp8Slots | None = None) -> torch.Tensor:
+                idx: torch.Tensor, chunks: Fp8Slots | None = None, *,
+                bias: tuple[torch.Tensor, torch.Tensor] | None = None,
+                act: ExpertAct = PLAIN) -> torch.Tensor:
     """Row n of ``x`` [N, H] through expert ``idx[n]`` of ``w13`` [M, 2I, H], ``w2``
     [M, H, I] -> [N, H]. Rows are sorted by expert; then either one padded batched GEMM pair
     over the experts ``lo..hi`` the rows touch (:func:`_padded_ffn`: no per-expert Python,
@@ -225,7 +234,10 @@ def grouped_ffn(x: torch.Tensor, w13: torch.Tensor | None, w2: torch.Tensor | No
     (``dense_range``), each chunk's GEMMs right after its dequantization, so the dense chunk
     is read back from cache and only the fp8 bytes come from memory. The same choice and
     GEMM shapes per expert as over the dequantized stack, batched GEMMs over 2+ experts: the
-    same outputs as the resident cache."""
+    same outputs as the resident cache.
+
+    ``bias`` (``b13`` [M, 2I], ``b2`` [M, H], indexed like ``w13``) and ``act``: the gpt_oss
+    variant (:mod:`expert_act`), dense weights only."""
     if x.shape[0] == 0:
         return torch.empty_like(x)
     order = torch.argsort(idx, stable=True)
@@ -235,7 +247,8 @@ def grouped_ffn(x: torch.Tensor, w13: torch.Tensor | None, w2: torch.Tensor | No
     cl = counts[lo:hi].tolist()
     out = torch.empty_like(x)
     if _use_padded(cl):
-        out[order] = _padded_ffn(x[order], sidx, counts, w13, w2, lo, hi, max(cl), chunks)
+        out[order] = _padded_ffn(x[order], sidx, counts, w13, w2, lo, hi, max(cl), chunks,
+                                 bias, act)
         return out
     xs = x[order]
     ys = torch.empty_like(xs)
@@ -252,7 +265,8 @@ def grouped_ffn(x: torch.Tensor, w13: torch.Tensor | None, w2: torch.Tensor | No
                     end += 1
                 run, w = (j, end), chunks.dense_range(lo + j, lo + end)
             k = j - run[0]
-        ys[start:start + c] = expert_ffn(xs[start:start + c], w[0][k], w[1][k])
+        b = None if bias is None else (bias[0][k], bias[1][k])
+        ys[start:start + c] = expert_ffn(xs[start:start + c], w[0][k], w[1][k], b, act)
         start += c
     out[order] = ys
     return out
@@ -277,7 +291,8 @@ def _use_padded(counts: list[int]) -> bool:
 
 def _padded_ffn(xs: torch.Tensor, sidx: torch.Tensor, counts: torch.Tensor,
                 w13: torch.Tensor | None, w2: torch.Tensor | None, lo: int, hi: int, n_max: int,
-                chunks: Fp8Slots | None = None) -> torch.Tensor:
+                chunks: Fp8Slots | None = None, bias=None, act: ExpertAct = PLAIN
+                ) -> torch.Tensor:
     """Rows ``xs`` [N, H] sorted by expert ``sidx`` [N] (``counts`` rows per expert) through
     experts ``lo..hi-1``: scattered into [hi-lo, n_max, H] (zero padding), two ``bmm`` over
     the experts' weights as stored (views, no copy), or chunk by chunk of ``chunks``'
@@ -288,13 +303,26 @@ def _padded_ffn(xs: torch.Tensor, sidx: torch.Tensor, counts: torch.Tensor,
     xp = xs.new_zeros((hi - lo, n_max, xs.shape[1]))
     xp[e, rank] = xs
     if chunks is None:
-        return _bmm_ffn(xp, w13[lo:hi], w2[lo:hi])[e, rank]
+        b = None if bias is None else (bias[0][lo:hi], bias[1][lo:hi])
+        return _bmm_ffn(xp, w13[lo:hi], w2[lo:hi], bias=b, act=act)[e, rank]
     yp = torch.empty_like(xp)
     cl = counts[lo:hi].tolist()
     for a, b in chunk_spans(hi - lo, chunks.chunk):
         if any(cl[a:b]):
             _bmm_ffn(xp[a:b], *chunks.dense_range(lo + a, lo + b), out=yp[a:b])
     return yp[e, rank]
+
+
+def kernel_ffn(x: torch.Tensor, idx: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+               bias: tuple[torch.Tensor, torch.Tensor] | None, act: ExpertAct) -> torch.Tensor:
+    """:func:`grouped_ffn`'s contract on the fused kernel: row n of ``x`` [N, H] through expert
+    ``idx[n]`` of ``w13`` [M, 2I, H] / ``w2`` [M, H, I], with the variant's biases (``b13``
+    [M, 2I], ``b2`` [M, H]) and activation (:class:`ExpertAct`)."""
+    b13, b2 = (None, None) if bias is None else (bias[0].contiguous(), bias[1].contiguous())
+    if not act.limit:
+        return fused_experts(x, idx, w13.contiguous(), w2.contiguous(), b13, b2)
+    return fused_experts(x, idx, w13.contiguous(), w2.contiguous(), b13, b2,
+                         act="swiglu_clamp", alpha=act.alpha, limit=act.limit)
 
 
 def fused_chunks(x: torch.Tensor, slots: torch.Tensor, chunks: Fp8Slots) -> torch.Tensor:
@@ -328,17 +356,32 @@ def chunk_spans(n: int, c: int) -> list[tuple[int, int]]:
 
 
 def _bmm_ffn(xp: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-             out: torch.Tensor | None = None) -> torch.Tensor:
-    """SwiGLU over experts: xp [M, n, H], w13 [M, 2I, H], w2 [M, H, I] -> [M, n, H]."""
-    g, u = torch.bmm(xp, w13.transpose(1, 2)).chunk(2, dim=-1)
-    return torch.bmm(F.silu(g) * u, w2.transpose(1, 2), out=out)
+             out: torch.Tensor | None = None, bias=None, act: ExpertAct = PLAIN
+             ) -> torch.Tensor:
+    """SwiGLU over experts: xp [M, n, H], w13 [M, 2I, H], w2 [M, H, I] -> [M, n, H]
+    (``bias``: ``b13`` [M, 2I], ``b2`` [M, H]; ``act``: the activation variant)."""
+    if act is PLAIN:
+        g, u = torch.bmm(xp, w13.transpose(1, 2)).chunk(2, dim=-1)
+        return torch.bmm(F.silu(g) * u, w2.transpose(1, 2), out=out)
+    h = torch.bmm(xp, w13.transpose(1, 2))
+    if bias is not None:
+        h = h + bias[0][:, None, :]
+    y = torch.bmm(act.glu(*h.chunk(2, dim=-1)), w2.transpose(1, 2), out=out)
+    return y if bias is None else y.add_(bias[1][:, None, :])
 
 
-def expert_ffn(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
-    """SwiGLU FFN: x [N, H], w13 [2I, H], w2 [H, I] -> [N, H]."""
+def expert_ffn(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, bias=None,
+               act: ExpertAct = PLAIN) -> torch.Tensor:
+    """SwiGLU FFN: x [N, H], w13 [2I, H], w2 [H, I] -> [N, H] (``bias``: ``b13`` [2I],
+    ``b2`` [H]; ``act``: the activation variant)."""
     h = x @ w13.t()
-    g, u = h.chunk(2, dim=-1)
-    return (F.silu(g) * u) @ w2.t()
+    if act is PLAIN:
+        g, u = h.chunk(2, dim=-1)
+        return (F.silu(g) * u) @ w2.t()
+    if bias is not None:
+        h = h + bias[0]
+    y = act.glu(*h.chunk(2, dim=-1)) @ w2.t()
+    return y if bias is None else y + bias[1]
 
 
 class LogicalMoE:
@@ -351,11 +394,12 @@ class LogicalMoE:
     """
 
     def __init__(self, cfg: Config, layer_id: int, device: torch.device | str = "cpu", *,
-                 source, quant: Fp8Format | None = None):
+                 source, quant: Fp8Format | None = None, act: ExpertAct = PLAIN,
+                 mxfp4_experts: bool = False):
         m = cfg.model
         E = m.num_experts
         store = make_store(E, m.hidden_size, m.moe_intermediate_size, torch_dtype(cfg), device,
-                           fmt=quant)
+                           fmt=quant, bias=act.bias, mxfp4_experts=mxfp4_experts)
         for e in range(E):
             dst = store.slot(e)
             w = source(layer_id, e, dst)
@@ -366,6 +410,7 @@ class LogicalMoE:
         self.num_logical = E
         ids = torch.arange(E, device=torch.device(device))
         self.w13, self.w2 = store.dense(ids) if quant is not None else store.weights(ids)[:2]
+        self.act, self.bias = act, store.biases(ids)
         self.fused = dense.resolve(cfg.model.moe_kernel, self.w13.dtype, device)
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
@@ -373,6 +418,9 @@ class LogicalMoE:
         T, k = topk_ids.shape
         xr = x.repeat_interleave(k, dim=0)
         ids = topk_ids.reshape(-1)
-        y = (fused_experts(xr, ids, self.w13.contiguous(), self.w2.contiguous()) if self.fused
-             else grouped_ffn(xr, self.w13, self.w2, ids))
+        if self.fused:
+            y = kernel_ffn(xr, ids, self.w13.contiguous(), self.w2.contiguous(), self.bias,
+                           self.act)
+        else:
+            y = grouped_ffn(xr, self.w13, self.w2, ids, bias=self.bias, act=self.act)
         return y.reshape(T, k, -1)

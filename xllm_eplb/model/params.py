@@ -3,8 +3,8 @@
 ``load_params(spec, reader, dtype) -> (top, layers)``: ``top`` = ``embed`` [V, H], ``norm`` [H],
 ``lm_head`` [V, H] (the embedding when tied); ``layers[i]`` = ``in_norm``, ``post_norm``, the
 attention weights, and either a dense MLP (``mlp_w13`` [2I, H], ``mlp_w2`` [H, I]) or the MoE
-layer's router (``gate`` [E, H], ``gate_bias`` [E] for DeepSeek, kept fp32 as transformers
-does) and shared expert (``shared_w13``, ``shared_w2``, qwen2_moe ``shared_gate`` [1, H]).
+layer's router (``gate`` [E, H], ``gate_bias`` [E] for the sigmoid routers; DeepSeek's
+routers kept fp32 as transformers does) and shared expert (``shared_w13``, ``shared_w2``, qwen2_moe ``shared_gate`` [1, H]).
 Routed experts are not read here (see ``loader.expert_weights``).
 """
 
@@ -49,9 +49,12 @@ def _attn(spec: ModelSpec, get, pre: str) -> dict:
     out["o"] = get(pre + "o_proj.weight", (H, h * hd))
     if spec.o_bias:
         out["o_bias"] = get(pre + "o_proj.bias", (H,))
-    if spec.qk_norm:
-        out["q_norm"] = get(pre + "q_norm.weight", (hd,))
-        out["k_norm"] = get(pre + "k_norm.weight", (hd,))
+    if spec.sinks:                    # gpt_oss: one sink logit per head
+        out["sinks"] = get(pre + "sinks", (h,))
+    if spec.qk_norm:                  # per head, or over the whole projection (olmoe)
+        qn, kn = (hd, hd) if spec.qk_norm_per_head else (h * hd, kv * hd)
+        out["q_norm"] = get(pre + "q_norm.weight", (qn,))
+        out["k_norm"] = get(pre + "k_norm.weight", (kn,))
     return out
 
 
@@ -61,7 +64,7 @@ def _swiglu(get, pre: str, H: int, inter: int) -> tuple[torch.Tensor, torch.Tens
     return torch.cat([g, u], dim=0), get(pre + "down_proj.weight", (H, inter))
 
 
-def _ffn(spec: ModelSpec, reader: CheckpointReader, get, i: int) -> dict:
+def _ffn(spec: ModelSpec, reader: CheckpointReader, get, i: int, dtype: torch.dtype) -> dict:
     H, E = spec.hidden_size, spec.num_experts
     if i not in spec.moe_layers:
         w13, w2 = _swiglu(get, f"model.layers.{i}.mlp.", H, spec.intermediate_size)
@@ -71,6 +74,12 @@ def _ffn(spec: ModelSpec, reader: CheckpointReader, get, i: int) -> dict:
     if spec.scoring == "sigmoid":
         out["gate"] = reader.get(pre + "gate.weight", (E, H), torch.float32)
         out["gate_bias"] = reader.get(pre + "gate.e_score_correction_bias", (E,), torch.float32)
+    elif spec.router_bias:              # gpt_oss: mlp.router.{weight,bias}
+        out["gate"] = get(pre + "router.weight", (E, H))
+        out["gate_bias"] = get(pre + "router.bias", (E,))
+    elif spec.family == "deepseek_v2":   # an fp32 router in transformers (fp64 stays fp64)
+        out["gate"] = reader.get(pre + "gate.weight", (E, H),
+                                 torch.promote_types(dtype, torch.float32))
     else:
         out["gate"] = get(pre + "gate.weight", (E, H))
     if spec.shared_intermediate_size:
@@ -102,6 +111,6 @@ def load_params(spec: ModelSpec, reader: CheckpointReader, dtype: torch.dtype,
         d = {"in_norm": get(pre + "input_layernorm.weight", (H,)),
              "post_norm": get(pre + "post_attention_layernorm.weight", (H,))}
         d.update(_attn(spec, get, pre + "self_attn."))
-        d.update({k: v.to(device) for k, v in _ffn(spec, reader, get, i).items()})
+        d.update({k: v.to(device) for k, v in _ffn(spec, reader, get, i, dtype).items()})
         layers.append(d)
     return top, layers

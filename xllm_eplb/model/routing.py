@@ -127,9 +127,13 @@ class Router:
 class FamilyRouter(Router):
     """Router of a checkpoint's MoE layer (``routing_mode=model``), as its family computes it:
 
-    - softmax (mixtral, qwen2_moe, qwen3_moe): fp32 softmax of ``x @ gate^T`` -> top-k ->
-      renormalised if ``norm_topk_prob`` (mixtral: always);
-    - sigmoid (deepseek_v3), all fp32 (fp64 for a float64 model): ``s = sigmoid(x @ gate^T)``; ``c = s + bias``; group
+    - softmax (mixtral, qwen2_moe, qwen3_moe, olmoe, gpt_oss): fp32 softmax of ``x @ gate^T``
+      (+ the router bias, gpt_oss) -> top-k -> renormalised if ``norm_topk_prob`` (mixtral,
+      gpt_oss: always; gpt_oss's softmax over its top-k logits is the same);
+    - softmax (deepseek_v2), all fp32: ``topk_method=group_limited_greedy`` first keeps the
+      ``topk_group`` groups of highest max probability (the others' probabilities set to 0),
+      then top-k; never renormalised; times ``routed_scaling_factor``;
+    - sigmoid (deepseek_v3, glm4_moe), all fp32 (fp64 for a float64 model): ``s = sigmoid(x @ gate^T)``; ``c = s + bias``; group
       score = sum of the top-2 ``c`` per group, keep ``topk_group`` groups (others -inf); top-k
       of ``c``; weights = the unbiased ``s`` of the chosen experts, divided by (sum + 1e-20) if
       ``norm_topk_prob``, times ``routed_scaling_factor``.
@@ -150,17 +154,36 @@ class FamilyRouter(Router):
         s = self.spec
         if s.scoring == "sigmoid":
             return self._grouped_sigmoid(xn)
-        rdt = torch.promote_types(xn.dtype, torch.float32)
-        probs = torch.softmax(linear(xn, self.gate).to(rdt), dim=-1)
-        w, ids = torch.topk(probs, self.k, dim=-1)
+        w, ids = torch.topk(self._softmax_choice(xn), self.k, dim=-1)
         if s.norm_topk_prob:
             w = w / w.sum(dim=-1, keepdim=True)
+        if s.routed_scaling_factor != 1.0:
+            w = w * s.routed_scaling_factor
         return ids, w.to(xn.dtype)
+
+    def _softmax_choice(self, xn: torch.Tensor) -> torch.Tensor:
+        """Softmax probabilities [T, E] (at least fp32); an fp32 router (its gate kept fp32,
+        deepseek_v2) projects in fp32 too. Group-limited: the groups not kept are 0."""
+        s, E = self.spec, self.num_experts
+        rdt = torch.promote_types(xn.dtype, torch.float32)
+        if s.router_bias:                    # gpt_oss: a router Linear with a bias
+            logits = linear(xn, self.gate, self.bias).to(rdt)
+        elif self.gate.dtype == xn.dtype:
+            logits = linear(xn, self.gate).to(rdt)
+        else:
+            logits = linear(xn.to(rdt), self.gate.to(rdt))
+        probs = torch.softmax(logits, dim=-1)
+        if s.topk_method == "group_limited_greedy" and s.topk_group < s.n_group:
+            g = probs.view(-1, s.n_group, E // s.n_group).max(dim=-1).values
+            keep = torch.zeros_like(g).scatter_(1, torch.topk(g, s.topk_group, dim=-1)[1], 1.0)
+            mask = keep.bool().unsqueeze(-1).expand(-1, s.n_group, E // s.n_group).reshape(-1, E)
+            probs = probs.masked_fill(~mask, 0.0)
+        return probs
 
     def _choice_scores(self, xn: torch.Tensor) -> torch.Tensor:
         if self.spec.scoring == "sigmoid":
             return self._grouped_choice(xn)[1]
-        return torch.softmax(linear(xn, self.gate).float(), dim=-1)
+        return self._softmax_choice(xn)
 
     def _grouped_choice(self, xn: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(sigmoid scores [T, E], selection scores [T, E]: + bias, groups not kept -inf)."""
