@@ -157,8 +157,8 @@ def _swap_on_rank(rank, world):
 
     from xllm_eplb.config import Config, EplbConfig, ModelConfig
     from xllm_eplb.eplb.placement import initial_phy2log
-    from xllm_eplb.model.expert_store import make_store
     from xllm_eplb.kernels import fused_experts
+    from xllm_eplb.model.expert_store import make_store
     from xllm_eplb.model.moe import FusedMoE, grouped_ffn
     from xllm_eplb.worker.comm import groups_from_world
     from xllm_eplb.worker.migration import EplbCanaryError, ModelEplbHooks
