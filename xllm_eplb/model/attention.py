@@ -151,7 +151,7 @@ def attend(cache: KVCache, ab: AttnBatch, layer: int, q: torch.Tensor, k: torch.
     """q [T, h, dk], k [T, kvh, dk], v [T, kvh, dv] of the step's real tokens -> [T, h, dv].
 
     Writes k, v at (slot, position) of each token, then attends over every cached position
-    (bf16 and fp16 on the CPU: in fp32, the result cast back; ``window``: only the last
+    (bf16 and fp16 on the CPU without sinks: in fp32, the result cast back; ``window``: only the last
     ``window`` of them, gpt_oss's sliding layers; the cache still keeps them all). ``sinks``
     [h] (gpt_oss): a learned logit per head joins each softmax and is dropped after it
     (:func:`_sink_attention`)."""
@@ -164,10 +164,11 @@ def attend(cache: KVCache, ab: AttnBatch, layer: int, q: torch.Tensor, k: torch.
     else:
         K, V = ck[ab.row_slot, :, :ab.P], cv[ab.row_slot, :, :ab.P]
     h, out = q.shape[1], q.dtype
-    if out in LOW_PRECISION and q.device.type == "cpu":
+    if out in LOW_PRECISION and q.device.type == "cpu" and sinks is None:
         # torch's CPU SDPA runs ~4x slower in bf16 than in fp32 at decode shapes (measured:
         # 32 requests, 12 heads, 40 positions: 1.38 ms vs 0.34 ms a call), and fp32 is the
-        # more accurate: attend in fp32, return in the model dtype
+        # more accurate: attend in fp32, return in the model dtype (the sink path is eager
+        # matmuls at transformers' own cast points)
         q, K, V = q.float(), K.float(), V.float()
     mask = ab.mask_for(window)
     if ab.n_max == 1:                      # one token per request (decode): rows are requests
