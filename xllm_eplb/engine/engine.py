@@ -138,6 +138,8 @@ class Engine:
         self._pending_eplb_s = 0.0
         self.state = "starting"
         self.stopping = False
+        #: True during :meth:`warmup` (a stop then leaves at the next wait slice)
+        self.warming = False
 
     # --- one forward -----------------------------------------------------------------------
     def step(self, batches: list[RankBatch], *, warmup: bool = False,
@@ -232,6 +234,10 @@ class Engine:
             try:
                 return self.outs[rank].get(timeout=max(0.0, min(WAIT_SLICE, left)))
             except RingTimeoutError:
+                if self.stopping and self.warming:
+                    # a stop during the warm-up (workers still loading, some never will):
+                    # leave now (engine/process.py's start-up exit), not at STARTUP_TIMEOUT
+                    raise SystemExit(0) from None
                 if left <= WAIT_SLICE:
                     raise
                 if self.state == "serving":     # not the warm-up (workers still loading)
@@ -274,8 +280,12 @@ class Engine:
         second = [RankBatch([SeqRow(-1, row[:3], 0, True)] if r == 0 else [])
                   for r in range(self.D)]
         t0 = time.perf_counter()
-        self.step(first, warmup=True, timeout=STARTUP_TIMEOUT)
-        self.step(second, warmup=True)
+        self.warming = True
+        try:
+            self.step(first, warmup=True, timeout=STARTUP_TIMEOUT)
+            self.step(second, warmup=True)
+        finally:
+            self.warming = False
         log.info(event("engine warmup done", steps=2, seconds=round(time.perf_counter() - t0, 3)))
 
     def run(self) -> None:

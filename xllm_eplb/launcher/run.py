@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import signal
 import socket
 import sys
 
@@ -137,8 +138,11 @@ def run_launcher(launcher: Launcher, progress: Progress, ready, start=None) -> i
         killed = launcher.stop(graceful=(code == 0))
         code = _killed(killed, code, cfg, launcher.killed_at)
     except KeyboardInterrupt:
+        # a stop requested during start-up (the launcher's handler) exits 0 like one while
+        # serving; a KeyboardInterrupt of its own (no handler yet) exits 130
         code = 0 if launcher.stop_signal else 130
-        killed = launcher.stop(graceful=True)
+        progress.stopping(launcher.stop_signal or signal.SIGINT, launcher.procs)
+        killed = launcher.stop_startup()
         code = _killed(killed, code, cfg, launcher.killed_at)
     except BaseException:
         launcher.stop(graceful=False)
