@@ -45,7 +45,12 @@ def eplb_numbers(before: dict, after: dict) -> dict:
                  "slots_moved_during_run": after.get("slots_moved", 0)
                  - before.get("slots_moved", 0),
                  "layers_committed": after.get("layers_committed", 0),
+                 "layers_committed_during_run": after.get("layers_committed", 0)
+                 - before.get("layers_committed", 0),
                  "layers_rolled_back": after.get("layers_rolled_back", 0),
+                 "layers_rolled_back_during_run": after.get("layers_rolled_back", 0)
+                 - before.get("layers_rolled_back", 0),
+                 "next_round": after.get("next_round") or None,
                  "balance_note": after.get("balance_note"),
                  "cores": after.get("cores") or {}}
     if steps <= 0:
@@ -97,8 +102,12 @@ def eplb_rows(n: dict) -> list[tuple[str, str]]:
               f"{_bal(n['balancedness_initial'])} -> {_bal(n['balancedness_now'])}"),
              ("Slots moved (total, this run)",
               f"{n['slots_moved']}, {n['slots_moved_during_run']}"),
-             ("Layers committed, rolled back",
-              f"{n['layers_committed']}, {n['layers_rolled_back']}")]
+             ("Layers committed (total, this run)",
+              f"{n['layers_committed']}, {n.get('layers_committed_during_run', 0)}"),
+             ("Layers rolled back (total, this run)",
+              f"{n['layers_rolled_back']}, {n.get('layers_rolled_back_during_run', 0)}")]
+    if n.get("enabled") and n.get("next_round"):
+        rows.append(("Next EPLB round", n["next_round"]))
     if "critical_s" in n:
         rows += [("Modelled tok/s gain vs initial", _pct(n.get("modelled_gain"))
                   + " (a device per rank)"),

@@ -31,6 +31,11 @@ class EplbConfig:
     redundant_experts_num: int = opt(1, "extra physical slots per EP rank", lo=0)
     eplb_update_interval: float = opt(1000.0, "seconds from the first valid load sample between "
                                       "rebalances (fractions allowed)", unit="s", lo=0)
+    eplb_first_round_samples: int = opt(
+        256, "the first round runs as soon as the load window holds this many samples (engine "
+        "steps with load) or eplb_update_interval elapsed, whichever comes first; the interval "
+        "paces the later rounds; 0: the first round waits the interval too (xLLM)",
+        unit="samples", lo=0)
     eplb_min_peak_load_improvement: float = opt(
         0.05, "minimum predicted relative drop of the slowest rank's load to publish a layer",
         lo=0, hi=1)
