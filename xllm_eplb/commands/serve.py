@@ -51,8 +51,10 @@ class ServeHelp(click.Command):
                 formatter.write_dl(rows)
 
 
-@config_command("serve", cls=ServeHelp, help="Run the engine and one worker per EP rank "
-                "(prints a ready line; stop with Ctrl-C or SIGTERM).")
+@config_command("serve", cls=ServeHelp, positional_model=True,
+                help="Run the engine and one worker per EP rank (prints a ready line; stop "
+                "with Ctrl-C or SIGTERM). 'serve DIR' is 'serve --model DIR' (as vLLM's "
+                "'vllm serve MODEL').")
 def serve(cfg) -> None:
     # NOTE: until the launcher installs its own handlers (checks, the default checkpoint),
     # SIGTERM reads like ^C: one line, exit 0, nothing started yet

@@ -271,7 +271,10 @@ class ServeConfig:
         "(expert_* series: MoE layers x num_experts)")
     shutdown_timeout_seconds: float = opt(10.0, "graceful stop before SIGKILL", unit="s", lo=0)
     served_model_name: str = opt("xllm-eplb", "model name of the OpenAI API (/v1/models; a "
-                                 "request's 'model' must match it)")
+                                 "request's 'model' must match it or the alias)")
+    served_model_alias: str = opt("", "a second model name the OpenAI API answers to (listed "
+                                  "in /v1/models after the first); empty: the --model string "
+                                  "as given (vLLM serves a model under that name)")
     tokenizer: str = opt("", "tokenizer folder (tokenizer.json, tokenizer_config.json, "
                          "generation_config.json) or a Hugging Face ORG/NAME in the local "
                          "cache; empty: the model's own")

@@ -51,8 +51,11 @@ def _api(cfg: Config, engine_ref: dict):
     limits = ApiLimits.served(m)
     # the checkpoint's tokenizer (--model, or the default the launcher generated without it)
     tok = served_tokenizer(m.model or None, cfg.serve.tokenizer, cfg.serve.chat_template)
+    alias = cfg.serve.served_model_alias
     served = ServedModel(cfg.serve.served_model_name, tok, limits, created=int(time.time()),
-                         quantization=quant_info(m.model, m.fp8_dequant_cache))
+                         quantization=quant_info(m.model, m.fp8_dequant_cache),
+                         aliases=(alias,) if alias and alias != cfg.serve.served_model_name
+                         else ())
 
     def eng():
         return engine_ref.get("engine")
