@@ -457,8 +457,9 @@ class Engine:
         return self.sched.submit(req)
 
     def health(self) -> tuple[bool, dict]:
-        """(serving, info); a step in flight beyond ``--stall_seconds`` is ``stalled`` with the
-        ranks it waits on (computed now, from the stored step start)."""
+        """(serving, info); a step in flight beyond ``--stall_seconds`` is ``stalled`` (503)
+        with the ranks it waits on (computed now, from the stored step start); beyond
+        ``engine/health.SUSPECT_SECONDS`` (1 s) it is ``degraded`` (200) with them."""
         info = {"status": self.state, "ep_size": self.D, "step": self.step_no,
                 "eplb": bool(self.cfg.eplb.enable_eplb)}    # the manager starts after warm-up
         if self.state != "serving":
@@ -472,6 +473,10 @@ class Engine:
             info.update(status="stalled", waiting_on=silent,
                         step_seconds=round(self.watch.in_flight_seconds(), 3))
             return False, info
+        slow = self.watch.suspect(self.inp)
+        if slow is not None:            # still serving (200), but a step waits on these ranks
+            info.update(status="degraded", waiting_on=slow,
+                        step_seconds=round(self.watch.in_flight_seconds(), 3))
         return True, info
 
     def render_metrics(self) -> bytes:
