@@ -140,6 +140,8 @@ class Engine:
         self.stopping = False
         #: True during :meth:`warmup` (a stop then leaves at the next wait slice)
         self.warming = False
+        #: the signal that asked this engine to stop while serving ('' = none; logged once)
+        self.stop_signal = ""
 
     # --- one forward -----------------------------------------------------------------------
     def step(self, batches: list[RankBatch], *, warmup: bool = False,

@@ -237,6 +237,9 @@ def _worker_fault(e: WorkerFault, res: dict, events) -> str:
 def _stop_on(sig: signal.Signals, eng: Engine, parent_pid: int) -> None:
     """SIGTERM (the launcher's stop) or :data:`LAUNCHER_DEATHSIG` (its death) while serving: a
     graceful stop."""
+    if eng.stop_signal:     # said once: a second signal (the launcher's death after its
+        return              # SIGTERM, or the death signal twice) changes nothing
+    eng.stop_signal = sig.name
     gone = not parent_alive(parent_pid)
     (log.warning if gone else log.info)(event("engine stop", signal=sig.name,
                                               launcher="gone" if gone else f"pid {parent_pid}"))
