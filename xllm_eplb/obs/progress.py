@@ -60,8 +60,9 @@ class Progress:
         if self.stopped:
             return
         workers = sum(1 for w in procs if w.startswith("ep"))
-        started = ("the engine" if "engine" in procs else "nothing") + (
-            f" and {workers} of {self.ep_size} workers" if workers else "")
+        parts = (["the engine"] if "engine" in procs else []) + (
+            [f"{workers} of {self.ep_size} workers"] if workers else [])
+        started = " and ".join(parts) or "nothing (none was started yet)"
         print(f"xllm-eplb stop requested during start-up ({signal.Signals(signum).name} at "
               f"t={time.monotonic() - self.t0:.1f}s): stopping {started}", file=sys.stderr,
               flush=True)
