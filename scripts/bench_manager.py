@@ -36,6 +36,7 @@ SIZES = {"small": (3, 4, 64, 1), "deepseek": (58, 32, 256, 1)}
 def bench(runner: str, size: str, steps: int, forward_ms: float) -> dict:
     layers, ep, experts, red = SIZES[size]
     cfg = EplbConfig(ep_size=ep, redundant_experts_num=red, eplb_update_interval=1e9,
+                     eplb_first_round_samples=0,
                      eplb_policy_kind="balanced")
     mgr = EplbManager(cfg, layers, experts, runner=runner)
     slots = experts // ep + red

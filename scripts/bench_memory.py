@@ -144,7 +144,8 @@ def measure(model_dir: Path, ep: int, eplb: bool, log_dir: Path, *, dtype: str =
             resident: list | None = None) -> list[int]:
     """Peak RSS of every worker after one request; ``resident`` gets their RSS once ready."""
     flags = [f"--dtype={dtype}", "--max_batch_size=1", "--max_prefill_tokens=64",
-             f"--enable_eplb={'true' if eplb else 'false'}", "--eplb_update_interval=1000"]
+             f"--enable_eplb={'true' if eplb else 'false'}", "--eplb_update_interval=1000",
+             "--eplb_first_round_samples=0"]
     srv = Server.start(model_dir, log_dir, flags, ep=ep)
     try:
         if resident is not None:

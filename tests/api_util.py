@@ -50,7 +50,7 @@ class ReferenceLoop:
 
 
 def start_api(tokenizer, max_batch_size: int = 4, vocab_size: int | None = None,
-              context: int = 96, max_prompt: int = 64):
+              context: int = 96, max_prompt: int = 64, aliases: tuple[str, ...] = ()):
     """An API server on a free loopback port in front of a :class:`ReferenceLoop`
     (``vocab_size``: the generated checkpoint's, e.g. a checkpoint tokenizer's size)."""
     flat = {"ep_size": 4, "max_prefill_tokens": max_prompt, "max_position_embeddings": context}
@@ -63,7 +63,8 @@ def start_api(tokenizer, max_batch_size: int = 4, vocab_size: int | None = None,
                          status=lambda: {"policy": "balanced"},
                          metrics=lambda: b"xllm_eplb_up 1\n",
                          health=lambda: (True, {"status": "serving"}),
-                         served=ServedModel("tiny", tokenizer, lim, created=1))
+                         served=ServedModel("tiny", tokenizer, lim, created=1,
+                                            aliases=aliases))
     api = ApiServer("127.0.0.1", 0, backend)
     api.start()
     loop.thread.start()

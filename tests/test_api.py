@@ -380,3 +380,23 @@ def test_port_in_use_is_an_oserror(server):
     api, _ = server
     with pytest.raises(OSError):
         ApiServer("127.0.0.1", api.port, None)
+
+
+def test_the_model_path_is_served_as_an_alias_as_vllm_names_it():
+    # issue 41 item 4: a client written for vLLM sends the --model string as the model name
+    api, loop = start_api(ByteTokenizer(), aliases=("/models/tiny-moe",))
+    try:
+        st, body, _ = _call(api.port, "GET", "/v1/models")
+        assert st == 200 and [m["id"] for m in body["data"]] == ["tiny", "/models/tiny-moe"]
+        st, body, _ = _call(api.port, "GET", "/v1/models//models/tiny-moe")
+        assert st == 200 and body["id"] == "/models/tiny-moe", body
+        st, body, _ = _call(api.port, "POST", "/v1/completions",
+                            {"model": "/models/tiny-moe", "prompt": "hi", "max_tokens": 2})
+        assert st == 200, body
+        st, body, _ = _call(api.port, "POST", "/v1/completions",
+                            {"model": "other", "prompt": "hi", "max_tokens": 2})
+        assert st == 404 and "this server serves 'tiny' (or '/models/tiny-moe')" in \
+            body["error"]["message"], body
+    finally:
+        loop.stop.set()
+        api.close()

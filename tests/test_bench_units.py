@@ -37,7 +37,7 @@ def test_header_shows_the_servers_workload_and_eplb_state():
                                                  "concurrency": 16}))
     assert rows["Server workload"] == "synthetic rate_per_s=8.0 prompt_len=32"
     assert rows["EPLB"] == "on, policy=incremental, placement_epoch=3" and rows["EP size"] == "4"
-    assert rows["Balancedness (mean, before)"] == "0.8123"
+    assert "Balancedness (mean, before)" not in rows     # in the EPLB section, beside the others
     assert (rows["Request rate (req/s)"], rows["Burstiness"]) == ("2", "0.5")
     rows = dict(header_rows("http://h:1", {}, {"request_rate": math.inf, "burstiness": 1.0,
                                                "concurrency": 1}))
@@ -81,7 +81,13 @@ def test_eplb_section_numbers_come_from_the_status_deltas():
     assert n["gain_over_perfect_left"] == pytest.approx(11 / 10 - 1)
     rows = dict(eplb_rows(n))
     assert rows["MoE critical path (ms/step)"] == "3.000"
-    assert rows["Balancedness initial -> now"] == "0.6000 -> 0.9000"
+    assert rows["Balancedness first/before/now"] == "0.6000, n/a, 0.9000"   # none reported before
+    assert rows["Layers committed (total, run)"] == "0, 0"
+    served = dict(eplb_rows(eplb_numbers({**before, "balancedness_mean": 0.7,
+                                          "layers_committed": 2},
+                                         {**after, "layers_committed": 5})))
+    assert served["Balancedness first/before/now"] == "0.6000, 0.7000, 0.9000"
+    assert served["Layers committed (total, run)"] == "5, 3"
     assert rows["Modelled tok/s gain vs initial"].startswith("+13.6%")
     assert "5 processes (EP ranks + engine) share 2 cores" in eplb_notes(n)[0]
     # EPLB off: the initial placement is the one served; no cost model needed
@@ -113,4 +119,25 @@ def test_compare_alternates_and_reports_the_spread_of_the_pairs():
     assert tok.split()[2:4] == ["100.0", "99.0"]                      # medians of A and B
     assert "-10.0% .. +10.0%" in tok and "A: http://x:1 (EPLB on)" in text
     crit = next(line for line in text.splitlines() if line.startswith("MoE critical path"))
-    assert "+50.0%" in crit and "n/a" in text and "share cores" in text
+    assert "+50.0% B worse" in crit and "lower" in crit and "n/a" in text
+    assert "share cores" in text
+    # every row says which direction is better; higher tok/s and lower TPOT are both "better"
+    assert "+0.0% same" in tok and tok.rstrip().endswith("higher")
+    bal = next(line for line in text.splitlines() if line.startswith("Balancedness (after)"))
+    assert "+0.0% same" in bal
+
+
+def test_compare_puts_the_critical_path_per_output_token():
+    # issue 41 item 3: per step, the EPLB-off server looked faster (1.592 vs 1.783 ms): it
+    # batched the same requests into fewer, larger steps
+    from xllm_eplb.commands.bench_eplb import run_numbers
+
+    res = {"tokens_per_s": 1.0, "tpot_mean_s": 0.01, "ttft_p50_s": 0.1, "errors": 0,
+           "output_tokens": 200}
+    before = _status(0, 0.0, 0.0, 0.0)
+    few_big = run_numbers(res, before, _status(50, 0.1, 0.3, 1.0))     # 2 ms/step, 50 steps
+    many_small = run_numbers(res, before, _status(100, 0.15, 0.4, 1.5))  # 1.5 ms/step, 100
+    assert few_big["critical_ms"] == pytest.approx(0.5) and \
+        many_small["critical_ms"] == pytest.approx(0.75)     # ms per output token
+    assert run_numbers({**res, "output_tokens": 0}, before,
+                       _status(50, 0.1, 0.3, 1.0))["critical_ms"] is None

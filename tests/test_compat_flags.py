@@ -147,3 +147,80 @@ def test_tokenizer_and_chat_template_are_checked_before_start(mixtral4, tmp_path
 def test_the_api_key_is_never_printed():
     r = CliRunner().invoke(cli, ["config", "show", "--ep-size", "2", "--api-key", "s3cret"])
     assert r.exit_code == 0 and "api_key=<set> (cli)" in r.output and "s3cret" not in r.output
+
+
+def test_vllm_positional_model_is_model(mixtral4):
+    # issue 41 item 4: `vllm serve MODEL`; config show/validate read it the same way
+    cfg, src = load_config([str(mixtral4), "--ep-size", "4"], positional_model=True)
+    assert cfg.model.model == str(mixtral4) and src["model"] == "cli"
+    cfg, _ = load_config(["--ep-size", "4", "--enable_eplb", str(mixtral4)],
+                         positional_model=True)
+    assert cfg.model.model == str(mixtral4) and cfg.eplb.enable_eplb
+    r = _validate(str(mixtral4), "--ep-size", "4")
+    assert r.exit_code == 0 and f"model={mixtral4}" in r.output, r.output
+    with pytest.raises(ConfigError, match="the model is already given as 'a'"):
+        load_config(["a", "b", "--ep-size", "4"], positional_model=True)
+    with pytest.raises(ConfigError, match="--model=b: the model is already given as the "
+                                          "positional argument 'a'; give it once"):
+        load_config(["a", "--model", "b", "--ep-size", "4"], positional_model=True)
+    with pytest.raises(ConfigError, match="--model=b already names the model"):
+        load_config(["--model", "b", "a", "--ep-size", "4"], positional_model=True)
+    # commands without a model keep the flags-only rule
+    with pytest.raises(ConfigError, match="unexpected argument 'a': flags look like"):
+        load("a", "--ep-size", "4")
+
+
+@pytest.mark.parametrize("argv,why", [
+    (["-tp", "2"], "-tp: this engine has no tensor parallelism"),
+    (["-pp=2"], "-pp: this engine has no pipeline parallelism"),
+    (["-x"], "unexpected argument '-x': flags look like --name=value (two dashes"),
+    (["--disable-log-requests"], "--disable-log-requests: this engine logs no request contents"),
+    (["--eplb-config", "{}"], "--eplb-config: vLLM's JSON of EPLB settings has no single "
+                              "counterpart: each setting is its own flag here: "
+                              "--eplb_update_interval"),
+    (["--disable-log-stats"], "--disable-log-stats: the stats line is --log_stats_interval"),
+])
+def test_vllm_short_and_logging_flags_get_a_reason_not_a_guess(argv, why):
+    with pytest.raises(ConfigError) as e:
+        load("--ep-size", "2", *argv)
+    assert str(e.value).startswith(why) and "did you mean" not in str(e.value), str(e.value)
+
+
+def test_seed_with_a_model_is_refused_with_the_reason(mixtral4):
+    r = _validate("--model", str(mixtral4), "--ep-size", "4", "--seed", "1234")
+    assert r.exit_code == 2 and (f"--seed=1234: seeds only the generated checkpoint's weights; "
+                                 f"with --model={mixtral4} the weights are the checkpoint's") \
+        in r.output, r.output
+    assert load("--ep-size", "4", "--seed", "1234")[0].model.seed == 1234   # generated: fine
+    assert load("--ep-size", "4", "--num-redundant-experts", "2")[0].eplb \
+        .redundant_experts_num == 2                                        # vLLM's name
+
+
+def test_the_model_string_is_served_as_a_name_too(mixtral4):
+    from xllm_eplb.config.aliases import with_served_alias
+    from xllm_eplb.engine.api import ApiLimits
+    from xllm_eplb.engine.protocol import ServedModel
+    from xllm_eplb.engine.tokenizer import ByteTokenizer
+
+    cfg = with_served_alias(load("--model", str(mixtral4), "--ep-size", "4")[0])
+    assert (cfg.serve.served_model_name, cfg.serve.served_model_alias) == ("xllm-eplb",
+                                                                           str(mixtral4))
+    assert with_served_alias(load("--ep-size", "4")[0]).serve.served_model_alias == ""
+    cfg = with_served_alias(load("--model", str(mixtral4), "--ep-size", "4",
+                                 "--served_model_alias", "qwen")[0])
+    assert cfg.serve.served_model_alias == "qwen"
+    s = ServedModel("xllm-eplb", ByteTokenizer(), ApiLimits(256, 8, 16), aliases=("/m/q",))
+    assert s.serves("xllm-eplb") and s.serves("/m/q") and not s.serves("q")
+    assert s.names == "'xllm-eplb' (or '/m/q')"
+
+
+def test_config_commands_name_the_served_family_and_eplb_state(mixtral4):
+    # issue 41 item 7: `config show --model <dir>` said model_arch=deepseek_v3 (default);
+    # `config validate --ep-size 1` said policy=incremental (one rank has no EPLB)
+    r = CliRunner().invoke(cli, ["config", "show", str(mixtral4), "--ep-size", "4"])
+    assert r.exit_code == 0, r.output
+    line = next(ln for ln in r.output.splitlines() if ln.lstrip().startswith("model_arch"))
+    assert "mixtral" in line and f"checkpoint {mixtral4}" in line, line
+    r = _validate("--ep-size", "1")
+    assert r.exit_code == 0 and "(ep_size=1, eplb=off, model=generated deepseek_v3 (random " \
+        "weights))" in r.output, r.output

@@ -101,6 +101,26 @@ def _kept_kv(m: dict, ranks: int) -> None:
     assert 1 <= lr["requests_reprefilled"] <= -(-len(PROMPTS) // ranks), lr
 
 
+def _freeze_watching_health(s, proc, seen: list) -> None:
+    """SIGSTOP ``proc``, then read /health (200 or 503) every 0.1 s until the elastic fence or
+    recovery shows or 8 s passed: ``seen`` gets (seconds since the freeze, body)."""
+    import urllib.error
+    import urllib.request
+
+    proc.suspend()
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 8:
+        try:
+            with urllib.request.urlopen(s.url + "/health", timeout=5) as r:
+                body = json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            body = json.loads(e.read())
+        seen.append((time.monotonic() - t0, body))
+        if body["status"] == "recovering" and body.get("phase") != "fence":
+            return
+        time.sleep(0.1)
+
+
 def _fault(s, client, ref, hit, what: str) -> dict:
     """Streams in flight, ``hit()`` a worker, every stream finishes with the reference tokens."""
     st = Streams(client)
@@ -143,9 +163,18 @@ def test_killed_and_frozen_workers_are_replaced_and_no_request_is_lost(ds8_ckpt,
         assert m["last_recovery"]["rank"] == rank and m["requests_reprefilled"] >= 1, m
         _kept_kv(m, 4)
         assert not victim.is_running() or victim.status() == psutil.STATUS_ZOMBIE
-    # a frozen worker: fenced (SIGKILL) after --elastic_silence_seconds, then recovered
-    frozen = _worker(s, 1)
-    results.append(_fault(s, client, ref, frozen.suspend, "SIGSTOP ep1"))
+    # a frozen worker: fenced (SIGKILL) after --elastic_silence_seconds, then recovered;
+    # /health names it before the fence (issue 41 item 5), the fence's clock starts at it
+    frozen, health = _worker(s, 1), []
+    results.append(_fault(s, client, ref, lambda: _freeze_watching_health(s, frozen, health),
+                          "SIGSTOP ep1"))
+    degraded = [b for _, b in health if b["status"] == "degraded"]
+    assert degraded and degraded[0]["waiting_on"] == [1], health
+    assert min(t for t, b in health if b["status"] == "degraded") < 2.0, health   # < the fence
+    fences = [b for _, b in health if b.get("phase") == "fence"]
+    assert all(b["phase_seconds"] < 2.0 for b in fences), fences
+    print("HEALTH", json.dumps([(round(t, 2), b["status"], b.get("phase"),
+                                 b.get("phase_seconds")) for t, b in health]))
     m = _status(s)["membership"]
     assert m["generation"] == 4 and m["last_recovery"]["rank"] == 1, m
     _kept_kv(m, 4)

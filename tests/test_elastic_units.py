@@ -265,3 +265,38 @@ def test_elastic_cpu_is_accounted_only_with_elasticity():
     cp = tele.critical_path_summary()
     assert 0.0 < cp["elastic_engine_s"] < 0.1
     assert cp["elastic_idle_s"] == pytest.approx(0.003) and cp["elastic_idle_wakes"] == 2
+
+
+def test_a_silent_rank_shows_in_health_within_a_second_and_the_fence_clock_starts_at_it(
+        run_id):
+    # issue 41 item 5: /health said 200 "serving" for the --elastic_silence_seconds of a
+    # freeze, then "phase":"fence","phase_seconds":14 less than a second into the fence
+    import time
+    from types import SimpleNamespace
+
+    from xllm_eplb.elastic.recovery import EngineRecovery
+    from xllm_eplb.elastic.recovery import Phase as P
+    from xllm_eplb.engine.health import SUSPECT_SECONDS, StepWatch
+    from xllm_eplb.ipc.messages import ForwardInput
+    from xllm_eplb.ipc.ring import InputRing
+
+    with InputRing.create(run_id, 2, slots=2, frame_bytes=1024) as eng, \
+            InputRing.attach(run_id, 0) as w0, InputRing.attach(run_id, 1):
+        w = StepWatch(2, 10.0)
+        eng.put(ForwardInput(1, []), timeout=1)
+        w.begin()
+        assert w0.get(timeout=1).step == 1         # rank 0 read the step; rank 1 is frozen
+        assert w.suspect(eng) is None               # a step under a second: nothing to say
+        w.started -= SUSPECT_SECONDS + 0.1
+        assert w.suspect(eng) == [1] and w.stalled(eng) is None    # degraded, not stalled
+        w.answer(0)
+        w.end()
+        assert w.suspect(eng) is None
+    now = time.monotonic()
+    fenced = SimpleNamespace(phase=P.SERVING, fenced_step=7, fenced_at=now - 0.4,
+                             phase_since=now - 14.0)
+    got = EngineRecovery.health(fenced)
+    assert got["phase"] == "fence" and 0.4 <= got["phase_seconds"] < 1.0, got
+    fenced.phase_since, fenced.phase = now - 2.0, P.REFORM    # a real transition's clock
+    assert EngineRecovery.health(fenced)["phase"] == "reform"
+    assert EngineRecovery.health(fenced)["phase_seconds"] >= 2.0

@@ -87,5 +87,5 @@ def test_fresh_manager_reports_the_declared_defaults():
     mgr, clock, _ = manager()
     st = mgr.stats()
     want = ManagerStats(heartbeat_at=clock.t, manager_heartbeat_at=clock.t, policy="balanced",
-                        timer_deadline=None).as_dict()
+                        timer_deadline=None, next_round=mgr.next_round()).as_dict()
     assert st == want

@@ -126,7 +126,7 @@ def test_bench_sends_the_api_key(server):
     r = CliRunner().invoke(bench, [*args, "--api-key", KEY, "--compare", server.url,
                                    "--pairs", "2"])
     assert r.exit_code == 0, r.output
-    assert "2 pairs, alternated" in r.output and "MoE critical path (ms/step)" in r.output
+    assert "2 pairs, alternated" in r.output and "MoE critical path (ms/token)" in r.output
 
 
 def _log_softmax(logits: np.ndarray) -> np.ndarray:

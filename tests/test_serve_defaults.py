@@ -42,3 +42,30 @@ def test_defaults_run_incremental_eplb_and_the_demo_workload_is_announced(start_
     assert _status(s.url)["cost_model"]["observed_steps"] > 0
     assert workload_warning({}) is None           # another engine (no workload field): no warning
     assert workload_warning({"workload": {"kind": "none"}}) is None
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_default_flags_commit_a_layer_within_a_minute_of_skewed_traffic(start_server):
+    # issue 41 item 2: xLLM's eplb_update_interval default (1000 s) alone kept EPLB idle for
+    # 17 minutes; the first round runs after --eplb_first_round_samples steps of traffic
+    from xllm_eplb.commands.bench import make_prompts, run_bench
+
+    s = start_server("--workload=none", base=["--ep-size", "4"])
+    s.wait_ready(180)
+    out = s.out.read_text().splitlines()
+    i = next(j for j, ln in enumerate(out) if ln.startswith("xllm-eplb ready"))
+    assert out[i + 1].startswith("note: EPLB (incremental) runs its first round after 256 load "
+                                 "samples"), out
+    st = _status(s.url)
+    assert st["placement_epoch"] == 0 and st["next_round"].startswith(
+        "after 256 load samples (0 so far"), st["next_round"]
+    prompts = make_prompts(32, 32, 16, 1.2, 0)          # bench's default skewed topic prompts
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 60 and _status(s.url)["placement_epoch"] == 0:
+        res = run_bench(s.url, prompts, 32, 16, timeout=60)
+        assert res["errors"] == 0, res
+    took = time.monotonic() - t0
+    st = _status(s.url)
+    assert st["layers_committed"] > 0 and took < 60, (took, st["next_round"], st["rounds"])
+    assert st["rounds"] >= 1 and "--eplb_update_interval" in st["next_round"], st["next_round"]

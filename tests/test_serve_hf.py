@@ -18,12 +18,13 @@ PROMPTS = [[5, 17, 300, 42, 8, 9, 100, 77, 23], [7, 3], [11, 12, 13, 14, 15]]
 N_NEW = 12
 
 
-def _generate(s, ignore_eos: bool):
-    """-> [(token_ids, finish_reason)] per prompt, greedy."""
+def _generate(s, ignore_eos: bool, model: str | None = None):
+    """-> [(token_ids, finish_reason)] per prompt, greedy (``model``: the name sent)."""
     out = []
     for p in PROMPTS:
+        named = {"model": model} if model is not None else {}
         code, body = _post(s.url, {"prompt": p, "max_tokens": N_NEW, "temperature": 0.0,
-                                   "ignore_eos": ignore_eos, "return_token_ids": True})
+                                   "ignore_eos": ignore_eos, "return_token_ids": True, **named})
         assert code == 200, body
         c = body["choices"][0]
         out.append((c["token_ids"], c["finish_reason"]))
@@ -73,13 +74,15 @@ def test_serve_checkpoint_rebalances_with_transformers_tokens(family, hf_ckpts, 
     shutil.copytree(hf_ckpts[family], path)
     eos, want_eos = _eos_case(want, family)
     (path / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
-    s = start_server("--model", str(path), "--eplb_update_interval=3", "--workload=synthetic",
+    # `serve DIR` as vLLM's `vllm serve MODEL` (issue 41 item 4)
+    s = start_server(str(path), "--eplb_update_interval=3", "--workload=synthetic",
                      "--workload_rate=6", "--workload_output_len=16", "--workload_prompt_len=8",
                      "--eplb_min_peak_load_improvement=0", "--eplb_policy_kind=balanced",
                      "--eplb_plan_on=tokens")
     s.wait_ready(180)
     assert _get(s.url + "/v1/models")["data"][0]["family"] == family
-    assert _generate(s, ignore_eos=True) == [(w, "length") for w in want]
+    # the path is a served name too (a client written for vLLM sends it)
+    assert _generate(s, ignore_eos=True, model=str(path)) == [(w, "length") for w in want]
     _check_logprobs(s, want[0], hf_logits[0])
     st = _wait(lambda: (lambda st: st if st["layers_committed"] >= 2 else None)(
         _get(s.url + "/eplb/status")), 150, "two committed layers", s)

@@ -132,3 +132,17 @@ def test_bench_bad_url_or_json_path_is_exit_2():
     assert r.exit_code == 2 and "--url=notaurl: unknown url type" in r.output
     r = CliRunner().invoke(bench, ["--url", "http://127.0.0.1:1", "--json", "/proc/no/x.json"])
     assert r.exit_code == 2 and "--json=/proc/no/x.json: folder /proc/no does not exist" in r.output
+
+
+def test_a_stop_during_start_up_is_one_line_and_mutes_the_stages(capsys):
+    # issue 41 item 1: the console kept printing `stage=spawned ... ready` after the stop
+    p = Progress(2, False)
+    p.update("ep0", "spawned")
+    p.stopping(signal.SIGINT, {"engine": 0, "ep0": 0})
+    p.stopping(signal.SIGTERM, {"engine": 0, "ep0": 0})       # a second signal: no new line
+    p.update("ep1", "spawned")
+    p.update("engine", "ready")
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith("xllm-eplb stop requested during start-up "
+                                               "(SIGINT at t="), err
+    assert err[0].endswith("): stopping the engine and 1 of 2 workers"), err

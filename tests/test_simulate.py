@@ -158,3 +158,19 @@ def test_real_data_drift_replay(tmp_path):
     assert r.exit_code == 0, r.output
     s = json.loads((tmp_path / "o" / "summary.json").read_text())
     assert s["balancedness_eplb"] > 0.9 > s["balancedness_static"]
+
+
+def test_the_summary_says_why_no_round_ran():
+    # issue 41 item 2: `simulate` without --eplb_update_interval ran 0 rounds and said nothing
+    from xllm_eplb.commands.simulate import _no_round_note
+
+    s = {"steps": [{}] * 200, "step_seconds": 0.05, "eplb_first_round_samples": 256,
+         "eplb_update_interval": 1000.0, "rounds": 0, "layers_committed": 0,
+         "eplb_min_peak_load_improvement": 0.05}
+    assert _no_round_note(s) == (
+        "note: no EPLB round ran: the first round needs --eplb_first_round_samples=256 samples "
+        "or --eplb_update_interval=1000 s of simulated time (the trace is 200 steps x "
+        "--step-seconds=0.05 = 10 s); lower one of them (e.g. --eplb_update_interval=5) or "
+        "replay more steps")
+    assert "3 rounds ran but none published" in _no_round_note({**s, "rounds": 3})
+    assert _no_round_note({**s, "rounds": 3, "layers_committed": 2}) is None

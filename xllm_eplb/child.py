@@ -1,6 +1,8 @@
 """Process hygiene for the launcher's children (engine and workers call these first).
 
-Every child names itself, ignores terminal ^C (only the launcher decides when to stop), dies
+Every child names itself, ignores terminal ^C (only the launcher decides when to stop; the
+launcher spawns it with SIGINT already ignored, :func:`spawn_ignoring_sigint`, so a ^C while it
+still imports is ignored too), dies
 with the launcher (Linux ``PR_SET_PDEATHSIG`` plus a parent-pid check), reports start-up stages
 on its end of the launcher's event channel (:class:`EventSender`) and leaves with ``os._exit``.
 
@@ -43,6 +45,8 @@ def child_setup(title: str, parent_pid: int, deathsig: int = signal.SIGKILL,
 
         setproctitle.setproctitle(title)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # the launcher spawned this process with SIGINT blocked (spawn_ignoring_sigint)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     if on_death is not None:
         on_launcher_death(on_death)
         deathsig = LAUNCHER_DEATHSIG
@@ -51,6 +55,31 @@ def child_setup(title: str, parent_pid: int, deathsig: int = signal.SIGKILL,
         libc.prctl(PR_SET_PDEATHSIG, int(deathsig), 0, 0, 0)
     if os.getppid() != parent_pid:
         os._exit(1)
+
+
+@contextlib.contextmanager
+def spawn_ignoring_sigint():
+    """Around a spawn (the launcher's main thread): the child starts with SIGINT ignored, from
+    its first instruction, so a terminal ^C (sent to the whole process group) while it still
+    imports torch ends no child with a ``KeyboardInterrupt`` traceback.
+
+    NOTE: an ignored disposition survives ``exec`` and Python leaves an inherited SIG_IGN in
+    place (it installs its ``KeyboardInterrupt`` handler only over SIG_DFL); a handled one is
+    reset to SIG_DFL by ``exec``. The launcher's own SIGINT is blocked meanwhile: Linux keeps a
+    blocked signal pending even while it is ignored, so a ^C during the spawn still reaches the
+    launcher's handler once the mask is restored (:func:`child_setup` unblocks it in the child).
+    Off the main thread (no signal handling there) it changes nothing.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    old = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, old)
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
 
 
 def child_exit(code: int, events=None) -> None:

@@ -111,7 +111,8 @@ def handle_user_errors(fn):
     return wrapper
 
 
-def with_config(*, require_ep_size: bool = True, pass_sources: bool = False):
+def with_config(*, require_ep_size: bool = True, pass_sources: bool = False,
+                positional_model: bool = False):
     """Decorator: resolve the click context's extra args with :func:`load_config` and pass
     ``cfg=`` (and ``sources=`` when ``pass_sources``) to the command function. The command
     must use :data:`CONFIG_CONTEXT_SETTINGS`; :func:`config_command` does both at once."""
@@ -121,10 +122,15 @@ def with_config(*, require_ep_size: bool = True, pass_sources: bool = False):
             argv = list(click.get_current_context().args)
             debug = _debug_requested(argv) or _debug_requested()
             try:
+                from xllm_eplb.config.aliases import with_served_alias
                 from xllm_eplb.flags import load_config
                 from xllm_eplb.model.hub_cache import resolve_hub_names
 
-                cfg, sources = load_config(argv, require_ep_size=require_ep_size)
+                cfg, sources = load_config(argv, require_ep_size=require_ep_size,
+                                           positional_model=positional_model)
+                # the --model string as given is a served name too (vLLM's), before the
+                # hub name below becomes a cache folder
+                cfg = with_served_alias(cfg)
                 # --model ORG/NAME: the local Hugging Face cache (the environment names it)
                 cfg = resolve_hub_names(cfg, os.environ)
                 debug = debug or cfg.serve.v == "debug"
@@ -139,7 +145,8 @@ def with_config(*, require_ep_size: bool = True, pass_sources: bool = False):
 
 
 def config_command(name: str | None = None, *, require_ep_size: bool = True,
-                   pass_sources: bool = False, **command_kwargs):
+                   pass_sources: bool = False, positional_model: bool = False,
+                   **command_kwargs):
     """A ``click.command`` that also takes every configuration flag.
 
     Unknown options go to :func:`load_config` (precedence defaults < --config file < --flagfile
@@ -164,7 +171,8 @@ def config_command(name: str | None = None, *, require_ep_size: bool = True,
     def deco(fn):
         settings = dict(CONFIG_CONTEXT_SETTINGS, **command_kwargs.pop("context_settings", {}))
         command_kwargs.setdefault("epilog", _EPILOG)
-        wrapped = with_config(require_ep_size=require_ep_size, pass_sources=pass_sources)(fn)
+        wrapped = with_config(require_ep_size=require_ep_size, pass_sources=pass_sources,
+                              positional_model=positional_model)(fn)
         return click.command(name, context_settings=settings, **command_kwargs)(wrapped)
     return deco
 

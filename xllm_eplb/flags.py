@@ -34,7 +34,7 @@ from xllm_eplb.config import (
     normalize_policy_kind,
     validate,
 )
-from xllm_eplb.config.aliases import BARE, canonical
+from xllm_eplb.config.aliases import BARE, canonical, short_flag
 from xllm_eplb.config.files import META as _META
 from xllm_eplb.config.files import (  # noqa: F401  (re-exported)
     _flatten,
@@ -57,6 +57,9 @@ class _Layers:
     def __init__(self) -> None:
         self.values: dict[str, dict[str, Any]] = {s: {} for s in SOURCES[1:]}
         self.config_files: list[Path] = []
+        #: a bare command-line token is the model (``serve DIR``); the one given, if any
+        self.positional_model = False
+        self.positional = ""
 
 
 def _read_flagfile(path: Path, stack: tuple[Path, ...]) -> list[tuple[str, str]]:
@@ -103,6 +106,11 @@ def _consume(tokens: list[tuple[str, str]], layers: _Layers, source: str,
         i += 1
         at = "" if origin == "cli" else f"flagfile {origin}: "
         if not tok.startswith("--") or tok == "--":
+            if origin == "cli" and layers.positional_model and not tok.startswith("-"):
+                _positional_model(tok, layers)
+                continue
+            if tok.startswith("-") and tok != "--":
+                raise ConfigError(f"{at}{short_flag(tok)}")
             raise ConfigError(f"{at}unexpected argument '{tok}': flags look like --name=value")
         name, value = _split(tok)
         try:
@@ -140,6 +148,9 @@ def _consume(tokens: list[tuple[str, str]], layers: _Layers, source: str,
             sub = _read_flagfile(path, stack)
             _consume(sub, layers, "flagfile", path.parent, (*stack, path.resolve()))
         else:
+            if name == "model" and source == "cli" and layers.positional:
+                raise ConfigError(f"--model={value}: the model is already given as the "
+                                  f"positional argument '{layers.positional}'; give it once")
             try:
                 got = coerce(spec, value)
                 if spec.type == "tuple":      # repeatable: collect within this source
@@ -147,6 +158,20 @@ def _consume(tokens: list[tuple[str, str]], layers: _Layers, source: str,
                 layers.values[source][name] = got
             except ConfigError as e:
                 raise ConfigError(f"{at}{e}") from None
+
+
+def _positional_model(tok: str, layers: _Layers) -> None:
+    """``serve DIR`` (vLLM's ``vllm serve MODEL``): the one positional argument is ``--model``."""
+    if layers.positional:
+        raise ConfigError(f"unexpected argument '{tok}': the model is already given as "
+                          f"'{layers.positional}' (one positional argument, the model); flags "
+                          f"look like --name=value")
+    if "model" in layers.values["cli"]:
+        raise ConfigError(f"unexpected argument '{tok}': --model="
+                          f"{layers.values['cli']['model']} already names the model; give it "
+                          f"once")
+    layers.positional = tok
+    layers.values["cli"]["model"] = coerce(FIELDS["model"], tok)
 
 
 def _resolve(value: str, base: Path) -> Path:
@@ -208,15 +233,17 @@ def _build(values: dict[str, Any], sources: dict[str, str],
     return cfg, full
 
 
-def load_config(argv: list[str], *, require_ep_size: bool = True
-                ) -> tuple[Config, dict[str, str]]:
-    """Resolve ``argv`` (flags only) into a validated Config and each field's source.
+def load_config(argv: list[str], *, require_ep_size: bool = True,
+                positional_model: bool = False) -> tuple[Config, dict[str, str]]:
+    """Resolve ``argv`` (flags only; ``positional_model``: plus one bare token, the model, as
+    vLLM's ``serve MODEL``) into a validated Config and each field's source.
 
     Returns ``(cfg, sources)``, sources mapping every field name to one of
     ``default``/``file``/``flagfile``/``cli``. Raises ConfigError (a UserError, exit 2) naming
     the file/flag, the value and the rule.
     """
     layers = _Layers()
+    layers.positional_model = positional_model
     _consume([(t, "cli") for t in argv], layers, "cli", Path(), ())
     values: dict[str, Any] = {}
     sources: dict[str, str] = {}

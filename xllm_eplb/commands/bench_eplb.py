@@ -38,14 +38,23 @@ def eplb_numbers(before: dict, after: dict) -> dict:
     server gave nothing to compute them from)."""
     steps = _delta(before, after, "steps")
     d = int(after.get("ep_size") or 1)
+    served_before = float((before.get("critical_path") or {}).get("steps", 0.0)) > 0
     out: dict = {"enabled": bool(after.get("enabled")), "steps": int(steps),
                  "balancedness_initial": after.get("initial_balancedness_mean"),
+                 # None before any served step (the warm-up's window is no load)
+                 "balancedness_before": before.get("balancedness_mean") if served_before
+                 else None,
                  "balancedness_now": after.get("balancedness_mean"),
                  "slots_moved": after.get("slots_moved", 0),
                  "slots_moved_during_run": after.get("slots_moved", 0)
                  - before.get("slots_moved", 0),
                  "layers_committed": after.get("layers_committed", 0),
+                 "layers_committed_during_run": after.get("layers_committed", 0)
+                 - before.get("layers_committed", 0),
                  "layers_rolled_back": after.get("layers_rolled_back", 0),
+                 "layers_rolled_back_during_run": after.get("layers_rolled_back", 0)
+                 - before.get("layers_rolled_back", 0),
+                 "next_round": after.get("next_round") or None,
                  "balance_note": after.get("balance_note"),
                  "cores": after.get("cores") or {}}
     if steps <= 0:
@@ -93,12 +102,17 @@ def eplb_rows(n: dict) -> list[tuple[str, str]]:
                  ("  at the initial placement", f"{_ms(n['initial_s'])} ({n['initial_source']})"),
                  ("  under perfect balance", _ms(n["perfect_s"])),
                  ("Other fwd CPU per rank (ms/step)", _ms(n["other_s"]))]
-    rows += [("Balancedness initial -> now",
-              f"{_bal(n['balancedness_initial'])} -> {_bal(n['balancedness_now'])}"),
+    rows += [("Balancedness first/before/now",
+              f"{_bal(n['balancedness_initial'])}, {_bal(n.get('balancedness_before'))}, "
+              f"{_bal(n['balancedness_now'])}"),
              ("Slots moved (total, this run)",
               f"{n['slots_moved']}, {n['slots_moved_during_run']}"),
-             ("Layers committed, rolled back",
-              f"{n['layers_committed']}, {n['layers_rolled_back']}")]
+             ("Layers committed (total, run)",
+              f"{n['layers_committed']}, {n.get('layers_committed_during_run', 0)}"),
+             ("Layers rolled back (total, run)",
+              f"{n['layers_rolled_back']}, {n.get('layers_rolled_back_during_run', 0)}")]
+    if n.get("enabled") and n.get("next_round"):
+        rows.append(("Next EPLB round", n["next_round"]))
     if "critical_s" in n:
         rows += [("Modelled tok/s gain vs initial", _pct(n.get("modelled_gain"))
                   + " (a device per rank)"),
@@ -122,24 +136,29 @@ def eplb_notes(n: dict) -> list[str]:
 
 # --- --compare --------------------------------------------------------------------------------
 
-#: (label, key of a run's numbers, format)
-COMPARE_ROWS = (("Output tok/s", "tokens_per_s", "{:.1f}"),
-                ("TPOT mean (ms)", "tpot_ms", "{:.2f}"),
-                ("TTFT p50 (ms)", "ttft_ms", "{:.1f}"),
-                ("MoE critical path (ms/step)", "critical_ms", "{:.3f}"),
-                ("Perfect balance (ms/step)", "perfect_ms", "{:.3f}"),
-                ("Critical / perfect", "imbalance", "{:.3f}"),
-                ("Balancedness (after)", "balancedness", "{:.4f}"))
+#: (label, key of a run's numbers, format, which direction is better)
+COMPARE_ROWS = (("Output tok/s", "tokens_per_s", "{:.1f}", "higher"),
+                ("TPOT mean (ms)", "tpot_ms", "{:.2f}", "lower"),
+                ("TTFT p50 (ms)", "ttft_ms", "{:.1f}", "lower"),
+                ("MoE critical path (ms/token)", "critical_ms", "{:.4f}", "lower"),
+                ("Perfect balance (ms/token)", "perfect_ms", "{:.4f}", "lower"),
+                ("Critical / perfect", "imbalance", "{:.3f}", "lower"),
+                ("Balancedness (after)", "balancedness", "{:.4f}", "higher"))
 
 
 def run_numbers(res: dict, before: dict, after: dict) -> dict:
-    """One measured run: wall clock from ``res`` (``run_bench``), the rest from the statuses."""
+    """One measured run: wall clock from ``res`` (``run_bench``), the rest from the statuses.
+
+    The MoE critical path is per output token of the run (its total over the run's steps /
+    the output tokens), not per step: both servers get the same requests, but they batch them
+    into different steps, so a per-step figure compares different work."""
     n = eplb_numbers(before, after)
     crit, perf = n.get("critical_s"), n.get("perfect_s")
+    per_tok = n["steps"] / res["output_tokens"] if res.get("output_tokens") else None
     return {"tokens_per_s": res["tokens_per_s"], "tpot_ms": res["tpot_mean_s"] * 1e3,
             "ttft_ms": res["ttft_p50_s"] * 1e3,
-            "critical_ms": None if crit is None else crit * 1e3,
-            "perfect_ms": None if perf is None else perf * 1e3,
+            "critical_ms": None if crit is None or per_tok is None else crit * per_tok * 1e3,
+            "perfect_ms": None if perf is None or per_tok is None else perf * per_tok * 1e3,
             "imbalance": crit / perf if crit and perf else None,
             "balancedness": n["balancedness_now"], "errors": res["errors"],
             "enabled": n["enabled"], "cores": n["cores"]}
@@ -165,29 +184,43 @@ def _med(xs):
 
 
 def compare_table(url_a: str, url_b: str, rounds: list[tuple[dict, dict]],
-                  width: int = 86) -> str:
+                  width: int = 96) -> str:
     """Side by side: per-server medians, and B over A per pair (median, min .. max)."""
     def side(x: dict) -> str:
         return "EPLB on" if x["enabled"] else "EPLB off"
 
     a0, b0 = rounds[0]
-    head = f"{'':<30}{'A':>12}{'B':>12}{'B vs A (median)':>17}{'pairs min .. max':>19}"
+    head = (f"{'':<30}{'A':>11}{'B':>11}{'B vs A (median)':>17}{'pairs min .. max':>19}"
+            f"{'better':>8}")
     lines = [" xllm-eplb bench --compare ".center(width, "="),
              f"A: {url_a} ({side(a0)})", f"B: {url_b} ({side(b0)})",
              f"{len(rounds)} pairs, alternated (A B, B A, ...); the same requests each run",
              "-" * width, head]
-    for label, key, fmt in COMPARE_ROWS:
+    for label, key, fmt, better in COMPARE_ROWS:
         a = _med([r[0][key] for r in rounds])
         b = _med([r[1][key] for r in rounds])
         rel = [r[1][key] / r[0][key] - 1.0 for r in rounds
                if r[0][key] and r[1][key] is not None]
         cells = [fmt.format(v) if v is not None else "n/a" for v in (a, b)]
         spread = f"{min(rel):+.1%} .. {max(rel):+.1%}" if rel else "n/a"
-        lines.append(f"{label:<30}{cells[0]:>12}{cells[1]:>12}"
-                     f"{_pct(_med(rel)) if rel else 'n/a':>17}{spread:>19}")
+        lines.append(f"{label:<30}{cells[0]:>11}{cells[1]:>11}"
+                     f"{_verdict(_med(rel), better) if rel else 'n/a':>17}{spread:>19}"
+                     f"{better:>8}")
     lines.append("=" * width)
+    lines.append("B vs A: B's median change over A, and whether that is better or worse for "
+                 "B by the row's direction ('better': higher or lower); the MoE critical path is "
+                 "per output token (the same requests on both: the same work), not per step "
+                 "(each server batches them into different steps)")
     if (a0["cores"] or {}).get("shared") or (b0["cores"] or {}).get("shared"):
         lines.append("note: ranks share cores on at least one server: the tok/s pairs measure "
-                     "total work, not the slowest rank; the MoE critical path carries EPLB's "
-                     "gain")
+                     "total work, not the slowest rank; the MoE critical path per token carries "
+                     "EPLB's gain")
     return "\n".join(lines)
+
+
+def _verdict(rel: float, better: str) -> str:
+    """``-9.0% B better``: the median change of B over A and what it means for the row."""
+    if abs(rel) < 5e-4:
+        return f"{rel:+.1%} same"
+    good = (rel > 0) == (better == "higher")
+    return f"{rel:+.1%} B {'better' if good else 'worse'}"

@@ -8,6 +8,7 @@ writes it to ``--output PATH`` (``make docs`` regenerates the committed file).
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import click
@@ -122,7 +123,7 @@ def config() -> None:
     """Show, validate or document the resolved configuration."""
 
 
-@config_command("show", require_ep_size=False, pass_sources=True)
+@config_command("show", require_ep_size=False, pass_sources=True, positional_model=True)
 def show(cfg: Config, sources: dict[str, str]) -> None:
     """Print every resolved value with its source (default, file, flagfile, cli; with
     ``--model DIR`` the architecture comes from the checkpoint, as serve resolves it)."""
@@ -132,9 +133,14 @@ def show(cfg: Config, sources: dict[str, str]) -> None:
 
         spec = parse_spec(cfg.model.model)
         resolved = resolve_config(cfg, spec)
+        # model_arch names the generated checkpoint's family; with --model the checkpoint's
+        # family is the one served (it said deepseek_v3 (default) for a qwen3_moe folder)
+        resolved = dataclasses.replace(resolved, model=dataclasses.replace(
+            resolved.model, model_arch=spec.family))
         new, old = as_flat_dict(resolved), as_flat_dict(cfg)
         ckpt = {k for k in arch_fields(spec) if new[k] != old[k] or sources[k] == "default"}
         ckpt |= {"dtype"} if new["dtype"] != old["dtype"] else set()
+        ckpt |= {"model_arch"}
         sources = {k: f"checkpoint {cfg.model.model}" if k in ckpt else v
                    for k, v in sources.items()}
         cfg = resolved
@@ -142,7 +148,7 @@ def show(cfg: Config, sources: dict[str, str]) -> None:
         click.echo(line)
 
 
-@config_command("validate")
+@config_command("validate", positional_model=True)
 def validate_cmd(cfg: Config) -> None:
     """Run every check serve runs before it starts (flags, device, model sizes and files,
     host, port, log folder); exit 0 with 'configuration is valid' or 2 naming the flag."""
@@ -150,8 +156,10 @@ def validate_cmd(cfg: Config) -> None:
     from xllm_eplb.preflight import check_serve
 
     check_serve(resolve_config(cfg))   # as serve: --model's architecture first, then the checks
-    click.echo(f"configuration is valid (ep_size={cfg.eplb.ep_size}, "
-               f"policy={cfg.eplb.eplb_policy_kind})")
+    e = cfg.eplb
+    eplb = f"policy={e.eplb_policy_kind}" if e.enable_eplb else "eplb=off"
+    model = cfg.model.model or f"generated {cfg.model.model_arch} (random weights)"
+    click.echo(f"configuration is valid (ep_size={e.ep_size}, {eplb}, model={model})")
 
 
 @click.command("docs")

@@ -134,7 +134,25 @@ def _text_summary(s: dict, out: Path) -> str:
         f"slots_moved={s['slots_moved']} weight_copies={s['weight_copies']} "
         f"replay_seconds={s['wall_seconds']}",
         f"wrote {out / 'summary.json'}",
-    ])
+    ] + ([why] if (why := _no_round_note(s)) else []))
+
+
+def _no_round_note(s: dict) -> str | None:
+    """Why no round ran (or none committed), in one line; None when a layer was committed."""
+    steps, dt = len(s["steps"]), float(s.get("step_seconds") or 0.0)
+    first, interval = int(s.get("eplb_first_round_samples", 0)), float(s["eplb_update_interval"])
+    if s["rounds"] == 0:
+        need = [f"--eplb_update_interval={interval:g} s of simulated time (the trace is "
+                f"{steps} steps x --step-seconds={dt:g} = {steps * dt:g} s)"]
+        if first:
+            need.insert(0, f"--eplb_first_round_samples={first} samples")
+        return (f"note: no EPLB round ran: the first round needs {' or '.join(need)}; "
+                f"lower one of them (e.g. --eplb_update_interval=5) or replay more steps")
+    if s["layers_committed"] == 0:
+        return (f"note: {s['rounds']} rounds ran but none published a layer: no candidate "
+                f"lowered the peak rank load by --eplb_min_peak_load_improvement="
+                f"{s.get('eplb_min_peak_load_improvement')}")
+    return None
 
 
 @click.command("simulate", context_settings=CONFIG_CONTEXT_SETTINGS, epilog=_EPILOG)
@@ -211,6 +229,7 @@ def simulate(trace_path, spec, data_dir, policy, steps, tokens_per_rank, step_se
                  "transfer_steps_per_layer": transfer_steps_per_layer,
                  "estimator": cfg.eplb.eplb_use_estimator,
                  "eplb_update_interval": cfg.eplb.eplb_update_interval,
+                 "eplb_first_round_samples": cfg.eplb.eplb_first_round_samples,
                  "eplb_min_peak_load_improvement": cfg.eplb.eplb_min_peak_load_improvement}
     summary = summarize(res)
     (out / "summary.json").write_text(_dump(summary))

@@ -13,6 +13,8 @@ Names are in the ``_`` spelling (``-`` is normalised before the lookup).
 
 from __future__ import annotations
 
+import dataclasses
+
 from xllm_eplb.errors import ConfigError
 
 #: other engine's flag -> our field (same meaning)
@@ -25,6 +27,7 @@ ALIASES: dict[str, str] = {
     "model_path": "model",                           # SGLang
     "tokenizer_path": "tokenizer",                   # SGLang
     "expert_parallel_size": "ep_size",               # SGLang
+    "num_redundant_experts": "redundant_experts_num",  # vLLM (extra physical experts per rank)
 }
 
 _NO_TP = ("this engine has no tensor parallelism: every EP rank holds the whole attention and "
@@ -62,6 +65,19 @@ FOREIGN: dict[str, str] = {
                       "separate KV-cache dtype",
     "enforce_eager": "this engine always runs eagerly (no CUDA graphs, no torch.compile): "
                      "there is nothing to turn off; drop the flag",
+    "disable_log_requests": "this engine logs no request contents: there is nothing to turn "
+                            "off; drop the flag",
+    "enable_log_requests": "this engine logs no request contents (the stats line counts "
+                           "requests every --log_stats_interval seconds)",
+    "disable_log_stats": "the stats line is --log_stats_interval (seconds; 0 turns it off)",
+    "eplb_config": "vLLM's JSON of EPLB settings has no single counterpart: each setting is its "
+                   "own flag here: --eplb_update_interval (seconds, not steps), "
+                   "--redundant_experts_num (vLLM's num_redundant_experts), "
+                   "--eplb_policy_kind, --eplb_first_round_samples (docs/configuration.md)",
+    "eplb_window_size": "this engine's load window is every sample since the last commit, "
+                        "halved at each round: there is no window size to set",
+    "eplb_step_interval": "this engine paces EPLB rounds in seconds: --eplb_update_interval "
+                          "(and --eplb_first_round_samples for the first round)",
     "max_num_batched_tokens": "this engine budgets prefill tokens per EP rank per step: use "
                               "--max_prefill_tokens (longer prompts are prefilled in chunks); "
                               "decode rows are bounded by --max_batch_size",
@@ -73,9 +89,36 @@ BARE: dict[str, tuple[str, str]] = {
 }
 
 
+#: single-dash short flags of other engines (vLLM's ``-tp 2``) -> the long name they stand for
+SHORT: dict[str, str] = {"tp": "tensor_parallel_size", "pp": "pipeline_parallel_size",
+                         "dp": "data_parallel_size", "q": "quantization"}
+
+
+def short_flag(tok: str) -> str:
+    """The error text of a single-dash token (``-tp``): another engine's short flag gets the
+    same reason as its long form; anything else says how flags look here."""
+    name = tok[1:].partition("=")[0].replace("-", "_")
+    long = SHORT.get(name, name)
+    if long in FOREIGN:
+        return f"{tok.partition('=')[0]}: {FOREIGN[long]}"
+    return (f"unexpected argument '{tok}': flags look like --name=value (two dashes; "
+            f"'xllm-eplb serve --help' lists them)")
+
+
 def canonical(name: str, shown: str) -> str:
     """Our field name for flag ``name`` (``_`` spelling); ConfigError for a :data:`FOREIGN`
     flag (``shown``: the flag as the user wrote it)."""
     if name in FOREIGN:
         raise ConfigError(f"{shown}: {FOREIGN[name]}")
     return ALIASES.get(name, name)
+
+
+def with_served_alias(cfg):
+    """``cfg`` whose ``--served_model_alias`` is the ``--model`` string as given when none was
+    set: vLLM serves a model under the name it was started with (the path, or ORG/NAME), so a
+    client written for vLLM sends that name; this engine answers to it beside
+    ``--served_model_name``. Unchanged without ``--model``."""
+    s, m = cfg.serve, cfg.model
+    if s.served_model_alias or not m.model or m.model == s.served_model_name:
+        return cfg
+    return dataclasses.replace(cfg, serve=dataclasses.replace(s, served_model_alias=m.model))

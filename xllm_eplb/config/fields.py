@@ -31,6 +31,11 @@ class EplbConfig:
     redundant_experts_num: int = opt(1, "extra physical slots per EP rank", lo=0)
     eplb_update_interval: float = opt(1000.0, "seconds from the first valid load sample between "
                                       "rebalances (fractions allowed)", unit="s", lo=0)
+    eplb_first_round_samples: int = opt(
+        256, "the first round runs as soon as the load window holds this many samples (engine "
+        "steps with load) or eplb_update_interval elapsed, whichever comes first; the interval "
+        "paces the later rounds; 0: the first round waits the interval too (xLLM)",
+        unit="samples", lo=0)
     eplb_min_peak_load_improvement: float = opt(
         0.05, "minimum predicted relative drop of the slowest rank's load to publish a layer",
         lo=0, hi=1)
@@ -274,7 +279,10 @@ class ServeConfig:
         "(expert_* series: MoE layers x num_experts)")
     shutdown_timeout_seconds: float = opt(10.0, "graceful stop before SIGKILL", unit="s", lo=0)
     served_model_name: str = opt("xllm-eplb", "model name of the OpenAI API (/v1/models; a "
-                                 "request's 'model' must match it)")
+                                 "request's 'model' must match it or the alias)")
+    served_model_alias: str = opt("", "a second model name the OpenAI API answers to (listed "
+                                  "in /v1/models after the first); empty: the --model string "
+                                  "as given (vLLM serves a model under that name)")
     tokenizer: str = opt("", "tokenizer folder (tokenizer.json, tokenizer_config.json, "
                          "generation_config.json) or a Hugging Face ORG/NAME in the local "
                          "cache; empty: the model's own")

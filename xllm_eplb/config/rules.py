@@ -105,6 +105,10 @@ def _cross_rules(cfg: Config) -> list[tuple[str, Any, str]]:
     e, m, r = cfg.eplb, cfg.model, cfg.runtime
     bad: list[tuple[str, Any, str]] = []
     bad += [] if m.model else _model_rules(cfg)
+    if m.model and m.seed:
+        bad.append(("seed", m.seed, f"seeds only the generated checkpoint's weights; with "
+                    f"--model={m.model} the weights are the checkpoint's and sampling takes each "
+                    "request's own 'seed' (OpenAI API; omitted: a fresh draw): drop --seed"))
     if m.routing_mode == "trace" and not m.routing_trace:
         bad.append(("routing_trace", m.routing_trace, "required when --routing_mode=trace"))
     if e.eplb_p2p_max_inflight_bytes < e.eplb_p2p_chunk_bytes:

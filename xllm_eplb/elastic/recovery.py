@@ -117,6 +117,7 @@ class EngineRecovery:
         self.initial = engine.active_placement.copy()     # what a joiner loads
         self.joining: dict[int, float] = {}     # worker -> wall time of its death
         self.fenced_step = -1                   # the step whose silent ranks were SIGKILLed
+        self.fenced_at = 0.0                    # time.monotonic() of that fence
         self.recoveries = self.shrinks = self.reprefilled = self.kept = 0
         self.joins = self.joins_dropped = self.switches_abandoned = 0
         self.last: dict = {}
@@ -141,9 +142,12 @@ class EngineRecovery:
         """None while serving normally; else what ``/health`` shows (a fence or recovery)."""
         if self.phase is P.SERVING and self.fenced_step < 0:
             return None
-        phase = "fence" if self.phase is P.SERVING else self.phase.value
-        return {"status": "recovering", "phase": phase,
-                "phase_seconds": round(time.monotonic() - self.phase_since, 3)}
+        fence = self.phase is P.SERVING
+        # NOTE: the fence is no transition of the state machine: its clock starts at the fence,
+        # not at the last transition (it read 14 s less than a second into the fence)
+        since = self.fenced_at if fence else self.phase_since
+        return {"status": "recovering", "phase": "fence" if fence else self.phase.value,
+                "phase_seconds": round(time.monotonic() - since, 3)}
 
     def status(self) -> dict:
         D = self.eng.ep_size
@@ -167,7 +171,7 @@ class EngineRecovery:
         if self.kill is not None and self.fenced_step != step and silent_for > self.silence:
             silent = unread()
             if silent:
-                self.fenced_step = step
+                self.fenced_step, self.fenced_at = step, time.monotonic()
                 log.warning(event("EPLB elastic silent", step=step,
                                   ranks=",".join(map(str, silent)),
                                   seconds=round(silent_for, 2)))

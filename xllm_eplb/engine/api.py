@@ -226,16 +226,17 @@ def _routes(app: FastAPI, backend: ApiBackend) -> None:
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [_model_card(backend.served)]}
+        s = backend.served
+        return {"object": "list", "data": [_model_card(s, n) for n in (s.name, *s.aliases)]}
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str):
         """The served model (the openai client's ``models.retrieve``); 404 for any other id."""
         s = backend.served
-        if model_id != s.name:
-            raise ApiError(404, f"model {model_id!r} not found: this server serves {s.name!r}",
+        if not s.serves(model_id):
+            raise ApiError(404, f"model {model_id!r} not found: this server serves {s.names}",
                            "model", "model_not_found")
-        return _model_card(s)
+        return _model_card(s, model_id)
 
     @app.get("/version")
     async def version():
@@ -255,8 +256,9 @@ def _routes(app: FastAPI, backend: ApiBackend) -> None:
         return backend.status()
 
 
-def _model_card(s: ServedModel) -> dict:
-    return {"id": s.name, "object": "model", "created": s.created, "owned_by": "xllm-eplb",
+def _model_card(s: ServedModel, name: str) -> dict:
+    """The card of ``name`` (the served name or an alias: the same model)."""
+    return {"id": name, "object": "model", "created": s.created, "owned_by": "xllm-eplb",
             "max_model_len": s.limits.max_position_embeddings, "quantization": s.quantization,
             "family": s.family}
 

@@ -138,6 +138,10 @@ class Engine:
         self._pending_eplb_s = 0.0
         self.state = "starting"
         self.stopping = False
+        #: True during :meth:`warmup` (a stop then leaves at the next wait slice)
+        self.warming = False
+        #: the signal that asked this engine to stop while serving ('' = none; logged once)
+        self.stop_signal = ""
 
     # --- one forward -----------------------------------------------------------------------
     def step(self, batches: list[RankBatch], *, warmup: bool = False,
@@ -232,6 +236,10 @@ class Engine:
             try:
                 return self.outs[rank].get(timeout=max(0.0, min(WAIT_SLICE, left)))
             except RingTimeoutError:
+                if self.stopping and self.warming:
+                    # a stop during the warm-up (workers still loading, some never will):
+                    # leave now (engine/process.py's start-up exit), not at STARTUP_TIMEOUT
+                    raise SystemExit(0) from None
                 if left <= WAIT_SLICE:
                     raise
                 if self.state == "serving":     # not the warm-up (workers still loading)
@@ -274,8 +282,12 @@ class Engine:
         second = [RankBatch([SeqRow(-1, row[:3], 0, True)] if r == 0 else [])
                   for r in range(self.D)]
         t0 = time.perf_counter()
-        self.step(first, warmup=True, timeout=STARTUP_TIMEOUT)
-        self.step(second, warmup=True)
+        self.warming = True
+        try:
+            self.step(first, warmup=True, timeout=STARTUP_TIMEOUT)
+            self.step(second, warmup=True)
+        finally:
+            self.warming = False
         log.info(event("engine warmup done", steps=2, seconds=round(time.perf_counter() - t0, 3)))
 
     def run(self) -> None:
@@ -447,8 +459,9 @@ class Engine:
         return self.sched.submit(req)
 
     def health(self) -> tuple[bool, dict]:
-        """(serving, info); a step in flight beyond ``--stall_seconds`` is ``stalled`` with the
-        ranks it waits on (computed now, from the stored step start)."""
+        """(serving, info); a step in flight beyond ``--stall_seconds`` is ``stalled`` (503)
+        with the ranks it waits on (computed now, from the stored step start); beyond
+        ``engine/health.SUSPECT_SECONDS`` (1 s) it is ``degraded`` (200) with them."""
         info = {"status": self.state, "ep_size": self.D, "step": self.step_no,
                 "eplb": bool(self.cfg.eplb.enable_eplb)}    # the manager starts after warm-up
         if self.state != "serving":
@@ -462,6 +475,10 @@ class Engine:
             info.update(status="stalled", waiting_on=silent,
                         step_seconds=round(self.watch.in_flight_seconds(), 3))
             return False, info
+        slow = self.watch.suspect(self.inp)
+        if slow is not None:            # still serving (200), but a step waits on these ranks
+            info.update(status="degraded", waiting_on=slow,
+                        step_seconds=round(self.watch.in_flight_seconds(), 3))
         return True, info
 
     def render_metrics(self) -> bytes:

@@ -14,6 +14,9 @@ import time
 
 from xllm_eplb.ipc.ring_layout import READER, RING_HEADER, U64, WSEQ
 
+#: a step in flight longer than this names the ranks it waits on in /health (``degraded``)
+SUSPECT_SECONDS = 1.0
+
 
 def reader_behind(ring, index: int) -> bool:
     """True when reader ``index`` of the broadcast ``ring`` has not read the newest frame
@@ -79,6 +82,16 @@ class StepWatch:
             behind = [w for w in self.readers if reader_behind(inp.ring, w)]
             return behind or [w for w in self.readers if stopped(reader_pid(inp.ring, w))]
         return []
+
+    def suspect(self, inp) -> list[int] | None:
+        """The silent ranks of a step in flight longer than :data:`SUSPECT_SECONDS`: those that
+        have not read its input, or whose process is stopped (:meth:`unread`; a rank that is
+        only slow has read it), else None. A frozen rank shows within a second, long before
+        ``--stall_seconds`` or an elastic fence."""
+        if self.in_flight_seconds() <= min(SUSPECT_SECONDS, self.stall_seconds):
+            return None
+        silent = [self.readers.index(w) for w in self.unread(inp) if w in self.readers]
+        return silent or None
 
     def stalled(self, inp=None, outs=None) -> list[int] | None:
         """The silent ranks when the in-flight step is older than the threshold, else None."""

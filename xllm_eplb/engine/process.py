@@ -52,9 +52,12 @@ def _api(cfg: Config, engine_ref: dict):
     limits = ApiLimits.served(m)
     # the checkpoint's tokenizer (--model, or the default the launcher generated without it)
     tok = served_tokenizer(m.model or None, cfg.serve.tokenizer, cfg.serve.chat_template)
+    alias = cfg.serve.served_model_alias
     served = ServedModel(cfg.serve.served_model_name, tok, limits, created=int(time.time()),
                          quantization=quant_info(m.model, m.fp8_dequant_cache),
-                         family=parse_spec(m.model).family if m.model else None)
+                         family=parse_spec(m.model).family if m.model else None,
+                         aliases=(alias,) if alias and alias != cfg.serve.served_model_name
+                         else ())
 
     def eng():
         return engine_ref.get("engine")
@@ -184,15 +187,17 @@ def engine_main(cfg: Config, events, parent_pid: int) -> None:
     # NOTE: the launcher's death (LAUNCHER_DEATHSIG) -> graceful stop, clients told the launcher
     # is gone, then sweep the run's shm; SIGTERM (the launcher's stop) -> graceful stop
     stop = {"early": False}
+    res: dict = {}
 
     def early(*_args) -> None:          # a stop or the launcher's death before serving
         stop["early"] = True
+        if res.get("engine") is not None:   # the warm-up's wait leaves at its next slice
+            res["engine"].request_stop()
         _raise_exit()
 
     child_setup("xllm-eplb:engine", parent_pid, on_death=early)
     Path(cfg.serve.log_dir).mkdir(parents=True, exist_ok=True)
     setup_logging("engine", cfg.serve.v, str(Path(cfg.serve.log_dir) / "engine.log"))
-    res: dict = {}
     signal.signal(signal.SIGTERM, early)
     code, reason = 1, SHUTDOWN
     try:
@@ -200,13 +205,11 @@ def engine_main(cfg: Config, events, parent_pid: int) -> None:
     except SystemExit as e:
         code = 0 if stop["early"] else int(e.code or 0)
     except WorkerFault as e:
-        # clients are told which rank died (the launcher's notice), not the survivor's error
-        eng = res.get("engine")
-        reason = (eng.failures.explain(e, wait=0.0 if eng.stopping else NOTICE_WAIT)
-                  if eng is not None else str(e))
-        # the launcher prints the one summary line (with this reason when the engine stops)
-        log.error(event("engine worker fault", error=str(e), reason=reason), extra=FILE_ONLY)
-        send_event(events, "engine", "error", str(e))
+        if stop["early"]:   # a stop during start-up: the launcher's SIGTERM ended the workers
+            log.info(event("engine start-up stopped", why=str(e)))
+            code = 0
+        else:
+            reason = _worker_fault(e, res, events)
     except Exception as e:  # noqa: BLE001
         log.exception(event("engine failed", error=repr(e)))
         send_event(events, "engine", "error", f"{type(e).__name__}: {e}")
@@ -221,9 +224,24 @@ def engine_main(cfg: Config, events, parent_pid: int) -> None:
     child_exit(code, events)
 
 
+def _worker_fault(e: WorkerFault, res: dict, events) -> str:
+    """A worker fault ends the engine: logged (file only) and reported to the launcher, which
+    prints the one summary line; returns the reason its clients are told (which rank died, the
+    launcher's notice, not the survivor's error)."""
+    eng = res.get("engine")
+    reason = (eng.failures.explain(e, wait=0.0 if eng.stopping else NOTICE_WAIT)
+              if eng is not None else str(e))
+    log.error(event("engine worker fault", error=str(e), reason=reason), extra=FILE_ONLY)
+    send_event(events, "engine", "error", str(e))
+    return reason
+
+
 def _stop_on(sig: signal.Signals, eng: Engine, parent_pid: int) -> None:
     """SIGTERM (the launcher's stop) or :data:`LAUNCHER_DEATHSIG` (its death) while serving: a
     graceful stop."""
+    if eng.stop_signal:     # said once: a second signal (the launcher's death after its
+        return              # SIGTERM, or the death signal twice) changes nothing
+    eng.stop_signal = sig.name
     gone = not parent_alive(parent_pid)
     (log.warning if gone else log.info)(event("engine stop", signal=sig.name,
                                               launcher="gone" if gone else f"pid {parent_pid}"))

@@ -68,6 +68,16 @@ class ServedModel:
     created: int = 0
     quantization: dict | None = None    # the checkpoint's FP8 format (model.fp8.quant_info)
     family: str | None = None           # the checkpoint's model_type (deepseek_v3, glm4_moe ...)
+    #: other names a request may use (``--served_model_alias``: vLLM's, the --model string)
+    aliases: tuple[str, ...] = ()
+
+    def serves(self, name: str) -> bool:
+        return name == self.name or name in self.aliases
+
+    @property
+    def names(self) -> str:
+        """``'xllm-eplb'`` or ``'xllm-eplb' (or '/models/qwen')`` (the 404 text)."""
+        return repr(self.name) + "".join(f" (or {a!r})" for a in self.aliases)
 
 
 # --- schema ---------------------------------------------------------------------------------
@@ -323,8 +333,8 @@ def _seeds(seed: int | None, count: int, n: int) -> list[int]:
 
 def _common(req: _Common, kind: str, prompts: list[list[int]], mt: int, served: ServedModel,
             logprobs: int = -1):
-    if req.model is not None and req.model != served.name:
-        raise ApiError(404, f"'model'={req.model!r}: this server serves {served.name!r}",
+    if req.model is not None and not served.serves(req.model):
+        raise ApiError(404, f"'model'={req.model!r}: this server serves {served.names}",
                        "model", "model_not_found")
     if len(prompts) * req.n > MAX_CHOICES:
         raise ApiError(400, f"{len(prompts)} prompts x n={req.n}: at most {MAX_CHOICES} "

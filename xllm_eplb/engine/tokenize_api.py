@@ -54,8 +54,8 @@ class DetokenizeRequest(StrictModel):
 
 
 def _check_model(name: str | None, served: ServedModel) -> None:
-    if name is not None and name != served.name:
-        raise ApiError(404, f"'model'={name!r}: this server serves {served.name!r}", "model",
+    if name is not None and not served.serves(name):
+        raise ApiError(404, f"'model'={name!r}: this server serves {served.names}", "model",
                        "model_not_found")
 
 

@@ -23,7 +23,11 @@ for the gate (which always uses measured load). Counters and heartbeats:
 
 Timer: armed by the first valid sample of a generation, ``eplb_update_interval`` seconds; every
 commit (a new generation) disarms it, so it restarts at the next sample. A round starts only when
-it fired, the window is not empty and no layer of the previous round is still in flight.
+it fired, the window is not empty and no layer of the previous round is still in flight. The
+first round does not wait for the timer: it runs once the window holds
+``eplb_first_round_samples`` samples or the timer fired, whichever comes first (0: the timer
+only), so EPLB acts within the
+first minute of traffic with xLLM's default interval of 1000 s; :meth:`next_round` says which.
 
 Cost (``eplb_plan_on=cost``): pure-decode samples that carry the workers' expert CPU seconds
 feed a :class:`~xllm_eplb.eplb.cost_model.CostModel`; once fitted, each round plans and gates
@@ -102,6 +106,7 @@ class EplbManager:
         # slots: an elastic shrink's layout (any ep_size x slots >= num_logical, Engine.resize)
         self.slots = slots or slots_per_rank(num_logical, cfg.ep_size, cfg.redundant_experts_num)
         self.interval = float(cfg.eplb_update_interval)
+        self.first_round_samples = int(cfg.eplb_first_round_samples)
         self.timeout = float(cfg.eplb_prepare_timeout_seconds)
         self.clock = clock
         self.planner = planner if planner is not None else Planner(
@@ -222,7 +227,8 @@ class EplbManager:
                 window_samples=self.agg.sample_count, layer_in_flight=self.pipe.layer_in_flight(),
                 waiting_on=self.pipe.waiting_on(), round_in_progress=self.pipe.in_progress,
                 next_prepare_token=self.pipe.next_token, policy=self.policy_name,
-                timer_deadline=self._deadline).as_dict()
+                timer_deadline=self._deadline,
+                next_round=self._next_round_text(self.clock())).as_dict()
 
     def inherit_counters(self, old: "EplbManager") -> None:
         """Continue ``old``'s cumulative counters and policy CPU (an elastic shrink or rejoin
@@ -258,11 +264,36 @@ class EplbManager:
             self._deadline = None                 # a commit happened: restart the interval
         if not self.agg.empty and self._deadline is None:
             self._deadline, self._deadline_gen = now + self.interval, self.agg.generation
+        if self._first_round_pending() and self.agg.sample_count >= self.first_round_samples:
+            self._deadline = None                 # the interval counts from the first round
+            return not self.pipe.in_progress
         if self._deadline is None or now < self._deadline:
             return False
         self._deadline = None
         # NOTE: if a round is still in flight the elapsed interval is dropped (re-armed next pass).
         return not self.pipe.in_progress and not self.agg.empty
+
+    def _first_round_pending(self) -> bool:
+        """No round has run yet and the first one is paced by samples, not by the timer."""
+        return self.first_round_samples > 0 and self._counters.rounds == 0
+
+    def next_round(self) -> str:
+        """When the next round runs, in words (the ready line, /eplb/status ``next_round``, the
+        bench's EPLB section): ``after 256 load samples (37 so far)``, ``in 12.3 s``, ``at the
+        first load sample + 1000 s``, or ``when the round in flight ends``."""
+        with self._lock:
+            return self._next_round_text(self.clock())
+
+    def _next_round_text(self, now: float) -> str:
+        if self.pipe.in_progress:
+            return "when the round in flight ends"
+        timer = (f"{self.interval:g} s after the next load sample" if self._deadline is None
+                 else f"in {max(self._deadline - now, 0.0):.1f} s")
+        if self._first_round_pending():
+            return (f"after {self.first_round_samples} load samples "
+                    f"({self.agg.sample_count} so far; --eplb_first_round_samples) or {timer} "
+                    f"(--eplb_update_interval), whichever comes first")
+        return f"{timer} (--eplb_update_interval)"
 
     def _policy_inputs(self) -> tuple[np.ndarray, np.ndarray]:
         """(logical [L, E], physical [L, D, S]) snapshots for the policy (lock held)."""

@@ -62,6 +62,8 @@ class ManagerStats(Counters):
     next_prepare_token: int = 1
     policy: str = ""
     timer_deadline: float | None = None
+    #: when the next round runs, in words (``EplbManager.next_round``)
+    next_round: str = ""
 
     def as_dict(self) -> dict:
         """Flat ``{key: int | float | str | bool | None}`` (the /eplb/status fields)."""

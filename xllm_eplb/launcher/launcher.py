@@ -17,6 +17,7 @@ import sys
 import time
 from pathlib import Path
 
+from xllm_eplb.child import spawn_ignoring_sigint
 from xllm_eplb.config import Config, node_ranks, ranks_per_node
 from xllm_eplb.elastic.notices import WorkerDied
 from xllm_eplb.elastic.protocol import next_pg_generation
@@ -111,7 +112,7 @@ class Launcher:
         args = tuple(sender if a is self.events else a for a in args)
         cores = self._cores(who)
         kwargs = {"cores": cores, **extra} if target is worker_main else {}
-        with _child_env(), affinity.pinned(cores):
+        with _child_env(), affinity.pinned(cores), spawn_ignoring_sigint():
             p = self.ctx.Process(target=target, name=who, args=args, kwargs=kwargs,
                                  daemon=False)
             p.start()
@@ -157,6 +158,8 @@ class Launcher:
         self._spawn("engine", engine_main, cfg, self.events, me)
         self._wait_stage("engine", "http_bound")
         for r in range(cfg.eplb.ep_size):
+            if self.stop_signal:          # no more workers once a stop was requested
+                raise KeyboardInterrupt
             self._spawn(f"ep{r}", worker_main, cfg, r, self.events, me)
         self._wait_stage("engine", "ready")
 
@@ -169,13 +172,17 @@ class Launcher:
         event, a dead child or a signal aborts."""
         want = set(want)
         while want:
+            if self.stop_signal:
+                raise KeyboardInterrupt
             ev = self._next_event(0.2)
             if ev:
                 want.discard((ev[0], ev[1]))
-                if ev[1] == "error":
+                if ev[1] == "error" and not self._stopping_together(0.1):
                     raise StartupError(f"{ev[0]} failed during start-up: {ev[2]}")
             dead = self.dead_child()
-            if dead:
+            # NOTE: a signal to the whole group may end a child before the launcher's handler
+            # ran: that is the requested stop, not a death
+            if dead and not self._stopping_together():
                 raise StartupError(self.death_message(dead, during="start-up"))
             if self.stop_signal:
                 raise KeyboardInterrupt
@@ -309,6 +316,23 @@ class Launcher:
                 if who != "engine" and p.exitcode is None:
                     with contextlib.suppress(ProcessLookupError):
                         os.kill(p.pid, signal.SIGTERM)
+        return self._reap(timeout)
+
+    def stop_startup(self) -> list[str]:
+        """Stop a run that is not serving yet (a signal during start-up): every child gets
+        SIGTERM at once. A worker has no SIGTERM handler (it dies of it at once, importing or
+        loading, without a traceback); the engine leaves its start-up cleanly (``early`` in
+        ``engine/process.py``). Whatever is left after ``--shutdown_timeout_seconds`` is
+        killed; returns the names of those."""
+        for p in self.procs.values():
+            if p.exitcode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(p.pid, signal.SIGTERM)
+        return self._reap(self.cfg.serve.shutdown_timeout_seconds)
+
+    def _reap(self, timeout: float) -> list[str]:
+        """Wait up to ``timeout`` s for every child to exit, then SIGKILL the rest; returns
+        the names of the killed ones (logged once, in the launcher log)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline and any(p.exitcode is None
                                                   for p in self.procs.values()):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import signal
 import socket
 import sys
 
@@ -100,6 +101,8 @@ def console_notes(cfg: Config, plan: affinity.AffinityPlan) -> list[str]:
         out.append(f"note: the built-in {s.workload} workload is on ({s.workload_rate:g} req/s "
                    f"of demo traffic share the engine with your requests; --workload=none "
                    f"turns it off)")
+    if cfg.eplb.enable_eplb and engine:
+        out.append(eplb_note(cfg))
     workers, cores = ranks_per_node(cfg), len(affinity.available_cpus())
     if not plan.pinned and workers + engine > cores:
         who = f"{workers} workers" + (" + the engine" if engine else "")
@@ -108,6 +111,19 @@ def console_notes(cfg: Config, plan: affinity.AffinityPlan) -> list[str]:
                    f"machine with a core per worker (--ep-size {cores} or more cores "
                    f"make requests faster)")
     return out
+
+
+def eplb_note(cfg: Config) -> str:
+    """When EPLB acts (the line under the ready line): the first round after
+    ``--eplb_first_round_samples`` samples of traffic, the later ones every
+    ``--eplb_update_interval`` seconds."""
+    e = cfg.eplb
+    first = (f"after {e.eplb_first_round_samples} load samples (engine steps) of your traffic "
+             f"(--eplb_first_round_samples)" if e.eplb_first_round_samples
+             else f"{e.eplb_update_interval:g} s after the first load sample")
+    return (f"note: EPLB ({e.eplb_policy_kind}) runs its first round {first}, then every "
+            f"{e.eplb_update_interval:g} s (--eplb_update_interval); /eplb/status next_round "
+            f"says when")
 
 
 def sweep_dead_at_start() -> None:
@@ -137,8 +153,11 @@ def run_launcher(launcher: Launcher, progress: Progress, ready, start=None) -> i
         killed = launcher.stop(graceful=(code == 0))
         code = _killed(killed, code, cfg, launcher.killed_at)
     except KeyboardInterrupt:
+        # a stop requested during start-up (the launcher's handler) exits 0 like one while
+        # serving; a KeyboardInterrupt of its own (no handler yet) exits 130
         code = 0 if launcher.stop_signal else 130
-        killed = launcher.stop(graceful=True)
+        progress.stopping(launcher.stop_signal or signal.SIGINT, launcher.procs)
+        killed = launcher.stop_startup()
         code = _killed(killed, code, cfg, launcher.killed_at)
     except BaseException:
         launcher.stop(graceful=False)

@@ -9,6 +9,7 @@ The launcher feeds :class:`Progress` the ``(who, stage)`` events its children se
 
 from __future__ import annotations
 
+import signal
 import sys
 import time
 
@@ -33,8 +34,11 @@ class Progress:
     def __init__(self, ep_size: int, tty: bool):
         self.ep_size, self.t0, self.tty = ep_size, time.monotonic(), tty
         self.counts: dict[str, int] = {s: 0 for s in WORKER_STAGES}
+        self.stopped = False
 
     def update(self, who: str, stage: str) -> None:
+        if self.stopped:
+            return
         if who == "engine":
             self._engine(stage)
         elif stage in self.counts:
@@ -49,6 +53,20 @@ class Progress:
     def _line(self, text: str) -> None:
         print(f"xllm-eplb start {text} t={time.monotonic() - self.t0:.1f}s", file=sys.stderr,
               flush=True)
+
+    def stopping(self, signum: int, procs) -> None:
+        """The one line a stop during start-up gets, at once (``procs``: the children started
+        so far, name -> process); no stage is printed after it."""
+        if self.stopped:
+            return
+        workers = sum(1 for w in procs if w.startswith("ep"))
+        parts = (["the engine"] if "engine" in procs else []) + (
+            [f"{workers} of {self.ep_size} workers"] if workers else [])
+        started = " and ".join(parts) or "nothing (none was started yet)"
+        print(f"xllm-eplb stop requested during start-up ({signal.Signals(signum).name} at "
+              f"t={time.monotonic() - self.t0:.1f}s): stopping {started}", file=sys.stderr,
+              flush=True)
+        self.stopped = True
 
     def close(self) -> None:
         """Nothing to tear down (kept for the launcher's ``finally``)."""
