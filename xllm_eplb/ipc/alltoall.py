@@ -1,0 +1,288 @@
+"""An intra-node all-to-all on POSIX shared memory (``--ep_transport=shm``, issue #39).
+
+The ranks of one node exchange rows through one segment of the run (:class:`ShmAllToAll`),
+named ``/xllm_eplb_<run>_a2a<g>`` (``g``: the elastic process-group generation, so a re-formed
+group gets fresh buffers) and swept with the rings (``ipc/objects.sweep_run``). No torch
+collective runs on the hot path: one round is one write, one signal, one read.
+
+Payload layout (``D`` ranks, ``cap`` bytes of data per rank and phase, little endian)::
+
+    control  D x 64 bytes: rank r's arrived round (u64), waiting-for round (u64),
+             pid (u64), process start time (u64; ipc/liveness.CLOSED once it closed)
+    boxes    2 phases x D ranks x [D u64 bytes-to-each-rank, padded to 64][cap data bytes]
+
+Round ``s`` (1, 2, ...; every rank runs the same sequence) uses phase ``s % 2``. Rank r writes
+its rows for every other rank into its own box (destination order), then publishes
+``arrived[r] = s`` and wakes the ranks sleeping on round ``s``; it then waits until every rank
+has arrived and copies its piece out of every other rank's box. A box of phase ``p`` is written
+again only in round ``s + 2``, which no rank enters before every rank arrived at ``s + 1``,
+i.e. finished reading round ``s``: two phases need no acknowledgement round. A message larger
+than ``cap`` goes in several rounds of ``cap`` bytes (the byte counts travel in the box
+header, so every rank computes the same number of rounds).
+
+Waiting: spin for ``spin_s``, then sleep on the rank's named semaphore
+(``/xllm_eplb_<run>_a2a<g>_s<r>``) in slices of ``SLEEP_SLICE_S`` (a lost wake-up costs one
+slice). Every ``LIVENESS_S`` a waiter checks the ranks it waits for (pid + start time,
+``ipc/liveness.py``): a dead or closed rank fails the round at once
+(:class:`~xllm_eplb.ipc.errors.PeerDeadError`), a silent one after ``timeout_s``
+(:class:`~xllm_eplb.ipc.errors.RingTimeoutError`). Either way the group is broken: the worker
+drops it and the elastic regroup opens the next generation's segment.
+
+NOTE: the publish/observe order (data, then the round counter) relies on the total store order
+of x86-64; :func:`supported` says False elsewhere and the worker keeps ``dist``.
+
+Public API::
+
+    a2a = ShmAllToAll.open(run_id, generation, rank, size, cap_bytes, timeout_s)
+    out, got = a2a.all_to_all(inp [N, ...], send [D])   # rows to each rank -> rows, rows from
+    a2a.stats()  -> {"rounds": n, "round_s": seconds in rounds, "bytes": sent}
+    a2a.close()                                         # idempotent; the last rank unlinks
+"""
+
+from __future__ import annotations
+
+import contextlib
+import platform
+import time
+
+import numpy as np
+import posix_ipc
+import torch
+
+from xllm_eplb.ipc.errors import PeerDeadError, RingTimeoutError
+from xllm_eplb.ipc.liveness import CLOSED, peer_gone, self_identity
+from xllm_eplb.ipc.shm import HEADER_SIZE, Segment, object_name
+
+CTRL = 64                  # bytes of control per rank (one cache line)
+SPIN_S = 50e-6             # default busy-wait before sleeping
+SLEEP_SLICE_S = 0.002      # one semaphore sleep (bounds a lost wake-up)
+LIVENESS_S = 0.05          # how often a waiter checks the ranks it waits for
+_ARRIVED, _WAITING, _PID, _START = 0, 1, 2, 3      # u64 index inside a rank's control line
+
+
+def supported() -> bool:
+    """True where the transport's memory ordering holds (x86-64: total store order)."""
+    return platform.machine().lower() in ("x86_64", "amd64")
+
+
+def segment_name(run_id: str, generation: int) -> str:
+    return object_name(run_id, f"a2a{int(generation)}")
+
+
+def semaphore_name(run_id: str, generation: int, rank: int) -> str:
+    return object_name(run_id, f"a2a{int(generation)}_s{int(rank)}")
+
+
+def _round64(n: int) -> int:
+    return (n + 63) // 64 * 64
+
+
+def payload_bytes(size: int, cap_bytes: int) -> int:
+    """Bytes of the segment's payload for ``size`` ranks and ``cap_bytes`` per box."""
+    return size * CTRL + 2 * size * (_round64(8 * size) + cap_bytes)
+
+
+class ShmAllToAll:
+    """One rank's end of the shared-memory all-to-all (see the module docstring)."""
+
+    def __init__(self, seg: Segment, sems: list, run_id: str, generation: int, rank: int,
+                 size: int, cap_bytes: int, timeout_s: float, spin_s: float):
+        self.seg, self.sems = seg, sems
+        self.run_id, self.generation = run_id, generation
+        self.rank, self.size, self.cap = rank, size, cap_bytes
+        self.timeout_s, self.spin_s = timeout_s, spin_s
+        self.seq = 0
+        self.closed = False
+        raw = torch.frombuffer(seg.mm, dtype=torch.uint8)[HEADER_SIZE:]
+        self._bytes = raw
+        self._ctrl = np.frombuffer(seg.mm, dtype=np.uint64, count=size * CTRL // 8,
+                                   offset=HEADER_SIZE).reshape(size, CTRL // 8)
+        self._hdr = _round64(8 * size)
+        self._box = self._hdr + cap_bytes
+        #: [phase][rank]: u64 bytes-to-each-rank header of that box
+        self._hdrs = [[np.frombuffer(seg.mm, dtype=np.uint64, count=size,
+                                     offset=HEADER_SIZE + self._box_at(p, r))
+                       for r in range(size)] for p in (0, 1)]
+        self._rounds = 0
+        self._round_s = 0.0
+        self._sent = 0
+        pid, start = self_identity()
+        self._ctrl[rank, _PID] = pid
+        self._ctrl[rank, _START] = start
+
+    def _box_at(self, phase: int, rank: int) -> int:
+        """Payload offset of ``rank``'s box of ``phase``."""
+        return self.size * CTRL + (phase * self.size + rank) * self._box
+
+    # ------------------------------------------------------------------ open / close
+    @classmethod
+    def open(cls, run_id: str, generation: int, rank: int, size: int, cap_bytes: int,
+             timeout_s: float, spin_s: float = SPIN_S) -> "ShmAllToAll":
+        """Map (create or attach) the generation's segment and the ranks' semaphores.
+
+        ``cap_bytes``: data bytes per rank and phase (every rank passes the same value, else
+        the segment's size differs: ``LayoutError``); ``timeout_s``: a round's limit."""
+        if not 0 <= rank < size:
+            raise ValueError(f"rank={rank}: must be in [0, size={size})")
+        if cap_bytes < 64:
+            raise ValueError(f"cap_bytes={cap_bytes}: must be >= 64")
+        seg = Segment.open(segment_name(run_id, generation), payload_bytes(size, cap_bytes))
+        try:
+            sems = [posix_ipc.Semaphore(semaphore_name(run_id, generation, r),
+                                        posix_ipc.O_CREAT, mode=0o600, initial_value=0)
+                    for r in range(size)]
+        except BaseException:
+            seg.close()
+            raise
+        return cls(seg, sems, run_id, generation, rank, size, cap_bytes, timeout_s, spin_s)
+
+    def close(self) -> None:
+        """Mark this rank closed (a peer waiting on it fails at once), unmap; the last rank
+        out unlinks the segment; each rank unlinks its own semaphore."""
+        if self.closed:
+            return
+        self.closed = True
+        with contextlib.suppress(Exception):
+            self._ctrl[self.rank, _START] = CLOSED
+            self._wake_all()
+        self._ctrl = self._bytes = self._hdrs = None     # the mmap closes only unexported
+        for r, s in enumerate(self.sems):
+            if r == self.rank:
+                with contextlib.suppress(posix_ipc.ExistentialError):
+                    s.unlink()
+            s.close()
+        self.seg.close()
+
+    def __enter__(self) -> "ShmAllToAll":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ rounds
+    def stats(self) -> dict:
+        """Rounds run, seconds spent inside them (write + wait + read), bytes sent."""
+        return {"rounds": self._rounds, "round_s": self._round_s, "bytes": self._sent}
+
+    def all_to_all(self, inp: torch.Tensor, send: list[int]) -> tuple[torch.Tensor, list[int]]:
+        """Rows ``inp`` [N, ...] (contiguous, sorted by destination: ``send[d]`` rows to rank
+        d, ``sum(send) == N``) -> (rows received [M, ...] ordered by source rank, rows from
+        each rank [D]). Every rank calls it in the same order with the same row shape and
+        dtype; the rows for this rank never touch the segment."""
+        if self.closed:
+            raise RuntimeError(f"{self.seg.name}: all-to-all is closed")
+        D, me = self.size, self.rank
+        if len(send) != D or sum(send) != inp.shape[0]:
+            raise ValueError(f"rank {me}: send={list(send)} must have {D} entries summing to "
+                             f"the {inp.shape[0]} input rows")
+        t0 = time.perf_counter()
+        row_shape, dtype = tuple(inp.shape[1:]), inp.dtype
+        flat = inp.contiguous().view(-1).view(torch.uint8) if inp.numel() else \
+            torch.empty(0, dtype=torch.uint8)
+        row_b = flat.numel() // max(1, inp.shape[0]) if inp.shape[0] else \
+            inp.element_size() * int(np.prod(row_shape, dtype=np.int64))
+        lens = [n * row_b for n in send]
+        lo, hi = sum(lens[:me]), sum(lens[:me + 1])
+        lens[me] = 0
+        stream = flat if hi == lo else torch.cat([flat[:lo], flat[hi:]])   # others' bytes
+        total = stream.numel()
+        pieces = self._exchange(stream, lens, total)
+        pieces[me] = flat[lo:hi]
+        got = [p.numel() // row_b if row_b else 0 for p in pieces]
+        got[me] = send[me]
+        out = torch.cat(pieces) if pieces else flat[:0]
+        self._round_s += time.perf_counter() - t0
+        self._sent += total
+        return out.view(dtype).view(-1, *row_shape) if out.numel() else \
+            inp.new_empty((0, *row_shape)), got
+
+    def _exchange(self, flat, lens, total) -> list[torch.Tensor]:
+        """Send ``flat`` [total] uint8 (``lens[d]`` bytes to rank d, in rank order; none to
+        this rank) in rounds of ``cap`` bytes -> the bytes from every rank (this rank's entry
+        empty)."""
+        D, me, cap = self.size, self.rank, self.cap
+        got: list[list[torch.Tensor]] = [[] for _ in range(D)]
+        j = 0
+        while True:
+            self.seq += 1
+            s, p = self.seq, self.seq % 2
+            mine = self._box_at(p, me)
+            self._hdrs[p][me][:] = lens
+            a, b = min(j * cap, total), min((j + 1) * cap, total)
+            if b > a:
+                self._bytes[mine + self._hdr:mine + self._hdr + b - a] = flat[a:b]
+            self._publish(s)
+            self._wait_all(s)
+            more = False
+            for r in range(D):
+                if r == me:
+                    continue
+                box = self._box_at(p, r)
+                their = self._hdrs[p][r]
+                t_total = int(their.sum())
+                lo = int(their[:me].sum())
+                hi = lo + int(their[me])
+                a, b = max(lo, j * cap), min(hi, (j + 1) * cap)
+                if b > a:
+                    start = box + self._hdr + a - j * cap
+                    got[r].append(self._bytes[start:start + b - a].clone())
+                more |= t_total > (j + 1) * cap
+            self._rounds += 1
+            if not more and total <= (j + 1) * cap:
+                break
+            j += 1
+        return [torch.cat(g) if len(g) > 1 else (g[0] if g else flat[:0]) for g in got]
+
+    def _publish(self, s: int) -> None:
+        """Round ``s`` is written: say so, wake the ranks that sleep on it."""
+        self._ctrl[self.rank, _ARRIVED] = s
+        for r in range(self.size):
+            if r != self.rank and int(self._ctrl[r, _WAITING]) == s:
+                self.sems[r].release()
+
+    def _wake_all(self) -> None:
+        for r in range(self.size):
+            if r != self.rank:
+                self.sems[r].release()
+
+    def _wait_all(self, s: int) -> None:
+        """Until every rank arrived at round ``s``: spin, then sleep on the semaphore; a dead
+        or closed rank fails at once, a silent one after ``timeout_s``."""
+        ctrl, me = self._ctrl, self.rank
+        t0 = time.perf_counter()
+        if self._arrived(s):
+            return
+        while time.perf_counter() - t0 < self.spin_s:
+            if self._arrived(s):
+                return
+        ctrl[me, _WAITING] = s
+        sem = self.sems[me]
+        check = t0
+        try:
+            while not self._arrived(s):
+                with contextlib.suppress(posix_ipc.BusyError):
+                    sem.acquire(SLEEP_SLICE_S)
+                now = time.perf_counter()
+                if now - check >= LIVENESS_S:
+                    check = now
+                    self._check_peers(s, now - t0)
+        finally:
+            ctrl[me, _WAITING] = 0
+            for _ in range(self.size):          # drain extra wake-ups of this round
+                try:
+                    sem.acquire(0)
+                except posix_ipc.BusyError:
+                    break
+
+    def _arrived(self, s: int) -> bool:
+        return int(self._ctrl[:, _ARRIVED].min()) >= s
+
+    def _check_peers(self, s: int, waited: float) -> None:
+        late = [r for r in range(self.size) if int(self._ctrl[r, _ARRIVED]) < s]
+        for r in late:
+            if peer_gone(int(self._ctrl[r, _PID]), int(self._ctrl[r, _START])):
+                raise PeerDeadError(f"{self.seg.name}: rank {r} exited or closed during "
+                                    f"round {s} (rank {self.rank} waited {waited:.3f}s)")
+        if waited > self.timeout_s:
+            raise RingTimeoutError(f"{self.seg.name}: ranks {late} silent for "
+                                   f"{waited:.1f}s > {self.timeout_s}s in round {s}")
