@@ -44,6 +44,7 @@ from __future__ import annotations
 import contextlib
 import platform
 import time
+from array import array
 
 import numpy as np
 import posix_ipc
@@ -93,22 +94,28 @@ class ShmAllToAll:
         self.timeout_s, self.spin_s = timeout_s, spin_s
         self.seq = 0
         self.closed = False
-        raw = torch.frombuffer(seg.mm, dtype=torch.uint8)[HEADER_SIZE:]
-        self._bytes = raw
-        self._ctrl = np.frombuffer(seg.mm, dtype=np.uint64, count=size * CTRL // 8,
-                                   offset=HEADER_SIZE).reshape(size, CTRL // 8)
         self._hdr = _round64(8 * size)
         self._box = self._hdr + cap_bytes
-        #: [phase][rank]: u64 bytes-to-each-rank header of that box
-        self._hdrs = [[np.frombuffer(seg.mm, dtype=np.uint64, count=size,
-                                     offset=HEADER_SIZE + self._box_at(p, r))
-                       for r in range(size)] for p in (0, 1)]
+        #: the payload as bytes (numpy: slice copies are one memcpy) and as u64 words
+        #: (memoryview: one control word or header entry reads in ~50 ns)
+        self._bytes = np.frombuffer(seg.mm, dtype=np.uint8)[HEADER_SIZE:]
+        self._words = memoryview(seg.mm)[HEADER_SIZE:].cast("B").cast("Q") \
+            if (len(seg.mm) - HEADER_SIZE) % 8 == 0 else None
+        if self._words is None:
+            raise ValueError(f"{seg.name}: payload of {len(seg.mm) - HEADER_SIZE} bytes is "
+                             "not a whole number of u64 words")
         self._rounds = 0
         self._round_s = 0.0
         self._sent = 0
         pid, start = self_identity()
-        self._ctrl[rank, _PID] = pid
-        self._ctrl[rank, _START] = start
+        self._set(rank, _PID, pid)
+        self._set(rank, _START, start)
+
+    def _get(self, rank: int, field: int) -> int:
+        return self._words[rank * (CTRL // 8) + field]
+
+    def _set(self, rank: int, field: int, value: int) -> None:
+        self._words[rank * (CTRL // 8) + field] = value
 
     def _box_at(self, phase: int, rank: int) -> int:
         """Payload offset of ``rank``'s box of ``phase``."""
@@ -143,9 +150,10 @@ class ShmAllToAll:
             return
         self.closed = True
         with contextlib.suppress(Exception):
-            self._ctrl[self.rank, _START] = CLOSED
+            self._set(self.rank, _START, CLOSED)
             self._wake_all()
-        self._ctrl = self._bytes = self._hdrs = None     # the mmap closes only unexported
+        self._words.release()
+        self._words = self._bytes = None            # the mmap closes only unexported
         for r, s in enumerate(self.sems):
             if r == self.rank:
                 with contextlib.suppress(posix_ipc.ExistentialError):
@@ -165,10 +173,10 @@ class ShmAllToAll:
         return {"rounds": self._rounds, "round_s": self._round_s, "bytes": self._sent}
 
     def all_to_all(self, inp: torch.Tensor, send: list[int]) -> tuple[torch.Tensor, list[int]]:
-        """Rows ``inp`` [N, ...] (contiguous, sorted by destination: ``send[d]`` rows to rank
-        d, ``sum(send) == N``) -> (rows received [M, ...] ordered by source rank, rows from
-        each rank [D]). Every rank calls it in the same order with the same row shape and
-        dtype; the rows for this rank never touch the segment."""
+        """Rows ``inp`` [N, ...] (sorted by destination: ``send[d]`` rows to rank d,
+        ``sum(send) == N``) -> (rows received [M, ...] ordered by source rank, rows from each
+        rank [D]). Every rank calls it in the same order with the same row shape and dtype;
+        the rows for this rank never touch the segment."""
         if self.closed:
             raise RuntimeError(f"{self.seg.name}: all-to-all is closed")
         D, me = self.size, self.rank
@@ -177,40 +185,49 @@ class ShmAllToAll:
                              f"the {inp.shape[0]} input rows")
         t0 = time.perf_counter()
         row_shape, dtype = tuple(inp.shape[1:]), inp.dtype
-        flat = inp.contiguous().view(-1).view(torch.uint8) if inp.numel() else \
-            torch.empty(0, dtype=torch.uint8)
-        row_b = flat.numel() // max(1, inp.shape[0]) if inp.shape[0] else \
-            inp.element_size() * int(np.prod(row_shape, dtype=np.int64))
+        row_b = inp.element_size() * int(np.prod(row_shape, dtype=np.int64))
+        if row_b == 0:
+            raise ValueError(f"rank {me}: rows of shape {row_shape} hold no bytes (the "
+                             "row counts travel as byte counts)")
+        flat = inp.contiguous().view(torch.uint8).reshape(-1).numpy() if inp.numel() else \
+            np.empty(0, dtype=np.uint8)
         lens = [n * row_b for n in send]
-        lo, hi = sum(lens[:me]), sum(lens[:me + 1])
+        lo = sum(lens[:me])
+        hi = lo + lens[me]
         lens[me] = 0
-        stream = flat if hi == lo else torch.cat([flat[:lo], flat[hi:]])   # others' bytes
-        total = stream.numel()
-        pieces = self._exchange(stream, lens, total)
+        if hi == lo:                                # the others' bytes, in rank order
+            stream = flat
+        elif lo == 0 or hi == flat.size:
+            stream = flat[hi:] if lo == 0 else flat[:lo]
+        else:
+            stream = np.concatenate([flat[:lo], flat[hi:]])
+        pieces = self._exchange(stream, lens)
         pieces[me] = flat[lo:hi]
-        got = [p.numel() // row_b if row_b else 0 for p in pieces]
+        got = [p.size // row_b if row_b else 0 for p in pieces]
         got[me] = send[me]
-        out = torch.cat(pieces) if pieces else flat[:0]
+        out = np.concatenate(pieces) if len(pieces) > 1 else pieces[0].copy()
         self._round_s += time.perf_counter() - t0
-        self._sent += total
-        return out.view(dtype).view(-1, *row_shape) if out.numel() else \
-            inp.new_empty((0, *row_shape)), got
+        self._sent += stream.size
+        if not out.size:                    # torch views no empty array as another dtype
+            return inp.new_empty((0, *row_shape)), got
+        return torch.from_numpy(out).view(dtype).view(-1, *row_shape), got
 
-    def _exchange(self, flat, lens, total) -> list[torch.Tensor]:
-        """Send ``flat`` [total] uint8 (``lens[d]`` bytes to rank d, in rank order; none to
-        this rank) in rounds of ``cap`` bytes -> the bytes from every rank (this rank's entry
+    def _exchange(self, stream: np.ndarray, lens: list[int]) -> list[np.ndarray]:
+        """Send ``stream`` uint8 (``lens[d]`` bytes to rank d, in rank order; none to this
+        rank) in rounds of ``cap`` bytes -> the bytes from every rank (this rank's entry
         empty)."""
-        D, me, cap = self.size, self.rank, self.cap
-        got: list[list[torch.Tensor]] = [[] for _ in range(D)]
+        D, me, cap, words, mem = self.size, self.rank, self.cap, self._words, self._bytes
+        total = stream.size
+        got: list[list[np.ndarray]] = [[] for _ in range(D)]
         j = 0
         while True:
             self.seq += 1
             s, p = self.seq, self.seq % 2
             mine = self._box_at(p, me)
-            self._hdrs[p][me][:] = lens
+            words[mine // 8:mine // 8 + D] = array("Q", lens)
             a, b = min(j * cap, total), min((j + 1) * cap, total)
             if b > a:
-                self._bytes[mine + self._hdr:mine + self._hdr + b - a] = flat[a:b]
+                mem[mine + self._hdr:mine + self._hdr + b - a] = stream[a:b]
             self._publish(s)
             self._wait_all(s)
             more = False
@@ -218,26 +235,26 @@ class ShmAllToAll:
                 if r == me:
                     continue
                 box = self._box_at(p, r)
-                their = self._hdrs[p][r]
-                t_total = int(their.sum())
-                lo = int(their[:me].sum())
-                hi = lo + int(their[me])
+                their = words[box // 8:box // 8 + D].tolist()
+                lo = sum(their[:me])
+                hi = lo + their[me]
                 a, b = max(lo, j * cap), min(hi, (j + 1) * cap)
                 if b > a:
                     start = box + self._hdr + a - j * cap
-                    got[r].append(self._bytes[start:start + b - a].clone())
-                more |= t_total > (j + 1) * cap
+                    got[r].append(mem[start:start + b - a].copy())
+                more |= sum(their) > (j + 1) * cap
             self._rounds += 1
             if not more and total <= (j + 1) * cap:
                 break
             j += 1
-        return [torch.cat(g) if len(g) > 1 else (g[0] if g else flat[:0]) for g in got]
+        empty = stream[:0]
+        return [np.concatenate(g) if len(g) > 1 else (g[0] if g else empty) for g in got]
 
     def _publish(self, s: int) -> None:
         """Round ``s`` is written: say so, wake the ranks that sleep on it."""
-        self._ctrl[self.rank, _ARRIVED] = s
+        self._set(self.rank, _ARRIVED, s)
         for r in range(self.size):
-            if r != self.rank and int(self._ctrl[r, _WAITING]) == s:
+            if r != self.rank and self._get(r, _WAITING) == s:
                 self.sems[r].release()
 
     def _wake_all(self) -> None:
@@ -248,14 +265,14 @@ class ShmAllToAll:
     def _wait_all(self, s: int) -> None:
         """Until every rank arrived at round ``s``: spin, then sleep on the semaphore; a dead
         or closed rank fails at once, a silent one after ``timeout_s``."""
-        ctrl, me = self._ctrl, self.rank
+        me = self.rank
         t0 = time.perf_counter()
         if self._arrived(s):
             return
         while time.perf_counter() - t0 < self.spin_s:
             if self._arrived(s):
                 return
-        ctrl[me, _WAITING] = s
+        self._set(me, _WAITING, s)
         sem = self.sems[me]
         check = t0
         try:
@@ -267,7 +284,7 @@ class ShmAllToAll:
                     check = now
                     self._check_peers(s, now - t0)
         finally:
-            ctrl[me, _WAITING] = 0
+            self._set(me, _WAITING, 0)
             for _ in range(self.size):          # drain extra wake-ups of this round
                 try:
                     sem.acquire(0)
@@ -275,12 +292,13 @@ class ShmAllToAll:
                     break
 
     def _arrived(self, s: int) -> bool:
-        return int(self._ctrl[:, _ARRIVED].min()) >= s
+        w, step = self._words, CTRL // 8
+        return all(w[r * step] >= s for r in range(self.size))
 
     def _check_peers(self, s: int, waited: float) -> None:
-        late = [r for r in range(self.size) if int(self._ctrl[r, _ARRIVED]) < s]
+        late = [r for r in range(self.size) if self._get(r, _ARRIVED) < s]
         for r in late:
-            if peer_gone(int(self._ctrl[r, _PID]), int(self._ctrl[r, _START])):
+            if peer_gone(self._get(r, _PID), self._get(r, _START)):
                 raise PeerDeadError(f"{self.seg.name}: rank {r} exited or closed during "
                                     f"round {s} (rank {self.rank} waited {waited:.3f}s)")
         if waited > self.timeout_s:
