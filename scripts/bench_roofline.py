@@ -33,7 +33,7 @@ before/after comparison shares one run's machine. Checkpoints go to ``.cache/ben
 
     python scripts/bench_roofline.py [--quick] [--json PATH] [--device cpu|cuda]
         [--configs compute hf_compute tiny] [--threads 2] [--batch 32] [--new 32]
-        [--repeat 2] [--before DIR]
+        [--repeat 2] [--before DIR] [--transports dist,shm]
 """
 
 from __future__ import annotations
@@ -257,9 +257,10 @@ def breakdown_delta(before: dict, after: dict) -> dict | None:
 
 
 def run_engine(model_dir: Path, prompts, new: int, ep: int, device: str, log_dir: Path,
-               repeat: int, root: Path = ROOT):
-    """(best seconds, tokens, the best run's breakdown) of the engine of the tree ``root``."""
-    flags = [] if device == "cpu" else [f"--device={device}"]
+               repeat: int, root: Path = ROOT, extra: tuple[str, ...] = ()):
+    """(best seconds, tokens, the best run's breakdown) of the engine of the tree ``root``
+    (``extra``: more serve flags, e.g. ``--ep_transport=dist``)."""
+    flags = ([] if device == "cpu" else [f"--device={device}"]) + list(extra)
     srv = Server.start(model_dir, log_dir, flags, ep=ep, src=root)
     try:
         srv.complete_all(prompts[:4], 2)                                 # warm-up
@@ -313,12 +314,16 @@ def run_config(name: str, args, eps: tuple[int, ...]) -> dict:
     rows["single"] = {"seconds": dt, "tokens_equal": out == ref, "model_phases_s": phases}
     trees = [("before_", args.before)] if args.before else []
     for ep in eps if args.device == "cpu" else (1,):
-        for tag, root in (*trees, ("", ROOT)):       # before and after, back to back
-            row = f"{tag}engine_ep{ep}"
+        # --transports: this tree's engine once per --ep_transport (EP1 exchanges nothing)
+        ways = [("", ())] if not args.transports or ep == 1 else \
+            [(f"_{t}", (f"--ep_transport={t}",)) for t in args.transports]
+        runs = [(f"{tag}engine_ep{ep}", root, ()) for tag, root in trees] + \
+            [(f"engine_ep{ep}{suffix}", ROOT, flags) for suffix, flags in ways]
+        for row, root, flags in runs:                # before and after, back to back
             try:
                 dt, out, bd = run_engine(model_dir, prompts, args.new, ep, args.device,
                                          args.cache / "logs" / f"{name}-{row}", args.repeat,
-                                         root)
+                                         root, flags)
                 rows[row] = {"seconds": dt, "tokens_equal": out == ref, "breakdown": bd}
             except Exception as e:  # noqa: BLE001 - e.g. the engine cannot run on this device
                 rows[row] = {"skipped": f"{type(e).__name__}: {str(e)[-600:]}"}
@@ -380,6 +385,9 @@ def main() -> int:
     ap.add_argument("--new", type=int, default=32, help="greedy tokens per prompt")
     ap.add_argument("--repeat", type=int, default=2, help="timed runs per row (best kept; "
                     "the machine may be shared)")
+    ap.add_argument("--transports", type=lambda v: v.split(","), default=None,
+                    help="comma-separated --ep_transport values (dist,shm): each EP>1 engine "
+                    "row once per transport, back to back (rows engine_epN_<transport>)")
     ap.add_argument("--before", type=Path, help="another checkout of this project (e.g. "
                     "`git worktree add /tmp/before <commit>`): its engine runs beside this one's, "
                     "each EP size back to back (rows before_engine_epN)")
