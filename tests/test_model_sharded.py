@@ -81,19 +81,20 @@ def test_sharded_equals_reference_all_modes_counters_masks():
                   model=ModelConfig(num_layers=3, first_k_dense_replace=1, num_experts=E,
                                     num_experts_per_tok=3, hidden_size=32,
                                     moe_intermediate_size=16, intermediate_size=48,
-                                    dtype="float64"))
+                                    dtype="float64"),
+                  runtime=RuntimeConfig(ep_transport="dist"))
+    rt = base.runtime
     variants = {
         "plain": base,
         "fused": replace(base, eplb=replace(base.eplb, enable_fused_mc2=1)),
         "decode_fused+decode_only": replace(base, eplb=replace(
             base.eplb, enable_fused_mc2=2, eplb_use_decode_only_load=True)),
-        "graph": replace(base, runtime=RuntimeConfig(enable_graph=True, max_batch_size=4)),
+        "graph": replace(base, runtime=replace(rt, enable_graph=True, max_batch_size=4)),
         # --ep_transport=shm (issue #39): the same rows through the run's shared memory
-        "shm_plain": replace(base, runtime=RuntimeConfig(ep_transport="shm")),
+        "shm_plain": replace(base, runtime=replace(rt, ep_transport="shm")),
         "shm_fused+graph": replace(base, eplb=replace(base.eplb, enable_fused_mc2=1),
-                                   runtime=RuntimeConfig(ep_transport="shm", enable_graph=True,
-                                                         max_batch_size=4,
-                                                         ep_shm_buffer_bytes=4096)),
+                                   runtime=replace(rt, ep_transport="shm", enable_graph=True,
+                                                   max_batch_size=4, ep_shm_buffer_bytes=4096)),
     }
     steps = make_steps(base)
     p_init = np.tile(initial_phy2log(E, D, R), (base.num_moe_layers, 1))
@@ -169,11 +170,13 @@ def test_two_ranks_trace_routing_float32_bf16(tmp_path):
     m = ModelConfig(num_layers=3, num_experts=8, num_experts_per_tok=2, hidden_size=32,
                     moe_intermediate_size=16, intermediate_size=48, n_shared_experts=0,
                     routing_mode="trace", routing_trace=str(trace), model_arch="qwen3_moe")
-    base = Config(eplb=EplbConfig(ep_size=2, redundant_experts_num=1), model=m)
+    base = Config(eplb=EplbConfig(ep_size=2, redundant_experts_num=1), model=m,
+                  runtime=RuntimeConfig(ep_transport="dist"))
     fused = replace(base, eplb=replace(base.eplb, enable_fused_mc2=1))
     bf16 = replace(base, model=replace(m, dtype="bfloat16", routing_mode="model"))
     shm = replace(base, runtime=RuntimeConfig(ep_transport="shm"))
     shm_bf16 = replace(bf16, runtime=RuntimeConfig(ep_transport="shm"))
+    # the shm rows: the same logits and tokens as the dist rows (and the reference) below
     rng = np.random.default_rng(0)
     s0 = [RankBatch([SeqRow(0, rng.integers(0, 256, 6).tolist(), 0, True)]), RankBatch([])]
     s1 = [RankBatch([SeqRow(0, [5], 6, False)]),

@@ -35,6 +35,7 @@ Public API::
 
     a2a = ShmAllToAll.open(run_id, generation, rank, size, cap_bytes, timeout_s)
     out, got = a2a.all_to_all(inp [N, ...], send [D])   # rows to each rank -> rows, rows from
+    pend = a2a.start(inp, send); ...compute...; out, got = a2a.finish(pend)   # the same, split
     a2a.stats()  -> {"rounds": n, "round_s": seconds in rounds, "bytes": sent}
     a2a.close()                                         # idempotent; the last rank unlinks
 """
@@ -45,6 +46,7 @@ import contextlib
 import platform
 import time
 from array import array
+from dataclasses import dataclass
 
 import numpy as np
 import posix_ipc
@@ -59,6 +61,24 @@ SPIN_S = 50e-6             # default busy-wait before sleeping
 SLEEP_SLICE_S = 0.002      # one semaphore sleep (bounds a lost wake-up)
 LIVENESS_S = 0.05          # how often a waiter checks the ranks it waits for
 _ARRIVED, _WAITING, _PID, _START = 0, 1, 2, 3      # u64 index inside a rank's control line
+#: how a survivor's failed round reads when a peer is gone (the launcher's blame skips it)
+PEER_GONE_TEXT = "shm all-to-all peer gone"
+
+
+@dataclass
+class _Pending:
+    """One message between :meth:`ShmAllToAll.start` and :meth:`ShmAllToAll.finish`."""
+
+    inp: torch.Tensor              # kept alive: ``flat`` views its bytes
+    send: list[int]                # rows to each rank
+    flat: np.ndarray               # uint8 [N * row_b]
+    stream: np.ndarray             # uint8: the bytes for the other ranks, in rank order
+    lens: list[int]                # bytes to each rank (0 for this one)
+    lo: int                        # this rank's own rows: flat[lo:hi]
+    hi: int
+    row_b: int                     # bytes per row
+    got: list                      # per source rank: the byte pieces read so far
+    j: int = 0                     # the round of this message in flight
 
 
 def supported() -> bool:
@@ -104,6 +124,7 @@ class ShmAllToAll:
         if self._words is None:
             raise ValueError(f"{seg.name}: payload of {len(seg.mm) - HEADER_SIZE} bytes is "
                              "not a whole number of u64 words")
+        self._pending = False
         self._rounds = 0
         self._round_s = 0.0
         self._sent = 0
@@ -177,14 +198,22 @@ class ShmAllToAll:
         ``sum(send) == N``) -> (rows received [M, ...] ordered by source rank, rows from each
         rank [D]). Every rank calls it in the same order with the same row shape and dtype;
         the rows for this rank never touch the segment."""
+        return self.finish(self.start(inp, send))
+
+    def start(self, inp: torch.Tensor, send: list[int]) -> "_Pending":
+        """The first half of :meth:`all_to_all`: write and publish this rank's rows (the
+        first ``cap`` bytes of them); the caller may compute, then calls :meth:`finish`
+        before any other round. ``inp`` must not change until then."""
         if self.closed:
             raise RuntimeError(f"{self.seg.name}: all-to-all is closed")
+        if self._pending:
+            raise RuntimeError(f"{self.seg.name}: a round is already in flight")
         D, me = self.size, self.rank
         if len(send) != D or sum(send) != inp.shape[0]:
             raise ValueError(f"rank {me}: send={list(send)} must have {D} entries summing to "
                              f"the {inp.shape[0]} input rows")
         t0 = time.perf_counter()
-        row_shape, dtype = tuple(inp.shape[1:]), inp.dtype
+        row_shape = tuple(inp.shape[1:])
         row_b = inp.element_size() * int(np.prod(row_shape, dtype=np.int64))
         if row_b == 0:
             raise ValueError(f"rank {me}: rows of shape {row_shape} hold no bytes (the "
@@ -201,54 +230,70 @@ class ShmAllToAll:
             stream = flat[hi:] if lo == 0 else flat[:lo]
         else:
             stream = np.concatenate([flat[:lo], flat[hi:]])
-        pieces = self._exchange(stream, lens)
-        pieces[me] = flat[lo:hi]
-        got = [p.size // row_b if row_b else 0 for p in pieces]
-        got[me] = send[me]
+        pend = _Pending(inp, list(send), flat, stream, lens, lo, hi, row_b,
+                        [[] for _ in range(D)])
+        self._post(pend)
+        self._pending = True
+        self._round_s += time.perf_counter() - t0
+        return pend
+
+    def finish(self, pend: "_Pending") -> tuple[torch.Tensor, list[int]]:
+        """The second half of :meth:`all_to_all`: wait for every rank, read (and run the
+        further rounds of a message over ``cap``) -> (rows, rows from each rank)."""
+        t0 = time.perf_counter()
+        try:
+            while not self._collect(pend):
+                pend.j += 1
+                self._post(pend)
+        finally:
+            self._pending = False
+        me, inp, row_b = self.rank, pend.inp, pend.row_b
+        empty = pend.stream[:0]
+        pieces = [np.concatenate(g) if len(g) > 1 else (g[0] if g else empty)
+                  for g in pend.got]
+        pieces[me] = pend.flat[pend.lo:pend.hi]
+        got = [p.size // row_b for p in pieces]
         out = np.concatenate(pieces) if len(pieces) > 1 else pieces[0].copy()
         self._round_s += time.perf_counter() - t0
-        self._sent += stream.size
+        self._sent += pend.stream.size
+        row_shape = tuple(inp.shape[1:])
         if not out.size:                    # torch views no empty array as another dtype
             return inp.new_empty((0, *row_shape)), got
-        return torch.from_numpy(out).view(dtype).view(-1, *row_shape), got
+        return torch.from_numpy(out).view(inp.dtype).view(-1, *row_shape), got
 
-    def _exchange(self, stream: np.ndarray, lens: list[int]) -> list[np.ndarray]:
-        """Send ``stream`` uint8 (``lens[d]`` bytes to rank d, in rank order; none to this
-        rank) in rounds of ``cap`` bytes -> the bytes from every rank (this rank's entry
-        empty)."""
-        D, me, cap, words, mem = self.size, self.rank, self.cap, self._words, self._bytes
-        total = stream.size
-        got: list[list[np.ndarray]] = [[] for _ in range(D)]
-        j = 0
-        while True:
-            self.seq += 1
-            s, p = self.seq, self.seq % 2
-            mine = self._box_at(p, me)
-            words[mine // 8:mine // 8 + D] = array("Q", lens)
-            a, b = min(j * cap, total), min((j + 1) * cap, total)
+    def _post(self, pend: "_Pending") -> None:
+        """Round ``pend.j`` of the message: header, bytes ``[j*cap, (j+1)*cap)``, publish."""
+        D, me, cap, j = self.size, self.rank, self.cap, pend.j
+        self.seq += 1
+        mine = self._box_at(self.seq % 2, me)
+        self._words[mine // 8:mine // 8 + D] = array("Q", pend.lens)
+        total = pend.stream.size
+        a, b = min(j * cap, total), min((j + 1) * cap, total)
+        if b > a:
+            self._bytes[mine + self._hdr:mine + self._hdr + b - a] = pend.stream[a:b]
+        self._publish(self.seq)
+
+    def _collect(self, pend: "_Pending") -> bool:
+        """Wait for round ``pend.j``, copy this rank's bytes out of every other box; True
+        when no rank has more to send."""
+        D, me, cap, j, s = self.size, self.rank, self.cap, pend.j, self.seq
+        self._wait_all(s)
+        words, mem = self._words, self._bytes
+        more = pend.stream.size > (j + 1) * cap
+        for r in range(D):
+            if r == me:
+                continue
+            box = self._box_at(s % 2, r)
+            their = words[box // 8:box // 8 + D].tolist()
+            lo = sum(their[:me])
+            hi = lo + their[me]
+            a, b = max(lo, j * cap), min(hi, (j + 1) * cap)
             if b > a:
-                mem[mine + self._hdr:mine + self._hdr + b - a] = stream[a:b]
-            self._publish(s)
-            self._wait_all(s)
-            more = False
-            for r in range(D):
-                if r == me:
-                    continue
-                box = self._box_at(p, r)
-                their = words[box // 8:box // 8 + D].tolist()
-                lo = sum(their[:me])
-                hi = lo + their[me]
-                a, b = max(lo, j * cap), min(hi, (j + 1) * cap)
-                if b > a:
-                    start = box + self._hdr + a - j * cap
-                    got[r].append(mem[start:start + b - a].copy())
-                more |= sum(their) > (j + 1) * cap
-            self._rounds += 1
-            if not more and total <= (j + 1) * cap:
-                break
-            j += 1
-        empty = stream[:0]
-        return [np.concatenate(g) if len(g) > 1 else (g[0] if g else empty) for g in got]
+                start = box + self._hdr + a - j * cap
+                pend.got[r].append(mem[start:start + b - a].copy())
+            more |= sum(their) > (j + 1) * cap
+        self._rounds += 1
+        return not more
 
     def _publish(self, s: int) -> None:
         """Round ``s`` is written: say so, wake the ranks that sleep on it."""
@@ -299,8 +344,9 @@ class ShmAllToAll:
         late = [r for r in range(self.size) if self._get(r, _ARRIVED) < s]
         for r in late:
             if peer_gone(self._get(r, _PID), self._get(r, _START)):
-                raise PeerDeadError(f"{self.seg.name}: rank {r} exited or closed during "
-                                    f"round {s} (rank {self.rank} waited {waited:.3f}s)")
+                raise PeerDeadError(f"{self.seg.name}: {PEER_GONE_TEXT}: rank {r} exited or "
+                                    f"closed during round {s} (rank {self.rank} waited "
+                                    f"{waited:.3f}s)")
         if waited > self.timeout_s:
             raise RingTimeoutError(f"{self.seg.name}: ranks {late} silent for "
                                    f"{waited:.1f}s > {self.timeout_s}s in round {s}")

@@ -25,7 +25,9 @@ Shared-memory transport (``--ep_transport=shm``, issue #39): when the worker han
 ``all_to_all(rows, send) -> (rows, got)``), both modes take :func:`_via_shm`: rows and their
 metadata travel as one byte record per row (any dtype, one round), the split sizes travel with
 them (no split-size round, no padding), the rank's own rows never leave it; a layer costs one
-dispatch round and one combine round. The shared expert (``overlap``) runs after the combine.
+dispatch round and one combine round. ``fused``: the local experts and the shared expert
+(``overlap``) run between posting the rows and reading the others'; ``plain``: all rows are
+computed at once after the dispatch round, the shared expert after the combine.
 
 Counters are receiver-observed in both paths: every dispatched row carries its local slot and a
 ``counted`` flag (0 for padding, fillers and masked prefill rows), and the slot's owner counts.
@@ -240,19 +242,38 @@ def _unrecord(rec: torch.Tensor, dtype: torch.dtype, H: int):
     return rec[:, :nb].contiguous().view(dtype), rec[:, nb:].contiguous().view(torch.int64)
 
 
-def _via_shm(moe, xs, meta, send: list[int], a2a, stats: CommStats, overlap):
+def _via_shm(moe, xs, meta, send: list[int], a2a, stats: CommStats, overlap, fused: bool):
     """Dispatch and combine through the shared-memory all-to-all: one round each way.
     ``xs`` [n, H] sorted by destination (``send[d]`` rows to rank d), ``meta`` [n, 2].
+    ``fused``: this rank's own rows and the ``overlap`` work run between posting the remote
+    rows and reading the others' (``a2a.start`` / ``a2a.finish``); else every row is read
+    first and computed in one call, ``overlap`` after the combine.
     -> (expert outputs in send order [n, H], slot loads [S], overlap() result)."""
-    H, dtype = xs.shape[1], xs.dtype
-    rec, got = _timed(stats, lambda: a2a.all_to_all(_records(xs, meta), send))
-    xr, mr = _unrecord(rec, dtype, H)
-    yr = moe.compute(xr, mr[:, 0])
-    counts = _count(moe, stats, mr)
-    ys, _ = _timed(stats, lambda: a2a.all_to_all(yr, got))
-    _add(stats, "a2a_rounds", 2)
+    H, dtype, me = xs.shape[1], xs.dtype, moe.ep_rank
+    if not fused:
+        rec, got = _timed(stats, lambda: a2a.all_to_all(_records(xs, meta), send))
+        xr, mr = _unrecord(rec, dtype, H)
+        yr = moe.compute(xr, mr[:, 0])
+        counts = _count(moe, stats, mr)
+        ys, _ = _timed(stats, lambda: a2a.all_to_all(yr, got))
+        _add(stats, "a2a_rounds", 2)
+        return ys, counts, overlap() if overlap is not None else None
+    lo, n_loc = sum(send[:me]), send[me]
+    rec = _records(torch.cat([xs[:lo], xs[lo + n_loc:]]), torch.cat([meta[:lo],
+                                                                    meta[lo + n_loc:]]))
+    s_r = list(send)
+    s_r[me] = 0
+    pend = _timed(stats, lambda: a2a.start(rec, s_r))
+    m_loc = meta[lo:lo + n_loc]
+    y_loc = moe.compute(xs[lo:lo + n_loc], m_loc[:, 0])      # while the others' rows come
     extra = overlap() if overlap is not None else None
-    return ys, counts, extra
+    rr, got = _timed(stats, lambda: a2a.finish(pend))
+    xr, mr = _unrecord(rr, dtype, H)
+    yr = moe.compute(xr, mr[:, 0])
+    counts = _count(moe, stats, m_loc, mr)
+    back, _ = _timed(stats, lambda: a2a.all_to_all(yr, got))
+    _add(stats, "a2a_rounds", 2)
+    return torch.cat([back[:lo], y_loc, back[lo:]]), counts, extra
 
 
 def moe_dispatch(moe: FusedMoE, x: torch.Tensor, phys: torch.Tensor, counted: torch.Tensor,
@@ -295,7 +316,8 @@ def moe_dispatch(moe: FusedMoE, x: torch.Tensor, phys: torch.Tensor, counted: to
                            f"from the exchanged split sizes {list(splits[0])}")
     recv = torch.empty_like(send) if splits is None else list(splits[1])   # known: a list
     if a2a is not None:
-        ys, counts, extra = _via_shm(moe, xs, meta, send.tolist(), a2a, stats, overlap)
+        ys, counts, extra = _via_shm(moe, xs, meta, send.tolist(), a2a, stats, overlap,
+                                     mode == FUSED)
     elif mode == FUSED:
         ys, extra, counts = _fused(moe, xs, meta, send, recv, group, stats, overlap,
                                    known=splits is not None, pad=pad)
