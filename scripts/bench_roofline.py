@@ -19,7 +19,9 @@ In one run, per config (a generated checkpoint and a batch of ``--batch`` prompt
 Printed per row: wall seconds, mean step time (wall / new tokens), tokens/s, the fraction of the
 roofline, x transformers, whether its tokens equal transformers', and for the engine its
 step-time breakdown (``/eplb/status`` ``step_breakdown``, this run's delta: model phases of the
-slowest rank, ring, EPLB hooks, sampling, scheduling / HTTP, idle).
+slowest rank, ring, EPLB hooks, sampling, scheduling / HTTP, idle) and, per rank, the EP
+all-to-all rounds per step, the mean round (seconds blocked on communication / rounds) and the
+worker's wait for its input.
 
 Configs: ``compute`` (qwen3_moe, hidden 768, 4 MoE layers, 32 experts top-4, width 384, vocab
 4096, fp32: issue 32's), ``hf_compute`` (``scripts/bench_hf.py``'s ``compute``, deepseek_v3) and
@@ -251,9 +253,16 @@ def breakdown_delta(before: dict, after: dict) -> dict | None:
     old = b.get("per_rank") or [{} for _ in a["per_rank"]]
     ranks = [{p: s - o.get(p, 0.0) for p, s in r.items()}
              for r, o in zip(a["per_rank"], old, strict=False)]
-    return {"wall_s": wall, "steps": a["steps"] - b.get("steps", 0), "seconds": sec,
+    steps = a["steps"] - b.get("steps", 0)
+    a2a = []                                     # issue 39: rounds and the mean round per rank
+    olda = b.get("all_to_all") or [{} for _ in a.get("all_to_all", [])]
+    for r, o in zip(a.get("all_to_all", []), olda, strict=False):
+        n, c = r["rounds"] - o.get("rounds", 0), r["comm_s"] - o.get("comm_s", 0.0)
+        a2a.append({"rounds_per_step": n / steps if steps else 0.0,
+                    "round_us": 1e6 * c / n if n else 0.0})
+    return {"wall_s": wall, "steps": steps, "seconds": sec,
             "fraction": {p: s / wall for p, s in sec.items()} if wall > 0 else {},
-            "per_rank": ranks}
+            "per_rank": ranks, "all_to_all": a2a}
 
 
 def run_engine(model_dir: Path, prompts, new: int, ep: int, device: str, log_dir: Path,
@@ -362,6 +371,12 @@ def report(r: dict) -> None:
             top = sorted(bd["fraction"].items(), key=lambda kv: -kv[1])
             print(f"{'':<21}breakdown ({bd['steps']} steps): "
                   + ", ".join(f"{p} {f:.0%}" for p, f in top if f >= 0.005))
+            if bd.get("all_to_all") and bd["steps"]:
+                n = bd["steps"]
+                print(f"{'':<21}all-to-all per rank: " + ", ".join(
+                    f"{a['rounds_per_step']:.0f} rounds/step x {a['round_us']:.0f} us"
+                    for a in bd["all_to_all"]) + "; worker wait for its input ms/step: "
+                    + ", ".join(f"{r.get('wait', 0.0) * 1e3 / n:.2f}" for r in bd["per_rank"]))
         elif "engine" in name:
             print(f"{'':<21}breakdown: not reported by this build (/eplb/status step_breakdown)")
         if v.get("model_phases_s"):

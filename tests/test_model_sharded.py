@@ -139,10 +139,14 @@ def test_sharded_equals_reference_all_modes_counters_masks():
                 "shm_plain": ["plain"] * 4, "shm_fused+graph": ["fused"] * 4}[name]
         assert modes == want, (name, modes)
         # the shm variants' rows went through the segment: one dispatch + one combine round
-        # per MoE layer and step; the torch.distributed variants none
+        # per MoE layer and step; the torch.distributed variants 2 (padded) or 3 collectives
         rounds = {per_rank[r]["results"][t].timings["a2a_rounds"]
                   for r in range(D) for t in range(len(steps))}
-        assert rounds == ({2 * cfg.num_moe_layers} if name.startswith("shm") else {0}), name
+        L = cfg.num_moe_layers
+        if name.startswith("shm"):
+            assert rounds == {2 * L}, (name, rounds)
+        else:
+            assert rounds <= {2 * L, 3 * L} and rounds, (name, rounds)
         for r in range(D):
             assert per_rank[r]["bad_tags"] == [[] for _ in range(cfg.num_moe_layers)]
     # reference counters (logical) agree with the plain path mapped back to logical ids

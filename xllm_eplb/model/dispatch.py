@@ -315,6 +315,9 @@ def moe_dispatch(moe: FusedMoE, x: torch.Tensor, phys: torch.Tensor, counted: to
         raise RuntimeError(f"rank {moe.ep_rank}: routed rows per rank {send.tolist()} differ "
                            f"from the exchanged split sizes {list(splits[0])}")
     recv = torch.empty_like(send) if splits is None else list(splits[1])   # known: a list
+    if a2a is None:       # collectives of this layer on the EP group (split sizes, rows, back)
+        _add(stats, "a2a_rounds", (0 if splits is not None or pad is not None else 1)
+             + (1 if pad is not None or x.dtype in PACKABLE else 2) + 1)
     if a2a is not None:
         ys, counts, extra = _via_shm(moe, xs, meta, send.tolist(), a2a, stats, overlap,
                                      mode == FUSED)

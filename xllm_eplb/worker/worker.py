@@ -101,7 +101,8 @@ def step_timings(model_timings: dict, *, step_s: float, cpu_s: float,
                        moe_s=float(t.get("moe_s", 0.0)), comm_s=float(t.get("comm_wait_s", 0.0)),
                        route_s=float(t.get("route_solve_s", 0.0)),
                        moe_cpu_s=float(t.get("moe_cpu_s", 0.0)),
-                       dropped=int(t.get("dropped", 0)), rerouted=int(t.get("rerouted", 0)))
+                       dropped=int(t.get("dropped", 0)), rerouted=int(t.get("rerouted", 0)),
+                       a2a_rounds=int(t.get("a2a_rounds", 0)))
 
 
 class Worker:
