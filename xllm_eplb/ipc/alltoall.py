@@ -9,7 +9,8 @@ Payload layout (``D`` ranks, ``cap`` bytes of data per rank and phase, little en
 
     control  D x 64 bytes: rank r's arrived round (u64), waiting-for round (u64),
              pid (u64), process start time (u64; ipc/liveness.CLOSED once it closed)
-    boxes    2 phases x D ranks x [D u64 bytes-to-each-rank, padded to 64][cap data bytes]
+    boxes    2 phases x D ranks x [D u64 bytes-to-each-rank, padded to 64][cap data bytes,
+             padded to 64]
 
 Round ``s`` (1, 2, ...; every rank runs the same sequence) uses phase ``s % 2``. Rank r writes
 its rows for every other rank into its own box (destination order), then publishes
@@ -102,8 +103,9 @@ def _round64(n: int) -> int:
 
 
 def payload_bytes(size: int, cap_bytes: int) -> int:
-    """Bytes of the segment's payload for ``size`` ranks and ``cap_bytes`` per box."""
-    return size * CTRL + 2 * size * (_round64(8 * size) + cap_bytes)
+    """Bytes of the segment's payload for ``size`` ranks and ``cap_bytes`` per box (each box
+    rounded up to 64 bytes, so every box and its u64 header stay aligned)."""
+    return size * CTRL + 2 * size * (_round64(8 * size) + _round64(cap_bytes))
 
 
 class ShmAllToAll:
@@ -119,15 +121,11 @@ class ShmAllToAll:
         self.seq = 0
         self.closed = False
         self._hdr = _round64(8 * size)
-        self._box = self._hdr + cap_bytes
+        self._box = self._hdr + _round64(cap_bytes)      # aligned, as payload_bytes
         #: the payload as bytes (numpy: slice copies are one memcpy) and as u64 words
         #: (memoryview: one control word or header entry reads in ~50 ns)
         self._bytes = np.frombuffer(seg.mm, dtype=np.uint8)[HEADER_SIZE:]
-        self._words = memoryview(seg.mm)[HEADER_SIZE:].cast("B").cast("Q") \
-            if (len(seg.mm) - HEADER_SIZE) % 8 == 0 else None
-        if self._words is None:
-            raise ValueError(f"{seg.name}: payload of {len(seg.mm) - HEADER_SIZE} bytes is "
-                             "not a whole number of u64 words")
+        self._words = memoryview(seg.mm)[HEADER_SIZE:].cast("B").cast("Q")   # 64-aligned
         self._pending = False
         self._rounds = 0
         self._round_s = 0.0
