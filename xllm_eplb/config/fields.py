@@ -177,8 +177,9 @@ class RuntimeConfig:
         "(default: torch.distributed's all_to_all, gloo/nccl/hccl) or shm (one node, "
         "device=cpu, x86-64: through buffers in the run's shared memory, one round per "
         "dispatch and one per combine, no collective on the hot path; elsewhere the worker "
-        "logs why and uses dist; docs/benchmarks.md: faster at EP4 and unpinned, slower than "
-        "dist at EP2 with pinned workers on 2 cores)", choices=("dist", "shm"))
+        "logs why and uses dist; measured faster with --worker_cpu_affinity=none and at "
+        "EP4, slower than dist with pinned workers: docs/benchmarks.md)",
+        choices=("dist", "shm"))
     ep_shm_buffer_bytes: int = opt(
         1 * MiB, "with --ep_transport=shm: data bytes of one rank's send buffer (the segment "
         "holds two per rank, about 2 x ep_size x this); a larger message takes several "

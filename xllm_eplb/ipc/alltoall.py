@@ -61,7 +61,9 @@ from xllm_eplb.ipc.shm import HEADER_SIZE, Segment, object_name
 
 CTRL = 64                  # bytes of control per rank (one cache line)
 SPIN_S = 50e-6             # default busy-wait before yielding
-YIELD_S = 1e-3             # default wait that yields the core between checks, before sleeping
+#: default wait that yields the core between checks, before sleeping: none (docs/benchmarks.md:
+#: serve at EP2 ran faster sleeping at once, e.g. compute pinned 283 against 149 tok/s)
+YIELD_S = 0.0
 SLEEP_SLICE_S = 0.002      # one semaphore sleep (bounds a lost wake-up)
 LIVENESS_S = 0.05          # how often a waiter checks the ranks it waits for
 _ARRIVED, _WAITING, _PID, _START = 0, 1, 2, 3      # u64 index inside a rank's control line
@@ -323,8 +325,9 @@ class ShmAllToAll:
             if self._arrived(s):
                 return
         # NOTE: more ranks than cores (4 ranks on 2): the rank we wait for may be runnable on
-        # this very core; yielding lets it run (measured EP4 on 2 cores: p50 85 us a round
-        # with a 1 ms yielding wait, 510 us going to sleep after 50 us of spinning)
+        # this very core; yielding lets it run (bench_a2a-style probe, EP4 on 2 cores: p50
+        # 85 us a round with a 1 ms yielding wait, 510 us sleeping after 50 us), but in serve
+        # the spinning rank lost its core to the engine when it finally slept: off by default
         while time.perf_counter() - t0 < self.yield_s:
             os.sched_yield()
             if self._arrived(s):
