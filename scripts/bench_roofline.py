@@ -19,7 +19,9 @@ In one run, per config (a generated checkpoint and a batch of ``--batch`` prompt
 Printed per row: wall seconds, mean step time (wall / new tokens), tokens/s, the fraction of the
 roofline, x transformers, whether its tokens equal transformers', and for the engine its
 step-time breakdown (``/eplb/status`` ``step_breakdown``, this run's delta: model phases of the
-slowest rank, ring, EPLB hooks, sampling, scheduling / HTTP, idle).
+slowest rank, ring, EPLB hooks, sampling, scheduling / HTTP, idle) and, per rank, the EP
+all-to-all rounds per step, the mean round (seconds blocked on communication / rounds) and the
+worker's wait for its input.
 
 Configs: ``compute`` (qwen3_moe, hidden 768, 4 MoE layers, 32 experts top-4, width 384, vocab
 4096, fp32: issue 32's), ``hf_compute`` (``scripts/bench_hf.py``'s ``compute``, deepseek_v3),
@@ -35,7 +37,7 @@ before/after comparison shares one run's machine. Checkpoints go to ``.cache/ben
 
     python scripts/bench_roofline.py [--quick] [--json PATH] [--device cpu|cuda]
         [--configs compute hf_compute tiny] [--threads 2] [--batch 32] [--new 32]
-        [--repeat 2] [--before DIR]
+        [--repeat 2] [--before DIR] [--transports dist,shm]
 """
 
 from __future__ import annotations
@@ -262,15 +264,23 @@ def breakdown_delta(before: dict, after: dict) -> dict | None:
     old = b.get("per_rank") or [{} for _ in a["per_rank"]]
     ranks = [{p: s - o.get(p, 0.0) for p, s in r.items()}
              for r, o in zip(a["per_rank"], old, strict=False)]
-    return {"wall_s": wall, "steps": a["steps"] - b.get("steps", 0), "seconds": sec,
+    steps = a["steps"] - b.get("steps", 0)
+    a2a = []                                     # issue 39: rounds and the mean round per rank
+    olda = b.get("all_to_all") or [{} for _ in a.get("all_to_all", [])]
+    for r, o in zip(a.get("all_to_all", []), olda, strict=False):
+        n, c = r["rounds"] - o.get("rounds", 0), r["comm_s"] - o.get("comm_s", 0.0)
+        a2a.append({"rounds_per_step": n / steps if steps else 0.0,
+                    "round_us": 1e6 * c / n if n else 0.0})
+    return {"wall_s": wall, "steps": steps, "seconds": sec,
             "fraction": {p: s / wall for p, s in sec.items()} if wall > 0 else {},
-            "per_rank": ranks}
+            "per_rank": ranks, "all_to_all": a2a}
 
 
 def run_engine(model_dir: Path, prompts, new: int, ep: int, device: str, log_dir: Path,
-               repeat: int, root: Path = ROOT):
-    """(best seconds, tokens, the best run's breakdown) of the engine of the tree ``root``."""
-    flags = [] if device == "cpu" else [f"--device={device}"]
+               repeat: int, root: Path = ROOT, extra: tuple[str, ...] = ()):
+    """(best seconds, tokens, the best run's breakdown) of the engine of the tree ``root``
+    (``extra``: more serve flags, e.g. ``--ep_transport=dist``)."""
+    flags = ([] if device == "cpu" else [f"--device={device}"]) + list(extra)
     srv = Server.start(model_dir, log_dir, flags, ep=ep, src=root)
     try:
         srv.complete_all(prompts[:4], 2)                                 # warm-up
@@ -324,12 +334,16 @@ def run_config(name: str, args, eps: tuple[int, ...]) -> dict:
     rows["single"] = {"seconds": dt, "tokens_equal": out == ref, "model_phases_s": phases}
     trees = [("before_", args.before)] if args.before else []
     for ep in eps if args.device == "cpu" else (1,):
-        for tag, root in (*trees, ("", ROOT)):       # before and after, back to back
-            row = f"{tag}engine_ep{ep}"
+        # --transports: this tree's engine once per --ep_transport (EP1 exchanges nothing)
+        ways = [("", ())] if not args.transports or ep == 1 else \
+            [(f"_{t}", (f"--ep_transport={t}",)) for t in args.transports]
+        runs = [(f"{tag}engine_ep{ep}", root, ()) for tag, root in trees] + \
+            [(f"engine_ep{ep}{suffix}", ROOT, flags) for suffix, flags in ways]
+        for row, root, flags in runs:                # before and after, back to back
             try:
                 dt, out, bd = run_engine(model_dir, prompts, args.new, ep, args.device,
                                          args.cache / "logs" / f"{name}-{row}", args.repeat,
-                                         root)
+                                         root, flags)
                 rows[row] = {"seconds": dt, "tokens_equal": out == ref, "breakdown": bd}
             except Exception as e:  # noqa: BLE001 - e.g. the engine cannot run on this device
                 rows[row] = {"skipped": f"{type(e).__name__}: {str(e)[-600:]}"}
@@ -368,6 +382,12 @@ def report(r: dict) -> None:
             top = sorted(bd["fraction"].items(), key=lambda kv: -kv[1])
             print(f"{'':<21}breakdown ({bd['steps']} steps): "
                   + ", ".join(f"{p} {f:.0%}" for p, f in top if f >= 0.005))
+            if bd.get("all_to_all") and bd["steps"]:
+                n = bd["steps"]
+                print(f"{'':<21}all-to-all per rank: " + ", ".join(
+                    f"{a['rounds_per_step']:.0f} rounds/step x {a['round_us']:.0f} us"
+                    for a in bd["all_to_all"]) + "; worker wait for its input ms/step: "
+                    + ", ".join(f"{r.get('wait', 0.0) * 1e3 / n:.2f}" for r in bd["per_rank"]))
         elif "engine" in name:
             print(f"{'':<21}breakdown: not reported by this build (/eplb/status step_breakdown)")
         if v.get("model_phases_s"):
@@ -391,6 +411,9 @@ def main() -> int:
     ap.add_argument("--new", type=int, default=32, help="greedy tokens per prompt")
     ap.add_argument("--repeat", type=int, default=2, help="timed runs per row (best kept; "
                     "the machine may be shared)")
+    ap.add_argument("--transports", type=lambda v: v.split(","), default=None,
+                    help="comma-separated --ep_transport values (dist,shm): each EP>1 engine "
+                    "row once per transport, back to back (rows engine_epN_<transport>)")
     ap.add_argument("--before", type=Path, help="another checkout of this project (e.g. "
                     "`git worktree add /tmp/before <commit>`): its engine runs beside this one's, "
                     "each EP size back to back (rows before_engine_epN)")

@@ -64,3 +64,24 @@ def test_worker_phases_fill_other_and_fall_back_to_the_moe_timings():
                                             "moe_s": 0.5}, 1.0)
     assert ph["experts"] == 0.1 + 0.2 and ph["dispatch"] == 0.05
     assert abs(ph["moe_other"] - 0.15) < 1e-12 and abs(sum(ph.values()) - 1.0) < 1e-12
+
+
+def test_all_to_all_rounds_and_the_mean_round_per_rank():
+    """``all_to_all`` (issue #39): per rank the rounds of the EP all-to-all, per step and the
+    mean round (the rank's seconds blocked on communication over its rounds)."""
+    clk = Clock()
+    b = StepBreakdown(2, clock=clk)
+
+    def out(rank, rounds, comm):
+        return ForwardOutput(1, rank, timings=StepTimings(step_s=0.01, a2a_rounds=rounds,
+                                                          comm_s=comm))
+    for step in range(2):
+        clk.t = 0.1 * (step + 1)
+        b.forward([out(0, 6, 0.003), out(1, 6, 0.0006)])
+    a = b.summary()["all_to_all"]
+    assert a[0] == {"rounds": 12, "comm_s": 0.006, "rounds_per_step": 6.0,
+                    "round_us": 500.0}
+    assert a[1]["rounds"] == 12 and abs(a[1]["round_us"] - 100.0) < 1e-9
+    b.reset()
+    assert b.summary()["all_to_all"] == [{"rounds": 0, "comm_s": 0.0, "rounds_per_step": 0.0,
+                                          "round_us": 0.0}] * 2

@@ -41,13 +41,18 @@ def steps_for(seed: int = 7) -> list[list[RankBatch]]:
 
 def variants(path, trace):
     base = cfg_for(path, ep_size=D, redundant_experts_num=1)
+    base = replace(base, runtime=replace(base.runtime, ep_transport="dist"))
     e = base.eplb
     return {"plain": base, "fused": replace(base, eplb=replace(e, enable_fused_mc2=1)),
             "decode_fused+decode_only": replace(base, eplb=replace(
                 e, enable_fused_mc2=2, eplb_use_decode_only_load=True)),
-            "graph": replace(base, runtime=RuntimeConfig(enable_graph=True, max_batch_size=4)),
+            "graph": replace(base, runtime=replace(base.runtime, enable_graph=True,
+                                                   max_batch_size=4)),
             "trace": replace(base, model=replace(base.model, routing_mode="trace",
-                                                 routing_trace=str(trace)))}
+                                                 routing_trace=str(trace))),
+            # --ep_transport=shm (issue #39): the fused path through the shared memory
+            "shm_fused": replace(base, eplb=replace(e, enable_fused_mc2=1),
+                                 runtime=RuntimeConfig(ep_transport="shm"))}
 
 
 def switch_table(model, seed=3):
@@ -64,14 +69,18 @@ def switch_table(model, seed=3):
 
 
 def _rank(rank, world, paths, trace):
+    import os
+
     from xllm_eplb.worker.comm import groups_from_world
+    from xllm_eplb.worker.transport import close_ep_transport, open_ep_transport
 
     out = {}
-    for fam, path in paths.items():
+    for i, (fam, path) in enumerate(paths.items()):
         out[fam] = {}
-        for name, cfg in variants(path, trace).items():
+        for j, (name, cfg) in enumerate(variants(path, trace).items()):
             groups = groups_from_world(cfg)
             model = Decoder(cfg, rank, groups.ep_group)
+            model.ep_a2a = open_ep_transport(cfg, f"d{os.getppid()}", 100 * i + j + 1, rank, D)
             new = switch_table(model)
             res = []
             for t, batches in enumerate(steps_for()):
@@ -84,6 +93,7 @@ def _rank(rank, world, paths, trace):
                                        return_routing=True)
                 res.append({"logits": r.logits.numpy(), "counters": r.counters, "mode": r.mode,
                             "routed": r.routed, "counted": r.counted})
+            close_ep_transport(model.ep_a2a)
             out[fam][name] = {"res": res, "new": new,
                               "bad": [fm.check_tags() + fm.check_checksums()
                                       for fm in model.moe_layers]}
@@ -116,7 +126,7 @@ def test_every_family_every_mode_on_four_ranks(hf_ckpts, tmp_path):
     out = run_ranks(_rank, D, paths, str(trace), timeout=280)
     steps = steps_for()
     want_modes = {"plain": ["plain"] * 4, "fused": ["fused"] * 4, "graph": ["plain"] * 4,
-                  "trace": ["plain"] * 4,
+                  "trace": ["plain"] * 4, "shm_fused": ["fused"] * 4,
                   "decode_fused+decode_only": ["plain", "fused", "plain", "fused"]}
     for fam, path in paths.items():
         ref = reference(path, steps)

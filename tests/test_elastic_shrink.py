@@ -6,7 +6,9 @@ every request in flight finishes with exactly the tokens of a fault-free run (fl
 and seeded sampling; the survivors' requests keep their KV caches at their new compact ranks,
 only the dead rank's are re-prefilled), and the EPLB manager is rebuilt for the smaller world (3 ranks: a layout
 the flags cannot express, 8 experts on 3 x 4 slots). Twice (4 -> 3 -> 2: 8 experts, 4 slots per rank); a third death breaks
-the rule (1 x 4 < 8) and the run stops cleanly naming it, leaving nothing behind."""
+the rule (1 x 4 < 8) and the run stops cleanly naming it, leaving nothing behind. The ranks
+exchange their rows through the shared memory (``--ep_transport=shm``, issue #39): each
+generation's segment, a round failed by the SIGKILL, nothing of it left either."""
 
 from __future__ import annotations
 
@@ -46,7 +48,7 @@ def test_killed_workers_are_left_out_and_the_survivors_keep_serving(glm8_ckpt, s
                      "--workload=none", "--enable_eplb=true", "--eplb_canary=true",
                      "--elastic_ep=true",
                      "--elastic_restart=false", "--redundant_experts_num=2",
-                     "--elastic_silence_seconds=2", "--max_batch_size=4")
+                     "--elastic_silence_seconds=2", "--max_batch_size=4", "--ep_transport=shm")
     s.wait_ready(240)
     client = openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0, timeout=120)
     assert client.models.list().data[0].model_extra["family"] == "glm4_moe"
@@ -77,6 +79,10 @@ def test_killed_workers_are_left_out_and_the_survivors_keep_serving(glm8_ckpt, s
     engine_log = (s.log_dir / "engine.log").read_text()
     assert len(re.findall(r"EPLB elastic re-plan .*ep_size=(4->3|3->2)", engine_log)) == 2
     assert "canary=ok" in (s.log_dir / "rank3.log").read_text()
+    # every generation's rows went through its own segment (a2a1, then a2a2, a2a3)
+    r3 = (s.log_dir / "rank3.log").read_text()
+    assert all(f"EPLB ep transport used=shm segment=/xllm_eplb_{s.run_id}_a2a{g} " in r3
+               for g in (1, 2, 3)), r3[-3000:]
     print("ELASTIC_SHRINK", json.dumps(results))
     # a third death breaks the rule (1 x 4 slots < 8 experts): a clean stop that names it
     s.note_children()

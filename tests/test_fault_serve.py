@@ -162,7 +162,8 @@ def _freeze_mid_prepare(s, eng: Path, r1: Path) -> tuple[float, float, float]:
 FATAL = {
     "crash_before_activate": (["crash:rank=1,round=1,phase=before_activate"],
                               ["rank 1", "phase=before_activate", "exit code 86"]),
-    "crash_mid_transfer": (["crash:rank=1,round=1,phase=mid_transfer"],
+    # on the shared-memory transport (issue #39): the survivor's failed round is no cause
+    "crash_mid_transfer": (["crash:rank=1,round=1,phase=mid_transfer", "--ep_transport=shm"],
                            ["rank 1", "phase=mid_transfer", "exit code 86"]),
     "crash_after_activate": (["crash:rank=1,round=1,phase=after_activate"],
                              ["rank 1", "phase=after_activate", "exit code 86"]),

@@ -75,24 +75,31 @@ def expected_counters(cfg, table, per_rank_results, t) -> np.ndarray:
     return hist
 
 
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(180)
 def test_sharded_equals_reference_all_modes_counters_masks():
     base = Config(eplb=EplbConfig(ep_size=D, redundant_experts_num=R),
                   model=ModelConfig(num_layers=3, first_k_dense_replace=1, num_experts=E,
                                     num_experts_per_tok=3, hidden_size=32,
                                     moe_intermediate_size=16, intermediate_size=48,
-                                    dtype="float64"))
+                                    dtype="float64"),
+                  runtime=RuntimeConfig(ep_transport="dist"))
+    rt = base.runtime
     variants = {
         "plain": base,
         "fused": replace(base, eplb=replace(base.eplb, enable_fused_mc2=1)),
         "decode_fused+decode_only": replace(base, eplb=replace(
             base.eplb, enable_fused_mc2=2, eplb_use_decode_only_load=True)),
-        "graph": replace(base, runtime=RuntimeConfig(enable_graph=True, max_batch_size=4)),
+        "graph": replace(base, runtime=replace(rt, enable_graph=True, max_batch_size=4)),
+        # --ep_transport=shm (issue #39): the same rows through the run's shared memory
+        "shm_plain": replace(base, runtime=replace(rt, ep_transport="shm")),
+        "shm_fused+graph": replace(base, eplb=replace(base.eplb, enable_fused_mc2=1),
+                                   runtime=replace(rt, ep_transport="shm", enable_graph=True,
+                                                   max_batch_size=4, ep_shm_buffer_bytes=4096)),
     }
     steps = make_steps(base)
     p_init = np.tile(initial_phy2log(E, D, R), (base.num_moe_layers, 1))
     p_new = replica_placement(base)
-    out = run_sharded(list(variants.values()), steps, switch={2: p_new}, timeout=140)
+    out = run_sharded(list(variants.values()), steps, switch={2: p_new}, timeout=170)
     ref = reference_steps(base, steps)
 
     for (name, cfg), per_rank in zip(variants.items(), out, strict=True):
@@ -128,8 +135,18 @@ def test_sharded_equals_reference_all_modes_counters_masks():
         # dispatch modes: decode-only fused uses the fused path exactly on pure-decode steps
         modes = [per_rank[0]["results"][t].mode for t in range(len(steps))]
         want = {"plain": ["plain"] * 4, "fused": ["fused"] * 4, "graph": ["plain"] * 4,
-                "decode_fused+decode_only": ["plain", "fused", "plain", "plain"]}[name]
+                "decode_fused+decode_only": ["plain", "fused", "plain", "plain"],
+                "shm_plain": ["plain"] * 4, "shm_fused+graph": ["fused"] * 4}[name]
         assert modes == want, (name, modes)
+        # the shm variants' rows went through the segment: one dispatch + one combine round
+        # per MoE layer and step; the torch.distributed variants 2 (padded) or 3 collectives
+        rounds = {per_rank[r]["results"][t].timings["a2a_rounds"]
+                  for r in range(D) for t in range(len(steps))}
+        L = cfg.num_moe_layers
+        if name.startswith("shm"):
+            assert rounds == {2 * L}, (name, rounds)
+        else:
+            assert rounds <= {2 * L, 3 * L} and rounds, (name, rounds)
         for r in range(D):
             assert per_rank[r]["bad_tags"] == [[] for _ in range(cfg.num_moe_layers)]
     # reference counters (logical) agree with the plain path mapped back to logical ids
@@ -157,17 +174,22 @@ def test_two_ranks_trace_routing_float32_bf16(tmp_path):
     m = ModelConfig(num_layers=3, num_experts=8, num_experts_per_tok=2, hidden_size=32,
                     moe_intermediate_size=16, intermediate_size=48, n_shared_experts=0,
                     routing_mode="trace", routing_trace=str(trace), model_arch="qwen3_moe")
-    base = Config(eplb=EplbConfig(ep_size=2, redundant_experts_num=1), model=m)
+    base = Config(eplb=EplbConfig(ep_size=2, redundant_experts_num=1), model=m,
+                  runtime=RuntimeConfig(ep_transport="dist"))
     fused = replace(base, eplb=replace(base.eplb, enable_fused_mc2=1))
     bf16 = replace(base, model=replace(m, dtype="bfloat16", routing_mode="model"))
+    shm = replace(base, runtime=RuntimeConfig(ep_transport="shm"))
+    shm_bf16 = replace(bf16, runtime=RuntimeConfig(ep_transport="shm"))
+    # the shm rows: the same logits and tokens as the dist rows (and the reference) below
     rng = np.random.default_rng(0)
     s0 = [RankBatch([SeqRow(0, rng.integers(0, 256, 6).tolist(), 0, True)]), RankBatch([])]
     s1 = [RankBatch([SeqRow(0, [5], 6, False)]),
           RankBatch([SeqRow(1, [1, 2, 3], 0, True, 0.9, 5)])]
     steps = [s0, s1]
-    out = run_sharded([base, fused, bf16], steps, warmup_steps=(1,), timeout=110)
+    out = run_sharded([base, fused, bf16, shm, shm_bf16], steps, warmup_steps=(1,),
+                      timeout=110)
     ref = reference_steps(base, steps)
-    for per_rank in out[:2]:
+    for per_rank in (out[0], out[1], out[3]):
         for t in range(2):
             for r in range(2):
                 res = per_rank[r]["results"][t]
@@ -181,3 +203,7 @@ def test_two_ranks_trace_routing_float32_bf16(tmp_path):
     for r in range(2):
         for res in out[2][r]["results"]:
             assert res.logits is not None and np.isfinite(res.logits).all()
+        # bfloat16 through shared memory (one byte record per row): the gloo path's logits
+        for a, b in zip(out[2][r]["results"], out[4][r]["results"], strict=True):
+            if a.logits.shape[0]:
+                assert np.array_equal(a.logits, b.logits) and a.sampled == b.sampled

@@ -16,6 +16,8 @@ critical path, the rank whose forward (``StepTimings.step_s``) was slowest: its 
 timer, ``eplb_hooks`` of the executor) and ``ring``, the rest of the wait (encode, shared-memory
 hand-over and decode both ways, the workers' loop). ``per_rank`` keeps every rank's own forward
 phases plus ``wait`` (blocked on its input ring: the engine's turn) and ``ring_io``.
+``all_to_all`` keeps, per rank, the EP all-to-all rounds and the seconds blocked on
+communication (``StepTimings.a2a_rounds``, ``comm_s``): rounds per step and the mean round.
 
 Always on: a lap is one ``perf_counter`` call and a dict update (~1 us; a step is milliseconds).
 """
@@ -42,6 +44,7 @@ class StepBreakdown:
             n = len(self.per_rank) if ranks is None else ranks
             self.seconds: dict[str, float] = {}
             self.per_rank = [{} for _ in range(n)]
+            self.comm = [[0, 0.0] for _ in range(n)]         # per rank: [rounds, seconds]
             self.steps = 0
             self._exported: dict[str, float] = {}        # the counter keeps what it had: it only grows
             self._last = self._clock()
@@ -50,6 +53,7 @@ class StepBreakdown:
         """The rank count changed (elastic shrink / rejoin): per-rank sums start again."""
         with self._lock:
             self.per_rank = [{} for _ in range(ranks)]
+            self.comm = [[0, 0.0] for _ in range(ranks)]
 
     def lap(self, phase: str) -> None:
         """The seconds since the previous mark belong to ``phase``."""
@@ -74,22 +78,30 @@ class StepBreakdown:
             self.steps += 1
             if len(self.per_rank) != len(outs):
                 self.per_rank = [{} for _ in outs]
-            for acc, o in zip(self.per_rank, outs, strict=True):
+                self.comm = [[0, 0.0] for _ in outs]
+            for acc, c, o in zip(self.per_rank, self.comm, outs, strict=True):
                 t = o.timings
                 for p, s in (*t.phases.items(), ("wait", t.wait_s), ("ring_io", t.ring_s)):
                     acc[p] = acc.get(p, 0.0) + s
+                c[0] += t.a2a_rounds
+                c[1] += t.comm_s
 
     def summary(self) -> dict:
         """``{"wall_s", "steps", "seconds": {phase: s}, "fraction": {phase: share of wall},
-        "per_rank": [{phase: s}]}`` (seconds since :meth:`reset`)."""
+        "per_rank": [{phase: s}], "all_to_all": [{"rounds", "comm_s", "rounds_per_step",
+        "round_us"}] per rank}`` (seconds since :meth:`reset`; ``round_us``: comm seconds per
+        round, 0 without rounds)."""
         with self._lock:
             sec = dict(self.seconds)
             ranks = [dict(r) for r in self.per_rank]
+            comm = [list(c) for c in self.comm]
             steps = self.steps
         wall = sum(sec.values())
+        a2a = [{"rounds": n, "comm_s": s, "rounds_per_step": n / steps if steps else 0.0,
+                "round_us": 1e6 * s / n if n else 0.0} for n, s in comm]
         return {"wall_s": wall, "steps": steps, "seconds": sec,
                 "fraction": {p: s / wall for p, s in sec.items()} if wall > 0 else {},
-                "per_rank": ranks}
+                "per_rank": ranks, "all_to_all": a2a}
 
     def export(self, counter) -> None:
         """Bring the Prometheus counter (label ``phase``) up to the sums (at scrape time)."""

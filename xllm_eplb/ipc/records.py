@@ -94,7 +94,9 @@ class StepTimings(Record):
     ``eplb_hooks`` (the executor before/after the forward) and ``other`` for the rest;
     ``wait_s``: the worker blocked on the input ring before this step (the engine's turn);
     ``ring_s``: the worker's ring work since its previous output (that output's encode and
-    put, this input's read and decode).
+    put, this input's read and decode). ``a2a_rounds``: the EP all-to-all rounds of the step
+    (collectives on the EP group, or rounds of the shared-memory transport), summed over MoE
+    layers; ``comm_s`` / ``a2a_rounds`` is the mean round as this rank waited for it.
     """
 
     step_s: float = 0.0
@@ -112,6 +114,7 @@ class StepTimings(Record):
     phases: dict[str, float] = field(default_factory=dict)
     wait_s: float = 0.0
     ring_s: float = 0.0
+    a2a_rounds: int = 0                # EP all-to-all rounds this step (issue #39)
 
 
 @dataclass

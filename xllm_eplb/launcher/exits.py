@@ -7,6 +7,8 @@ import contextlib
 import signal
 import time
 
+from xllm_eplb.ipc.alltoall import PEER_GONE_TEXT
+
 
 def wall_clock() -> str:
     """``HH:MM:SS.mmm`` local time: when the launcher saw a death or killed a child (the
@@ -26,8 +28,10 @@ def describe_exit(code: int | None) -> str:
     return f"exit code {code}"
 
 
-#: how a survivor's failed collective reads when a peer is gone (gloo: the peer's sockets closed)
-PEER_GONE = ("Connection reset by peer", "Connection closed by peer", "Broken pipe")
+#: how a survivor's failed collective reads when a peer is gone (gloo: the peer's sockets closed;
+#: --ep_transport=shm: ``ipc.alltoall.PEER_GONE_TEXT``)
+PEER_GONE = ("Connection reset by peer", "Connection closed by peer", "Broken pipe",
+             PEER_GONE_TEXT)
 
 
 def peer_gone(error: str) -> bool:

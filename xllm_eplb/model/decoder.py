@@ -74,6 +74,9 @@ class Decoder:
         cfg = resolve_config(cfg, spec)
         validate_model_config(cfg)
         self.cfg, self.ep_rank, self.ep_group = cfg, int(ep_rank), ep_group
+        #: the node's shared-memory all-to-all (``--ep_transport=shm``; set by the worker,
+        #: None: dispatch on ``ep_group``)
+        self.ep_a2a = None
         self.reference_mode = _reference
         self._joining = _joining      # an elastic joiner: loads before its group exists
         self.device = torch.device(device or ("cpu" if cfg.runtime.device == "cpu"
@@ -267,6 +270,7 @@ class Decoder:
                    "route_solve_s": stats.extra.get("route_solve_s", 0.0), "moe_cpu_s": moe_cpu,
                    "dropped": int(stats.extra.get("cap_dropped", 0)),
                    "rerouted": int(stats.extra.get("cap_rerouted", 0)),
+                   "a2a_rounds": int(stats.extra.get("a2a_rounds", 0)),
                    "expert_cpu_s": expert_cpu}
         lap("other")
         return StepResult(sampled, prefix, logits if return_logits else None, warmup, mode,
@@ -316,7 +320,7 @@ class Decoder:
             y, cnt, extra = dsp.moe_dispatch(fm, x, routed.phys, si.counted, self.ep_group,
                                              mode, stats, overlap=shared, splits=routed.splits,
                                              dropped=e.moe_capacity_mode != "none",
-                                             peer_rows=peer_rows)
+                                             peer_rows=peer_rows, a2a=self.ep_a2a)
             lap("dispatch", inner="experts", inner_s=fm.compute_s + spent[0])
             dt = stats.extra.pop("count_s", 0.0)
             cpu = fm.take_compute_cpu()

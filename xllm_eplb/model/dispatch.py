@@ -20,6 +20,15 @@ fixed-size blocks (rank r sends at most ``rows_r * k`` rows to any rank), the un
 block marked with slot -1, and the receiver reads its split sizes off the blocks. A layer then
 costs two rounds (dispatch, combine) instead of three.
 
+Shared-memory transport (``--ep_transport=shm``, issue #39): when the worker hands the layer an
+``a2a`` (an ``ipc.alltoall.ShmAllToAll`` of the node's ranks; this module only calls its
+``all_to_all(rows, send) -> (rows, got)``), both modes take :func:`_via_shm`: rows and their
+metadata travel as one byte record per row (any dtype, one round), the split sizes travel with
+them (no split-size round, no padding), the rank's own rows never leave it; a layer costs one
+dispatch round and one combine round. ``fused``: the local experts and the shared expert
+(``overlap``) run between posting the rows and reading the others'; ``plain``: all rows are
+computed at once after the dispatch round, the shared expert after the combine.
+
 Counters are receiver-observed in both paths: every dispatched row carries its local slot and a
 ``counted`` flag (0 for padding, fillers and masked prefill rows), and the slot's owner counts.
 For float32/float64 the two metadata columns are packed into the row (one all_to_all per
@@ -220,10 +229,57 @@ def _count(moe, stats, *metas) -> torch.Tensor:
     return counts
 
 
+def _records(xs: torch.Tensor, meta: torch.Tensor) -> torch.Tensor:
+    """Rows xs [n, H] (any dtype) and meta int64 [n, 2] -> one byte record per row
+    uint8 [n, H * itemsize + 16]."""
+    return torch.cat([xs.contiguous().view(torch.uint8), meta.contiguous().view(torch.uint8)],
+                     dim=1)
+
+
+def _unrecord(rec: torch.Tensor, dtype: torch.dtype, H: int):
+    """Inverse of :func:`_records` -> (rows [m, H] dtype, meta int64 [m, 2])."""
+    nb = H * torch.empty((), dtype=dtype).element_size()
+    return rec[:, :nb].contiguous().view(dtype), rec[:, nb:].contiguous().view(torch.int64)
+
+
+def _via_shm(moe, xs, meta, send: list[int], a2a, stats: CommStats, overlap, fused: bool):
+    """Dispatch and combine through the shared-memory all-to-all: one round each way.
+    ``xs`` [n, H] sorted by destination (``send[d]`` rows to rank d), ``meta`` [n, 2].
+    ``fused``: this rank's own rows and the ``overlap`` work run between posting the remote
+    rows and reading the others' (``a2a.start`` / ``a2a.finish``); else every row is read
+    first and computed in one call, ``overlap`` after the combine.
+    -> (expert outputs in send order [n, H], slot loads [S], overlap() result)."""
+    H, dtype, me = xs.shape[1], xs.dtype, moe.ep_rank
+    if not fused:
+        rec, got = _timed(stats, lambda: a2a.all_to_all(_records(xs, meta), send))
+        xr, mr = _unrecord(rec, dtype, H)
+        yr = moe.compute(xr, mr[:, 0])
+        counts = _count(moe, stats, mr)
+        ys, _ = _timed(stats, lambda: a2a.all_to_all(yr, got))
+        _add(stats, "a2a_rounds", 2)
+        return ys, counts, overlap() if overlap is not None else None
+    lo, n_loc = sum(send[:me]), send[me]
+    rec = _records(torch.cat([xs[:lo], xs[lo + n_loc:]]), torch.cat([meta[:lo],
+                                                                    meta[lo + n_loc:]]))
+    s_r = list(send)
+    s_r[me] = 0
+    pend = _timed(stats, lambda: a2a.start(rec, s_r))
+    m_loc = meta[lo:lo + n_loc]
+    y_loc = moe.compute(xs[lo:lo + n_loc], m_loc[:, 0])      # while the others' rows come
+    extra = overlap() if overlap is not None else None
+    rr, got = _timed(stats, lambda: a2a.finish(pend))
+    xr, mr = _unrecord(rr, dtype, H)
+    yr = moe.compute(xr, mr[:, 0])
+    counts = _count(moe, stats, m_loc, mr)
+    back, _ = _timed(stats, lambda: a2a.all_to_all(yr, got))
+    _add(stats, "a2a_rounds", 2)
+    return torch.cat([back[:lo], y_loc, back[lo:]]), counts, extra
+
+
 def moe_dispatch(moe: FusedMoE, x: torch.Tensor, phys: torch.Tensor, counted: torch.Tensor,
                  group, mode: str, stats: CommStats, overlap=None, splits=None,
-                 dropped: bool | None = None, peer_rows: list[int] | None = None
-                 ) -> tuple[torch.Tensor, torch.Tensor, object]:
+                 dropped: bool | None = None, peer_rows: list[int] | None = None,
+                 a2a=None) -> tuple[torch.Tensor, torch.Tensor, object]:
     """Route ``x`` [T, H] to global slots ``phys`` [T, k] and back.
 
     ``counted`` [T] bool (False = not counted in the load). ``splits``: (rows to each rank [D],
@@ -231,7 +287,9 @@ def moe_dispatch(moe: FusedMoE, x: torch.Tensor, phys: torch.Tensor, counted: to
     counts (``replica_dispatch.Routed.splits``; then the split-size all_to_all is skipped; every
     rank passes them or none does). ``dropped``: ``phys`` may hold -1 (a row dropped by expert
     capacity: not dispatched, its output row is 0). ``peer_rows``: every rank's dispatched rows
-    of this step (:func:`padded_bounds`; every rank passes them or none does). Returns (expert outputs [T, k, H] unweighted, this rank's
+    of this step (:func:`padded_bounds`; every rank passes them or none does). ``a2a``: the
+    node's shared-memory all-to-all (every rank passes one or none does; then ``group`` is not
+    used and the mode only names the step). Returns (expert outputs [T, k, H] unweighted, this rank's
     slot loads int64 [S] as observed by the receiver, the result of ``overlap()`` or None).
     """
     T, k = phys.shape
@@ -239,7 +297,7 @@ def moe_dispatch(moe: FusedMoE, x: torch.Tensor, phys: torch.Tensor, counted: to
     if D == 1:
         return _local(moe, x, phys, counted, stats, overlap, dropped)
     pad = (padded_bounds(peer_rows, T, k, moe.ep_rank, D, (H + 2) * x.element_size())
-           if splits is None and x.dtype in PACKABLE else None)
+           if splits is None and a2a is None and x.dtype in PACKABLE else None)
     flat = phys.reshape(-1)
     live = None if dropped is None else torch.nonzero(flat >= 0).flatten()
     if live is not None:
@@ -257,7 +315,13 @@ def moe_dispatch(moe: FusedMoE, x: torch.Tensor, phys: torch.Tensor, counted: to
         raise RuntimeError(f"rank {moe.ep_rank}: routed rows per rank {send.tolist()} differ "
                            f"from the exchanged split sizes {list(splits[0])}")
     recv = torch.empty_like(send) if splits is None else list(splits[1])   # known: a list
-    if mode == FUSED:
+    if a2a is None:       # collectives of this layer on the EP group (split sizes, rows, back)
+        _add(stats, "a2a_rounds", (0 if splits is not None or pad is not None else 1)
+             + (1 if pad is not None or x.dtype in PACKABLE else 2) + 1)
+    if a2a is not None:
+        ys, counts, extra = _via_shm(moe, xs, meta, send.tolist(), a2a, stats, overlap,
+                                     mode == FUSED)
+    elif mode == FUSED:
         ys, extra, counts = _fused(moe, xs, meta, send, recv, group, stats, overlap,
                                    known=splits is not None, pad=pad)
     else:

@@ -11,6 +11,7 @@ logits (no tensor crosses a process boundary).
 
 from __future__ import annotations
 
+import os
 from dataclasses import replace
 
 import numpy as np
@@ -24,6 +25,7 @@ from xllm_eplb.model.step import StepResult
 from xllm_eplb.model.step_inputs import dispatched_rows
 from xllm_eplb.testing.dist import run_ranks
 from xllm_eplb.worker.comm import groups_from_world
+from xllm_eplb.worker.transport import close_ep_transport, open_ep_transport
 
 
 def _np(res: StepResult) -> StepResult:
@@ -51,9 +53,16 @@ def run_steps(model: Decoder, steps: list[list[RankBatch]], rank: int,
 def _rank_program(rank: int, world: int, cfgs: list[Config], steps, phy2log, switch, warmup):
     groups = groups_from_world(cfgs[0])
     results = []
-    for cfg in cfgs:
+    for v, cfg in enumerate(cfgs):
         model = Decoder(cfg, rank, groups.ep_group, phy2log)
-        res = run_steps(model, steps, rank, switch, warmup)
+        # --ep_transport=shm: one segment per variant (a fresh "generation"); the ranks of one
+        # run_ranks spawn share its parent's pid, the run id when the config names none
+        model.ep_a2a = open_ep_transport(cfg, cfg.runtime.run_id or f"h{os.getppid()}",
+                                         v + 1, rank, world)
+        try:
+            res = run_steps(model, steps, rank, switch, warmup)
+        finally:
+            close_ep_transport(model.ep_a2a)
         tags_bad = [fm.check_tags() + fm.check_checksums() for fm in model.moe_layers]
         results.append({"results": res, "bad_tags": tags_bad,
                         "kv_requests": len(model.kv)})

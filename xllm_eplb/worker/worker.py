@@ -50,6 +50,7 @@ from xllm_eplb.obs.step_timer import StepTimer
 from xllm_eplb.worker import affinity, comm, regroup
 from xllm_eplb.worker.executor import make_executor
 from xllm_eplb.worker.faults import make_faults
+from xllm_eplb.worker.transport import close_ep_transport, open_ep_transport
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +101,8 @@ def step_timings(model_timings: dict, *, step_s: float, cpu_s: float,
                        moe_s=float(t.get("moe_s", 0.0)), comm_s=float(t.get("comm_wait_s", 0.0)),
                        route_s=float(t.get("route_solve_s", 0.0)),
                        moe_cpu_s=float(t.get("moe_cpu_s", 0.0)),
-                       dropped=int(t.get("dropped", 0)), rerouted=int(t.get("rerouted", 0)))
+                       dropped=int(t.get("dropped", 0)), rerouted=int(t.get("rerouted", 0)),
+                       a2a_rounds=int(t.get("a2a_rounds", 0)))
 
 
 class Worker:
@@ -197,7 +199,19 @@ class Worker:
                  else None)
         self.model = build_model(self.cfg, self.rank, ep_group, device=self.device,
                                  phy2log=table)
+        self._open_transport(self.pg_generation)
         self.executor = make_executor(self.model, eplb_group, self.cfg, faults=self.faults)
+
+    def _open_transport(self, generation: int) -> None:
+        """The generation's dispatch transport (``--ep_transport``; None: the EP group)."""
+        self.model.ep_a2a = open_ep_transport(self.cfg, self.cfg.runtime.run_id, generation,
+                                              self.ep_rank, self.ep_size)
+
+    def _close_transport(self) -> None:
+        if self.model is not None:
+            with contextlib.suppress(Exception):
+                close_ep_transport(self.model.ep_a2a)
+            self.model.ep_a2a = None
 
     # --- loop ------------------------------------------------------------------------------
     def next_input(self):
@@ -257,6 +271,7 @@ class Worker:
             with contextlib.suppress(Exception):
                 self.executor.close()
             self.executor, self.model.ep_group = None, None
+            self._close_transport()     # a peer in this step's round fails at once
             regroup.leave()
             gc.collect(1)
         return ForwardOutput(step=msg.step, rank=self.ep_rank, peer_lost=self.elastic,
@@ -286,6 +301,7 @@ class Worker:
                                          error=ABANDONED)
                 with contextlib.suppress(Exception):
                     self.executor.close()
+                self._close_transport()
                 left = regroup.leave()
                 g = regroup.join(self.cfg, self.store, rank, msg.regroup,
                                  self.cfg.runtime.elastic_join_timeout_seconds,
@@ -297,6 +313,7 @@ class Worker:
                 self.executor = make_executor(self.model, g.eplb_group, self.cfg,
                                               faults=self.faults)
                 self.pg_generation = msg.regroup
+                self._open_transport(msg.regroup)     # fresh buffers for the new group
                 if self.joining:
                     self.joining = False
                     send_event(self.events, f"ep{self.rank}", "joined", str(msg.regroup))
@@ -375,6 +392,7 @@ class Worker:
         if self.executor is not None:
             with contextlib.suppress(Exception):
                 self.executor.close()
+        self._close_transport()
         t.append(time.perf_counter())
         with contextlib.suppress(Exception):
             if dist.is_initialized():
