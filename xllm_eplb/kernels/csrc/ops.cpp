@@ -78,14 +78,22 @@ void gemm(const IsaTable* t, const T* const* x, int64_t m, const T* w, int64_t l
     t->gemm_bf16(x, m, w, ldw, n, k, out, ldo);
 }
 
-// Runs f(i) for i < n on torch's intra-op threads, each pulling the next item from a counter.
+// Runs f(i, scratch) for i < n on torch's intra-op threads, each pulling the next item from a
+// counter; ``scratch`` is the thread's own buffer, reused across its items (grown as needed).
 template <typename F>
 void run_items(int64_t n, const F& f) {
   std::atomic<int64_t> next{0};
   const int64_t nt = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n));
   at::parallel_for(0, nt, 1, [&](int64_t, int64_t) {
-    for (int64_t i; (i = next.fetch_add(1)) < n;) f(i);
+    std::vector<float> scratch;
+    for (int64_t i; (i = next.fetch_add(1)) < n;) f(i, scratch);
   });
+}
+
+// ``count`` floats of ``buf`` (grown, never shrunk).
+inline float* room(std::vector<float>& buf, int64_t count) {
+  if (int64_t(buf.size()) < count) buf.resize(size_t(count));
+  return buf.data();
 }
 
 struct Item {
@@ -154,28 +162,29 @@ void experts(const IsaTable* t, const at::Tensor& x, const std::vector<int64_t>&
     hr[i] = h.data() + i * I;
   }
   const std::vector<Item> up = items(first, I, JB);
-  run_items(int64_t(up.size()), [&](int64_t k) {
+  run_items(int64_t(up.size()), [&](int64_t k, std::vector<float>& buf) {
     const Item& it = up[k];
     const int64_t m = it.r1 - it.r0, n = it.c1 - it.c0;
-    std::vector<float> g(size_t(m * n)), u(size_t(m * n)), a(size_t(m * n));
+    float* g = room(buf, 3 * m * n);
+    float *u = g + m * n, *a = u + m * n;
     const T* we = w13p + it.slot * 2 * I * H;
-    gemm(t, xr.data() + it.r0, m, we + it.c0 * H, H, n, H, g.data(), n);
-    gemm(t, xr.data() + it.r0, m, we + (I + it.c0) * H, H, n, H, u.data(), n);
+    gemm(t, xr.data() + it.r0, m, we + it.c0 * H, H, n, H, g, n);
+    gemm(t, xr.data() + it.r0, m, we + (I + it.c0) * H, H, n, H, u, n);
     if (b13p) {
-      add_bias(g.data(), m, n, n, b13p + it.slot * 2 * I + it.c0);
-      add_bias(u.data(), m, n, n, b13p + it.slot * 2 * I + I + it.c0);
+      add_bias(g, m, n, n, b13p + it.slot * 2 * I + it.c0);
+      add_bias(u, m, n, n, b13p + it.slot * 2 * I + I + it.c0);
     }
-    t->act(g.data(), u.data(), a.data(), m * n, act, alpha, limit);
+    t->act(g, u, a, m * n, act, alpha, limit);
     for (int64_t r = 0; r < m; ++r)
       for (int64_t c = 0; c < n; ++c) store(a[r * n + c], &h[(it.r0 + r) * I + it.c0 + c]);
   });
   const std::vector<Item> down = items(first, H, CB);
-  run_items(int64_t(down.size()), [&](int64_t k) {
+  run_items(int64_t(down.size()), [&](int64_t k, std::vector<float>& buf) {
     const Item& it = down[k];
     const int64_t m = it.r1 - it.r0, n = it.c1 - it.c0;
-    std::vector<float> y(size_t(m * n));
-    gemm(t, hr.data() + it.r0, m, w2p + (it.slot * H + it.c0) * I, I, n, I, y.data(), n);
-    if (b2p) add_bias(y.data(), m, n, n, b2p + it.slot * H + it.c0);
+    float* y = room(buf, m * n);
+    gemm(t, hr.data() + it.r0, m, w2p + (it.slot * H + it.c0) * I, I, n, I, y, n);
+    if (b2p) add_bias(y, m, n, n, b2p + it.slot * H + it.c0);
     for (int64_t r = 0; r < m; ++r)
       for (int64_t c = 0; c < n; ++c) store(y[r * n + c], op + order[it.r0 + r] * H + it.c0 + c);
   });
@@ -234,12 +243,12 @@ void linear_impl(const IsaTable* t, const at::Tensor& x, const at::Tensor& w, co
   const int64_t nt = at::get_num_threads();
   const int64_t cb = std::clamp<int64_t>((O / (8 * nt) + 3) / 4 * 4, 16, 128);
   const std::vector<Item> its = items({0, N}, O, cb);
-  run_items(int64_t(its.size()), [&](int64_t k) {
+  run_items(int64_t(its.size()), [&](int64_t k, std::vector<float>& buf) {
     const Item& it = its[k];
     const int64_t m = it.r1 - it.r0, n = it.c1 - it.c0;
-    std::vector<float> y(size_t(m * n));
-    gemm(t, xr.data() + it.r0, m, wp + it.c0 * K, K, n, K, y.data(), n);
-    if (b) add_bias(y.data(), m, n, n, b + it.c0);
+    float* y = room(buf, m * n);
+    gemm(t, xr.data() + it.r0, m, wp + it.c0 * K, K, n, K, y, n);
+    if (b) add_bias(y, m, n, n, b + it.c0);
     for (int64_t r = 0; r < m; ++r)
       for (int64_t c = 0; c < n; ++c) store(y[r * n + c], op + (it.r0 + r) * O + it.c0 + c);
   });

@@ -17,6 +17,9 @@ static void tile(const T* const* x, const T* w, int64_t ldw, int64_t k, float* o
     In xv[M];
     for (int r = 0; r < M; ++r) xv[r] = V::load(x[r] + p);
     for (int c = 0; c < N; ++c) {
+      // the next tile's weight rows (right after these, V::NR rows on): a tile's rows are
+      // too short a stream for the hardware prefetcher to run ahead of
+      __builtin_prefetch(w + (c + V::NR) * ldw + p, 0, 3);
       const auto wv = V::load(w + c * ldw + p);
       for (int r = 0; r < M; ++r) acc[r][c] = V::fma(acc[r][c], xv[r], wv);
     }
