@@ -44,7 +44,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from xllm_eplb.testing.dist import free_port  # noqa: E402
-from xllm_eplb.testing.serving import ROOT, Server, hf_greedy, write_json  # noqa: E402
+from xllm_eplb.testing.serving import (  # noqa: E402
+    ROOT,
+    Server,
+    hf_greedy,
+    timed,
+    write_json,
+)
 
 #: the kernel issue's checkpoint (reference/cpu_peers.md)
 SIZES = dict(hidden_size=768, num_layers=4, first_k_dense=0, num_experts=32, top_k=4,
@@ -66,15 +72,6 @@ def prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
 
     rng = np.random.default_rng(seed)
     return rng.integers(10, vocab, size=(n, length)).tolist()
-
-
-def timed(fn, repeat: int):
-    best, out = float("inf"), None
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        out = fn()
-        best = min(best, time.perf_counter() - t0)
-    return best, out
 
 
 def run_transformers(model_dir: Path, ps, new: int, dtype: str, threads: int, repeat: int):

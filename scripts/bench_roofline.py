@@ -51,7 +51,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from xllm_eplb.testing.serving import Server, hf_greedy, hf_model, write_json  # noqa: E402
+from xllm_eplb.testing.serving import (  # noqa: E402
+    Server,
+    hf_greedy,
+    hf_model,
+    timed,
+    write_json,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 #: issue 32's compute-sized checkpoint (~490 MiB of fp32 weights)
@@ -192,16 +198,6 @@ def roofline(model_dir: Path, batch: int, prompt_len: int, new: int, touched: fl
 
 
 # --- the rows --------------------------------------------------------------------------------
-def timed(fn, repeat: int):
-    """(best seconds of ``repeat`` calls, the last call's result)."""
-    best, out = float("inf"), None
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        out = fn()
-        best = min(best, time.perf_counter() - t0)
-    return best, out
-
-
 def run_transformers(model_dir: Path, prompts, new: int, device: str, repeat: int):
     model = hf_model(model_dir, defaults=True).to(device)     # dtype=torch.float32 only
     info = {"attn": model.config._attn_implementation,

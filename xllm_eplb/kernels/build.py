@@ -18,7 +18,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 SOURCES = ("ops.cpp", "isa_avx512.cpp", "isa_avx2.cpp", "isa_generic.cpp")
-HEADERS = ("isa.h", "tiles.h")
+HEADERS = ("isa.h", "tiles.h", "scalar.h")
 #: -ffp-contract=off: no multiply-add fused by the compiler's choice (the kernels write their
 #: FMAs explicitly), so every instantiation of a tile computes a row in the same way
 CFLAGS = ("-O3", "-fopenmp", "-ffp-contract=off", "-fno-strict-aliasing")

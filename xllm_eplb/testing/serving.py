@@ -372,6 +372,16 @@ def hf_greedy(model, prompts: list[list[int]], new_tokens: int, *,
     return out[:, ids.shape[1]:].tolist()
 
 
+def timed(fn, repeat: int):
+    """(best seconds of ``repeat`` calls of ``fn``, the last call's result)."""
+    best, out = float("inf"), None
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        out = fn()
+        best = min(best, time.perf_counter() - t0)
+    return best, out
+
+
 def write_json(path: Path | None, payload: dict) -> None:
     """A script's ``--json PATH`` output (nothing when ``path`` is None)."""
     if path:

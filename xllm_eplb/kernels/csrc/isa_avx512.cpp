@@ -11,13 +11,7 @@
 
 namespace {
 
-inline float to_f32(float v) { return v; }
-inline float to_f32(uint16_t v) {
-  const uint32_t b = uint32_t(v) << 16;
-  float f;
-  __builtin_memcpy(&f, &b, 4);
-  return f;
-}
+#include "scalar.h"
 
 struct Avx512Base {
   using acc_t = __m512;
