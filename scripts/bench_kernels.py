@@ -14,7 +14,8 @@ decode batch's shapes, on this machine, in one run.
 2. ``rows``: ``bmm`` over all the experts at 1..12 rows per expert (the GEMV path at 1 row,
    the packing GEMM path above).
 3. ``dense``: ``F.linear`` at the batch's rows against a hidden x hidden weight: GFLOP/s and
-   the weight's GB/s.
+   the weight's GB/s; ``dense_kernels``: ``F.linear`` against the kernels' batch-invariant
+   ``linear`` at hidden x hidden and an LM head of ``--vocab`` rows, fp32 and bf16.
 4. ``gloo``: two processes on gloo (loopback), ``all_to_all_single`` of 2 integers and of
    64 KiB, not pinned and pinned to a core each (skipped with fewer than 2 cores).
 
@@ -171,6 +172,22 @@ def dense(a, n: int, repeat: int) -> dict:
             "weight_gb_s": a.hidden * a.hidden * 4 / (ms * 1e6)}
 
 
+def dense_kernels(a, n: int, repeat: int) -> dict:
+    """``F.linear`` against the fused kernels' batch-invariant ``linear`` at the batch's rows,
+    a hidden x hidden weight and an LM head of ``--vocab`` rows, fp32 and bf16: us per call."""
+    out: dict = {}
+    if not kernels.load():
+        return out
+    for dt in (torch.float32, torch.bfloat16):
+        for o in (a.hidden, a.vocab):
+            x, w = torch.randn(a.batch, a.hidden).to(dt), torch.randn(o, a.hidden).to(dt)
+            key = f"{str(dt).replace('torch.', '')} [{a.batch}, {a.hidden}] x [{o}, {a.hidden}]"
+            out[key] = {"F.linear": best_ms(lambda x=x, w=w: F.linear(x, w), 5 * n, repeat) * 1e3,
+                        "kernels.linear": best_ms(lambda x=x, w=w: kernels.linear(x, w), 5 * n,
+                                                  repeat) * 1e3}
+    return out
+
+
 def _gloo_rank(rank: int, port: int, pin: bool, calls: int, q) -> None:
     import torch.distributed as dist
 
@@ -228,6 +245,7 @@ def main() -> int:
     ap.add_argument("--experts", type=int, default=32)
     ap.add_argument("--top-k", type=int, default=4)
     ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--vocab", type=int, default=4096, help="LM head rows of the dense row")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--repeat", type=int, default=3)
     a = ap.parse_args()
@@ -237,7 +255,8 @@ def main() -> int:
     res = {"command": " ".join(sys.argv), "torch": torch.__version__, "threads": a.threads,
            "experts": experts(a, n, a.repeat), "experts_bf16": experts_bf16(a, n, a.repeat),
            "rows": rows_sweep(a, n, a.repeat, [1, 2, 4, 8] if a.quick else [1, 2, 4, 6, 8, 10, 12]),
-           "dense": dense(a, n, a.repeat), "gloo": gloo(50 if a.quick else 300)}
+           "dense": dense(a, n, a.repeat), "dense_kernels": dense_kernels(a, n, a.repeat),
+           "gloo": gloo(50 if a.quick else 300)}
     e = res["experts"]
     print(f"one MoE layer's experts: batch {a.batch}, top-{a.top_k} of {a.experts}, hidden "
           f"{a.hidden}, width {a.moe_width}, {a.threads} threads; rows per expert "
@@ -262,6 +281,8 @@ def main() -> int:
     d = res["dense"]
     print(f"F.linear {d['shape']}: {d['us']:.0f} us, {d['gflops']:.0f} GFLOP/s, "
           f"{d['weight_gb_s']:.1f} GB/s of weight")
+    for k, v in res["dense_kernels"].items():
+        print(f"{k}: F.linear {v['F.linear']:.0f} us, kernels.linear {v['kernels.linear']:.0f} us")
     for k, v in res["gloo"].items():
         print(f"gloo all_to_all_single, 2 ranks, {k}: " + (
             ", ".join(f"{m} {us:.0f} us" for m, us in v.items()) if isinstance(v, dict) else v))

@@ -1,7 +1,8 @@
 """The fused kernels inside the model, on 2 real gloo ranks, fp32 and bf16: a request's logits
-are the same bits alone or inside a batch of 8, and through a placement change with replicas
-and per-step replica routing (``balanced``) — batch invariance end to end (attention, dense
-layers, router, experts, combine), which is what keeps live moves output-preserving in bf16."""
+are the same bits alone or inside a batch of 8, and through a live move (P2P copies of every
+layer's experts into a placement with other replicas) with per-step replica routing
+(``balanced``) — batch invariance end to end (attention, dense layers, router, experts,
+combine), which is what keeps live moves output-preserving in bf16."""
 
 from __future__ import annotations
 
@@ -41,20 +42,25 @@ def _batches(rank: int, t: int, crowd: bool) -> RankBatch:
 
 
 def _program(rank, world, path, dtype, placements):
-    import torch.distributed as dist
-
     from xllm_eplb.model.decoder import Decoder
+    from xllm_eplb.worker.comm import groups_from_world
+    from xllm_eplb.worker.migration import ModelEplbHooks
 
+    groups = groups_from_world(_cfg(path, dtype))
     out = {}
     for name, crowd, switch in (("alone", False, None), ("crowd", True, None),
                                 ("moved", True, 2)):
-        model = Decoder(_cfg(path, dtype), rank, dist.group.WORLD)
+        model = Decoder(_cfg(path, dtype), rank, groups.ep_group)
         assert model.fused_dense and all(m.fused for m in model.moe_layers)
+        hooks = ModelEplbHooks(model, groups.eplb_group, model.cfg, canary=True)
         got = []
         for t in range(STEPS):
-            if switch == t:
+            if switch == t:             # a live move of every layer: P2P copies, canary on
                 for ml, fm in enumerate(model.moe_layers):
-                    fm.load_placement(placements[ml])
+                    assert hooks.prepare_expert_weight(fm.layer_id, placements[ml])
+                    hooks.start_expert_weight_transfer(fm.layer_id)
+                    assert hooks.update_expert_weight(fm.layer_id).changed_slots > 0
+                    assert fm.check_tags() == [] and fm.check_checksums() == []
             res = model.forward_step(_batches(rank, t, crowd), pure_decode=t > 0,
                                      return_logits=True)
             if rank == 0:

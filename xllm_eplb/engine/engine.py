@@ -140,8 +140,6 @@ class Engine:
         self.stopping = False
         #: True during :meth:`warmup` (a stop then leaves at the next wait slice)
         self.warming = False
-        #: the signal that asked this engine to stop while serving ('' = none; logged once)
-        self.stop_signal = ""
 
     # --- one forward -----------------------------------------------------------------------
     def step(self, batches: list[RankBatch], *, warmup: bool = False,
@@ -470,16 +468,12 @@ class Engine:
         if fenced is not None:          # elastic EP fenced a silent worker, or is recovering
             info.update(fenced)
             return False, info
-        silent = self.watch.stalled(self.inp, self.outs)
-        if silent is not None:
-            info.update(status="stalled", waiting_on=silent,
-                        step_seconds=round(self.watch.in_flight_seconds(), 3))
-            return False, info
-        slow = self.watch.suspect(self.inp)
-        if slow is not None:            # still serving (200), but a step waits on these ranks
-            info.update(status="degraded", waiting_on=slow,
-                        step_seconds=round(self.watch.in_flight_seconds(), 3))
-        return True, info
+        waits = self.watch.verdict(self.inp, self.outs)
+        if waits is None:
+            return True, info
+        info.update(status=waits[0], waiting_on=waits[1],
+                    step_seconds=round(self.watch.in_flight_seconds(), 3))
+        return waits[0] == "degraded", info     # degraded: still serving (200)
 
     def render_metrics(self) -> bytes:
         """Prometheus text; heartbeat ages and ``worker_up`` are computed at scrape time."""

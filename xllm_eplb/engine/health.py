@@ -99,6 +99,16 @@ class StepWatch:
             return None
         return self.waiting_on(inp, outs)
 
+    def verdict(self, inp, outs) -> tuple[str, list[int]] | None:
+        """What ``/health`` says of the step in flight: ``("stalled", ranks)`` past
+        ``--stall_seconds`` (503), ``("degraded", ranks)`` past :data:`SUSPECT_SECONDS` (200),
+        or None."""
+        silent = self.stalled(inp, outs)
+        if silent is not None:
+            return "stalled", silent
+        slow = self.suspect(inp)
+        return None if slow is None else ("degraded", slow)
+
 
 def reader_pid(ring, index: int) -> int:
     """The pid registered by reader ``index`` of the broadcast ``ring`` (0 = none)."""

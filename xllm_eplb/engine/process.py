@@ -130,8 +130,9 @@ def _serve(cfg: Config, events, parent_pid: int, res: dict, stop: dict) -> int:
     res["engine"] = eng = ref["engine"] = Engine(cfg, inp, outs, box=box)
     eng.cores = host_cores(cfg, parent_pid)
     eng.warmup()
-    signal.signal(signal.SIGTERM, lambda signum, _f: _stop_on(signal.SIGTERM, eng, parent_pid))
-    on_launcher_death(lambda: _stop_on(LAUNCHER_DEATHSIG, eng, parent_pid))
+    signal.signal(signal.SIGTERM,
+                  lambda signum, _f: _stop_on(signal.SIGTERM, eng, parent_pid, stop))
+    on_launcher_death(lambda: _stop_on(LAUNCHER_DEATHSIG, eng, parent_pid, stop))
     if stop["early"]:           # a SIGTERM during the warm-up whose SystemExit was swallowed
         raise SystemExit(0)
     send_event(events, "engine", "warmup")
@@ -236,12 +237,13 @@ def _worker_fault(e: WorkerFault, res: dict, events) -> str:
     return reason
 
 
-def _stop_on(sig: signal.Signals, eng: Engine, parent_pid: int) -> None:
+def _stop_on(sig: signal.Signals, eng: Engine, parent_pid: int, stop: dict) -> None:
     """SIGTERM (the launcher's stop) or :data:`LAUNCHER_DEATHSIG` (its death) while serving: a
-    graceful stop."""
-    if eng.stop_signal:     # said once: a second signal (the launcher's death after its
-        return              # SIGTERM, or the death signal twice) changes nothing
-    eng.stop_signal = sig.name
+    graceful stop. ``stop["signal"]``: the signal that asked for it (said once: a second one,
+    the launcher's death after its SIGTERM or the death signal twice, changes nothing)."""
+    if stop.get("signal"):
+        return
+    stop["signal"] = sig.name
     gone = not parent_alive(parent_pid)
     (log.warning if gone else log.info)(event("engine stop", signal=sig.name,
                                               launcher="gone" if gone else f"pid {parent_pid}"))

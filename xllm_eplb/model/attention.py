@@ -151,10 +151,10 @@ def attend(cache: KVCache, ab: AttnBatch, layer: int, q: torch.Tensor, k: torch.
     """q [T, h, dk], k [T, kvh, dk], v [T, kvh, dv] of the step's real tokens -> [T, h, dv].
 
     Writes k, v at (slot, position) of each token, then attends over every cached position
-    (bf16 and fp16 on the CPU without sinks: in fp32, the result cast back; ``window``: only the last
-    ``window`` of them, gpt_oss's sliding layers; the cache still keeps them all). ``sinks``
-    [h] (gpt_oss): a learned logit per head joins each softmax and is dropped after it
-    (:func:`_sink_attention`)."""
+    (bf16 and fp16 on the CPU without sinks: in fp32, the result cast back; ``window``: only
+    the last ``window`` of them, gpt_oss's sliding layers; the cache still keeps them all).
+    ``sinks`` [h] (gpt_oss): a learned logit per head joins each softmax and is dropped after
+    it (:func:`_sink_attention`)."""
     ck, cv = cache.k[layer], cache.v[layer]                       # [slots, kvh, cap, d] views
     ck[ab.tok_slot, :, ab.tok_pos] = k.to(cache.dtype)
     cv[ab.tok_slot, :, ab.tok_pos] = v.to(cache.dtype)

@@ -319,10 +319,9 @@ def kernel_ffn(x: torch.Tensor, idx: torch.Tensor, w13: torch.Tensor, w2: torch.
     ``idx[n]`` of ``w13`` [M, 2I, H] / ``w2`` [M, H, I], with the variant's biases (``b13``
     [M, 2I], ``b2`` [M, H]) and activation (:class:`ExpertAct`)."""
     b13, b2 = (None, None) if bias is None else (bias[0].contiguous(), bias[1].contiguous())
-    if not act.limit:
-        return fused_experts(x, idx, w13.contiguous(), w2.contiguous(), b13, b2)
     return fused_experts(x, idx, w13.contiguous(), w2.contiguous(), b13, b2,
-                         act="swiglu_clamp", alpha=act.alpha, limit=act.limit)
+                         act="swiglu_clamp" if act.limit else "silu", alpha=act.alpha,
+                         limit=act.limit)
 
 
 def fused_chunks(x: torch.Tensor, slots: torch.Tensor, chunks: Fp8Slots) -> torch.Tensor:
@@ -419,8 +418,7 @@ class LogicalMoE:
         xr = x.repeat_interleave(k, dim=0)
         ids = topk_ids.reshape(-1)
         if self.fused:
-            y = kernel_ffn(xr, ids, self.w13.contiguous(), self.w2.contiguous(), self.bias,
-                           self.act)
+            y = kernel_ffn(xr, ids, self.w13, self.w2, self.bias, self.act)
         else:
             y = grouped_ffn(xr, self.w13, self.w2, ids, bias=self.bias, act=self.act)
         return y.reshape(T, k, -1)
