@@ -11,6 +11,7 @@ import time
 import pytest
 
 from xllm_eplb.engine.api import ApiBackend, ApiLimits, ApiServer, ServedModel
+from xllm_eplb.engine.backend import EngineApi
 from xllm_eplb.engine.engine import Engine
 from xllm_eplb.engine.tokenizer import ByteTokenizer
 from xllm_eplb.flags import config_from_dict
@@ -28,9 +29,10 @@ def _post(port: int, body: dict) -> http.client.HTTPConnection:
 def _api(cfg, eng: Engine) -> ApiServer:
     """The real API in front of ``eng``, started."""
     lim = ApiLimits(cfg.model.vocab_size, 64, 96, request_timeout_seconds=30)
-    backend = ApiBackend(submit=eng.submit, cancel=lambda rid, why: eng.sched.cancel(rid, why),
-                         status=eng.status, metrics=eng.render_metrics, health=eng.health,
-                         served=ServedModel("tiny", ByteTokenizer(), lim), admit=eng.admit)
+    view = EngineApi(eng)
+    backend = ApiBackend(submit=view.submit, cancel=view.cancel, status=view.status,
+                         metrics=view.render_metrics, health=view.health,
+                         served=ServedModel("tiny", ByteTokenizer(), lim), admit=view.admit)
     api = ApiServer("127.0.0.1", 0, backend)
     api.start()
     return api
@@ -76,11 +78,12 @@ def test_a_request_during_an_elastic_recovery_waits_instead_of_a_503():
     eng = Engine(cfg, None, [])
     eng.state = "serving"
     m = cfg.model
-    eng.membership = EngineRecovery(eng, NoticeBox(lambda t: None, lambda: True, 0), None,
-                                    num_experts=m.num_experts, slots=cfg.slots_per_rank,
-                                    num_layers=m.num_layers, silence_s=1.0, join_timeout_s=1.0,
-                                    metrics=EngineMetrics(2, m.num_layers))
-    eng.membership._to(Phase.DETECT)
+    rec = EngineRecovery(eng, NoticeBox(lambda t: None, lambda: True, 0), None,
+                         num_experts=m.num_experts, slots=cfg.slots_per_rank,
+                         num_layers=m.num_layers, silence_s=1.0, join_timeout_s=1.0,
+                         metrics=EngineMetrics(2, m.num_layers))
+    eng.use_membership(rec)
+    rec._to(Phase.DETECT)
     api = _api(cfg, eng)
     held = _post(api.port, {"prompt": "x", "max_tokens": 2})
     try:

@@ -149,7 +149,8 @@ def test_layer_order_is_documented():
 
 #: code that runs every forward step: an import there costs a dict lookup per call and hides a
 #: dependency from a reader
-PER_STEP = {"xllm_eplb.engine.engine": ("Engine.step", "Engine._get"),
+PER_STEP = {"xllm_eplb.engine.engine": ("Engine.step", "Engine.prepare", "Engine.send",
+                                        "Engine.finish", "Engine.plan_ahead", "Engine._get"),
             "xllm_eplb.worker.worker": ("Worker.step", "Worker._forward", "Worker.next_input"),
             "xllm_eplb.worker.executor": ("EplbExecutor.before_forward",
                                           "EplbExecutor.after_forward")}

@@ -89,3 +89,5 @@ def test_serve_checkpoint_rebalances_with_transformers_tokens(family, hf_ckpts, 
     assert st["slots_moved"] > 0
     assert _generate(s, ignore_eos=True) == [(w, "length") for w in want]
     assert _generate(s, ignore_eos=False) == want_eos
+    # the default --async_scheduling planned steps ahead (while no EPLB round was in flight)
+    assert _get(s.url + "/eplb/status")["async_scheduling"]["steps_planned_ahead"] > 0

@@ -210,6 +210,13 @@ class RuntimeConfig:
                               "length (max_position_embeddings); the cache itself grows with "
                               "use", unit="bytes", lo=1)
     max_prefill_tokens: int = opt(512, "max prefill tokens per DP rank per step", lo=1)
+    async_scheduling: bool = opt(True, "plan step n+1 while step n runs (as vLLM's "
+                                 "--async-scheduling): its input goes out as soon as step n's "
+                                 "outputs are read, a decode row's token is the one its rank "
+                                 "just sampled; same tokens; off while an EPLB round is in "
+                                 "flight (its commands follow each output) or a membership "
+                                 "change waits; false = plan each step after the last one's "
+                                 "tokens are committed")
     worker_timeout_seconds: float = opt(60.0, "engine gives up on a worker output after this",
                                         unit="s", lo=0, lo_open=True)
     shm_ring_slots: int = opt(8, "frames per shared-memory ring", lo=2)

@@ -46,7 +46,13 @@ from datetime import timedelta
 
 from xllm_eplb.elastic import regroup
 from xllm_eplb.elastic.notices import JoinDropped, JoinReady, NoticeBox, WorkerDied
-from xllm_eplb.elastic.protocol import FENCE_MIN_S, NOTICE_WAIT, WAIT_SLICE, next_pg_generation
+from xllm_eplb.elastic.protocol import (
+    ELASTIC_IDLE_WAIT,
+    FENCE_MIN_S,
+    NOTICE_WAIT,
+    WAIT_SLICE,
+    next_pg_generation,
+)
 from xllm_eplb.eplb.join_plan import JoinError, plan_join
 from xllm_eplb.eplb.shrink_plan import ShrinkError, plan_shrink
 from xllm_eplb.errors import WorkerFault
@@ -162,7 +168,18 @@ class EngineRecovery:
                 "switches_abandoned": self.switches_abandoned,
                 "last_join": _aliased(self.last_join)}
 
-    # --- between slices, at boundaries, idle -------------------------------------------------
+    # --- between slices, at boundaries, idle (the loop's points: engine/membership.py) -------
+    idle_wait = ELASTIC_IDLE_WAIT
+
+    def quiet(self) -> bool:
+        """May the next step be planned while one runs (``--async_scheduling``)? Not while a
+        joiner is on its way (it joins at a boundary) or a fence waits to be lifted."""
+        return self.fenced_step < 0 and not self.joining
+
+    def idle_cpu(self, seconds: float) -> None:
+        """An idle pass's thread CPU (it wakes every ``ELASTIC_IDLE_WAIT`` s for elasticity)."""
+        self.on_cpu(seconds, idle=True)
+
     def between_slices(self, step: int, silent_for: float, unread) -> None:
         """While a step waits: workers that have not read its input for
         ``--elastic_silence_seconds`` (``unread()``) are SIGKILLed by the launcher, once per

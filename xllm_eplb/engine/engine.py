@@ -11,6 +11,13 @@ One step (``Engine.step``), in data order (docs/architecture.md)::
     # telemetry -> metrics: run by the next step right after its input is written (it
     # overlaps the workers' forward; ``Engine.account``), or before the loop idles
 
+``--async_scheduling`` (default on): while step n runs, the loop plans step n+1
+(``Engine.plan_ahead``: ``scheduler.schedule(ahead=True)``, no EPLB command) and writes it the
+moment n's outputs are read, before n's bookkeeping; so the workers wait for the engine only
+for the ring hop. Not while an EPLB round is in flight (its commands follow each step's
+outputs, ``manager.quiescent``) or a membership change waits (``membership.quiet``): then the
+next step is planned after the outputs, as without the flag.
+
 The loop times itself (``engine/breakdown.py``): ``/eplb/status`` ``step_breakdown``.
 
 With ``enable_eplb=false`` there is no manager: every forward carries an empty ``EplbInfo``.
@@ -32,32 +39,26 @@ from xllm_eplb.engine.failures import WAIT_SLICE, FailureWatch, WorkerFault
 from xllm_eplb.engine.health import StepWatch
 from xllm_eplb.engine.live_stats import LiveStats
 from xllm_eplb.engine.manager_build import resized_manager
+from xllm_eplb.engine.membership import IDLE_WAIT, NoMembership
 from xllm_eplb.engine.scheduler import Request, Scheduler, is_pure_decode_step
-from xllm_eplb.engine.telemetry import Telemetry, balance_note, slot_loads
+from xllm_eplb.engine.telemetry import Telemetry, slot_loads
 from xllm_eplb.engine.tokenizer import BOS_ID
-from xllm_eplb.engine.workload import workload_status
 from xllm_eplb.eplb.info import NO_TOKEN, EplbInfo
-from xllm_eplb.eplb.manager_stats import ManagerStats
 from xllm_eplb.eplb.placement_file import initial_placement
 from xllm_eplb.eplb.recorder import ExpertRecorder
 from xllm_eplb.ipc.errors import IpcError, RingTimeoutError
 from xllm_eplb.ipc.messages import ForwardInput
 from xllm_eplb.model.batch import RankBatch, SeqRow
-from xllm_eplb.model.fp8 import quant_info
 from xllm_eplb.obs.logs import event
 from xllm_eplb.obs.metrics import EngineMetrics
 
 log = logging.getLogger(__name__)
 
-IDLE_WAIT = 0.5
-#: ``--elastic_ep``: the idle slice, so a death while no request runs is detected (and
-#: recovered) within ~0.1 s instead of up to ``IDLE_WAIT`` (issue #23: detection p99 <= 0.5 s)
-ELASTIC_IDLE_WAIT = 0.05
 #: first forwards wait for every worker to join torch.distributed and build its shard
 STARTUP_TIMEOUT = 600.0
 
 
-__all__ = ["Engine", "WorkerFault", "agreed_token", "step_kind"]
+__all__ = ["IDLE_WAIT", "Engine", "WorkerFault", "agreed_token", "step_kind"]
 
 
 def step_kind(batches: list[RankBatch], warmup: bool, pure_decode: bool) -> str:
@@ -128,10 +129,15 @@ class Engine:
         self.placement = initial_placement(cfg)       # [L, D*S]: what the workers start from
         self.recorder = ExpertRecorder(cfg.num_moe_layers, self.D, cfg.slots_per_rank,
                                        cfg.model.num_experts, cfg.eplb.eplb_record_trace_max_steps)
-        #: --elastic_ep: the recovery state machine (``elastic/recovery.EngineRecovery``),
-        #: injected after the warm-up by engine/process.py
-        self.membership = None
+        #: the membership port (``engine/membership.py``): ``--elastic_ep``'s recovery state
+        #: machine, injected after the warm-up (:meth:`use_membership`), else a no-op
+        self.membership = NoMembership()
         self.step_no = 0
+        #: the step written and not yet read back: (input, its start, its EPLB CPU seconds)
+        self._in_flight: tuple[ForwardInput, float, float] | None = None
+        self._last_refresh = 0.0
+        #: steps planned while the one before ran (``--async_scheduling``; /eplb/status)
+        self.planned_ahead = 0
         #: /eplb/status ``cores``: this node's cores and processes (set by engine/process)
         self.cores: dict = {}
         self._pending = None         # the last step's deferred bookkeeping (``account``)
@@ -142,35 +148,61 @@ class Engine:
         self.warming = False
 
     # --- one forward -----------------------------------------------------------------------
+    def use_membership(self, membership) -> None:
+        """Inject the membership port (``--elastic_ep``: ``elastic/recovery.EngineRecovery``)."""
+        self.membership = membership
+
     def step(self, batches: list[RankBatch], *, warmup: bool = False,
-             timeout: float | None = None) -> list:
-        """Run one forward on every rank; returns the rank-ordered outputs."""
+             timeout: float | None = None) -> list | None:
+        """Run one forward on every rank; returns the rank-ordered outputs (None: a rank died
+        and ``--elastic_ep`` voided the step)."""
+        self.send(self.prepare(batches, warmup=warmup))
+        return self.finish(timeout=timeout)
+
+    def prepare(self, batches: list[RankBatch], *, warmup: bool = False) -> ForwardInput:
+        """The next step's input. Its EPLB command comes from the manager only at a pure-decode
+        boundary with no step in flight (a step planned ahead carries none)."""
         pure = is_pure_decode_step(batches)
-        allow = pure and not warmup           # the EPLB boundary (scheduler.is_eplb_boundary)
+        allow = pure and not warmup and self._in_flight is None
         c0 = time.thread_time()
         info = self.manager.eplb_info(allow) if self.manager is not None else EplbInfo()
-        eplb_s = time.thread_time() - c0
+        self._plan_eplb_s = time.thread_time() - c0
         self.breakdown.lap("eplb_hooks")
-        self.step_no += 1
-        msg = ForwardInput(self.step_no, batches, info, warmup=warmup, pure_decode=pure)
-        timeout = timeout or self.cfg.runtime.worker_timeout_seconds
+        return ForwardInput(self.step_no + 1, batches, info, warmup=warmup, pure_decode=pure)
+
+    def send(self, msg: ForwardInput) -> None:
+        """Write ``msg`` to the input ring: it is now the step in flight."""
+        self.step_no = msg.step
         t0 = time.perf_counter()
         self.watch.begin()
-        self.inp.put(msg, timeout=timeout)
+        self.inp.put(msg, timeout=self.cfg.runtime.worker_timeout_seconds)
         if time.perf_counter() - t0 > 0.01:
             self.metrics.ring_full.labels("input").inc()
+        self._in_flight = (msg, t0, self._plan_eplb_s)
+
+    def finish(self, *, timeout: float | None = None, ahead=None) -> list | None:
+        """Read the step in flight back and do its bookkeeping; returns the rank-ordered
+        outputs (None: void, ``--elastic_ep``). ``ahead() -> ForwardInput | None`` plans the
+        next step meanwhile; it is written as soon as the outputs are read."""
+        msg, t0, eplb_s = self._in_flight
+        warmup, pure = msg.warmup, msg.pure_decode
         self.account()                    # the previous step's, while the workers run this one
-        outs = self._gather(timeout)
-        if outs is None:                  # elastic: a rank died, the step was void
+        nxt = ahead() if ahead is not None else None
+        outs = self._gather(timeout or self.cfg.runtime.worker_timeout_seconds)
+        self._in_flight = None
+        if outs is None:                  # elastic: a rank died, the step (and nxt) was void
             return None
         seconds = time.perf_counter() - t0
-        self.breakdown.forward(outs)
         self.watch.end()
+        if nxt is not None:
+            self.send(nxt)
+        self.breakdown.forward(outs)
         self._ring_occupancy()
         if self.recorder.active and not warmup:     # off: this test is all it costs
             self.recorder.add([o.counters for o in outs], self.active_placement)
         # the placement this step ran under (an activation may commit in on_outputs)
-        self._pending = (step_kind(batches, warmup, pure), outs, seconds, self.active_placement)
+        self._pending = (step_kind(msg.batches, warmup, pure), outs, seconds,
+                         self.active_placement)
         if self.manager is not None and not warmup:
             c0 = time.thread_time()
             self.manager.on_outputs([o.counters for o in outs], [o.prepared_token for o in outs],
@@ -184,6 +216,24 @@ class Engine:
             self.account()
             self.breakdown.lap("telemetry")
         return outs
+
+    def plan_ahead(self) -> ForwardInput | None:
+        """``--async_scheduling``: the next step, planned while the one in flight runs (new
+        requests and cancels taken in first), or None: stopping, an EPLB round or a membership
+        change in flight, or no row to run (see the module docstring)."""
+        if self.stopping or not self.membership.quiet() or (
+                self.manager is not None and not self.manager.quiescent()):
+            return None
+        self.sched.pull()
+        self._cancelled(self.sched.reap_cancelled())
+        self._maybe_refresh()
+        if not self.sched.can_plan_ahead():
+            return None
+        batches = self.sched.schedule(ahead=True)
+        self.live.on_scheduled(batches, self.sched.running, time.monotonic())
+        self.breakdown.lap("schedule")
+        self.planned_ahead += 1
+        return self.prepare(batches)
 
     def account(self) -> None:
         """The last step's bookkeeping (expert loads, step metrics), deferred: the next
@@ -207,8 +257,6 @@ class Engine:
                 got[r] = self._get(r, timeout)
             return [got[r] for r in range(self.D)]
         except WorkerFault as e:
-            if self.membership is None:
-                raise
             if getattr(e, "output", None) is not None:     # the frame that failed is read
                 got[e.output.rank] = e.output
             self.membership.recover(e, got)
@@ -242,10 +290,8 @@ class Engine:
                     raise
                 if self.state == "serving":     # not the warm-up (workers still loading)
                     self.failures.between_slices(self.step_no, self.inp, self.outs)
-                    if self.membership is not None:
-                        self.membership.between_slices(self.step_no,
-                                                       self.watch.in_flight_seconds(),
-                                                       lambda: self.watch.unread(self.inp))
+                    self.membership.between_slices(self.step_no, self.watch.in_flight_seconds(),
+                                                   lambda: self.watch.unread(self.inp))
 
     def _get(self, rank: int, timeout: float):
         try:
@@ -291,48 +337,65 @@ class Engine:
     def run(self) -> None:
         """Serve until :meth:`request_stop` (signal) or a worker fault (raises)."""
         self.state = "serving"
-        last_health = 0.0
-        lap = self.breakdown.lap
         self.breakdown.reset()
+        ahead = self.plan_ahead if self.cfg.runtime.async_scheduling else None
         while not self.stopping:
-            busy = self.sched.has_work
-            if not busy and self._pending is not None:
-                self.account()       # no step to overlap it with: before blocking
-                lap("telemetry")
-            c0 = time.thread_time() if self.membership is not None else None
-            self.sched.pull(timeout=IDLE_WAIT if self.membership is None else ELASTIC_IDLE_WAIT)
-            lap("schedule" if busy else "idle")
-            self._cancelled(self.sched.reap_cancelled())
-            if time.monotonic() - last_health > 1.0:
-                last_health = time.monotonic()
-                self._refresh()
-                c0 = None           # once a second either way: not an idle wake's cost
-            if self.stopping or not self.sched.has_work:
-                self.account()
-                if self.membership is not None:      # a death while idle: recover now
-                    self.membership.when_idle()
-                    if c0 is not None:
-                        self.tele.on_elastic(time.thread_time() - c0, idle=True)
-                lap("idle")
+            if self._in_flight is None and not self._start_step():
                 continue
-            if self.membership is not None:          # a rejoin grows here
-                self.account()
-                self.membership.at_boundary()
-            batches = self.sched.schedule()
-            self.live.on_scheduled(batches, self.sched.running, time.monotonic())
-            lap("schedule")
-            outs = self.step(batches)
+            outs = self.finish(ahead=ahead)
             if outs is None:         # --elastic_ep: the step died with a rank (voided)
-                lap("elastic")
+                self.breakdown.lap("elastic")
                 continue
-            sampled: dict[int, int] = {}
-            logprobs: dict = {}
-            for o in outs:
-                sampled.update(o.sampled)
-                logprobs.update(o.logprobs)
-            self.live.on_tokens(sampled, time.monotonic())
-            self._finished(self.sched.update(sampled, logprobs))
-            lap("http")
+            self._commit(outs)
+
+    def _start_step(self) -> bool:
+        """Nothing in flight: wait for work (idle), pass a membership boundary, schedule and
+        write the next step. False: no step was written (idle or stopping)."""
+        lap = self.breakdown.lap
+        busy = self.sched.has_work
+        if not busy and self._pending is not None:
+            self.account()       # no step to overlap it with: before blocking
+            lap("telemetry")
+        c0 = time.thread_time()
+        self.sched.pull(timeout=self.membership.idle_wait)
+        lap("schedule" if busy else "idle")
+        self._cancelled(self.sched.reap_cancelled())
+        if self._maybe_refresh():
+            c0 = None           # once a second either way: not an idle wake's cost
+        if self.stopping or not self.sched.has_work:
+            self.account()
+            self.membership.when_idle()     # a death while idle: recover now
+            if c0 is not None:
+                self.membership.idle_cpu(time.thread_time() - c0)
+            lap("idle")
+            return False
+        self.membership.at_boundary()       # a rejoin grows here (resize accounts first)
+        batches = self.sched.schedule()
+        self.live.on_scheduled(batches, self.sched.running, time.monotonic())
+        lap("schedule")
+        self.send(self.prepare(batches))
+        return True
+
+    def _commit(self, outs: list) -> None:
+        """A step's sampled tokens to their requests (and the HTTP handlers)."""
+        sampled: dict[int, int] = {}
+        logprobs: dict = {}
+        for o in outs:
+            sampled.update(o.sampled)
+            logprobs.update(o.logprobs)
+        # NOTE: planned ahead, a row of a request that ended in the step before is not its token
+        sampled = {r: t for r, t in sampled.items() if int(r) in self.sched.running}
+        self.live.on_tokens(sampled, time.monotonic())
+        self._finished(self.sched.update(sampled, logprobs))
+        self.breakdown.lap("http")
+
+    def _maybe_refresh(self) -> bool:
+        """The once-a-second refresh (manager timeouts, health, gauges); True if it ran."""
+        if time.monotonic() - self._last_refresh <= 1.0:
+            return False
+        self._last_refresh = time.monotonic()
+        self._refresh()
+        return True
 
     def _finished(self, reqs: list[Request]) -> None:
         self.tele.on_requests(reqs)
@@ -451,79 +514,3 @@ class Engine:
     def idle_step(self) -> None:
         """An empty step (a death while idle meets the dead rank now)."""
         self.step([RankBatch() for _ in range(self.D)])
-
-    # --- API backend -----------------------------------------------------------------------
-    def submit(self, req: Request) -> Request:
-        return self.sched.submit(req)
-
-    def health(self) -> tuple[bool, dict]:
-        """(serving, info); a step in flight beyond ``--stall_seconds`` is ``stalled`` (503)
-        with the ranks it waits on (computed now, from the stored step start); beyond
-        ``engine/health.SUSPECT_SECONDS`` (1 s) it is ``degraded`` (200) with them."""
-        info = {"status": self.state, "ep_size": self.D, "step": self.step_no,
-                "eplb": bool(self.cfg.eplb.enable_eplb)}    # the manager starts after warm-up
-        if self.state != "serving":
-            return False, info
-        fenced = self.membership.health() if self.membership is not None else None
-        if fenced is not None:          # elastic EP fenced a silent worker, or is recovering
-            info.update(fenced)
-            return False, info
-        waits = self.watch.verdict(self.inp, self.outs)
-        if waits is None:
-            return True, info
-        info.update(status=waits[0], waiting_on=waits[1],
-                    step_seconds=round(self.watch.in_flight_seconds(), 3))
-        return waits[0] == "degraded", info     # degraded: still serving (200)
-
-    def render_metrics(self) -> bytes:
-        """Prometheus text; heartbeat ages and ``worker_up`` are computed at scrape time."""
-        silent = self.watch.stalled(self.inp, self.outs) or []
-        self.tele.refresh_health(self.cfg.runtime.worker_timeout_seconds, silent=silent)
-        self.breakdown.export(self.metrics.step_phase)
-        return self.metrics.render()
-
-    def admit(self) -> str | None:
-        """None, or why the API refuses new work now (503 overloaded)."""
-        cap = self.cfg.serve.max_waiting_requests
-        waiting = self.sched.load()["waiting"]
-        if waiting >= cap:
-            return (f"overloaded: {waiting} requests waiting (--max_waiting_requests={cap}); "
-                    f"retry later")
-        return None
-
-    def status(self) -> dict:
-        """/eplb/status: the manager's ``stats()`` (EPLB off: the same keys at their zero
-        values, :class:`~xllm_eplb.eplb.manager_stats.ManagerStats`), balance, critical path."""
-        policy = self.cfg.eplb.eplb_policy_kind
-        st = (self.manager.stats() if self.manager is not None
-              else ManagerStats(policy=policy).as_dict())
-        out = {"enabled": self.manager is not None, "ep_size": self.D,
-               "num_layers": self.cfg.num_moe_layers, "step": self.step_no, **st,
-               "placement": self.active_placement.tolist(),
-               "init_placement": self.cfg.eplb.eplb_init_placement,
-               "record": self.recorder.status()}
-        out.update(self.tele.balance_summary())
-        out["balance_note"] = balance_note(out, self.cfg.eplb.eplb_plan_on)
-        out["cores"] = self.cores
-        out["critical_path"] = self.tele.critical_path_summary()
-        # the policy runner's thread CPU (drain, decode, policy), measured by the manager itself
-        out["critical_path"]["manager_thread_cpu_s"] = float(out["policy_cpu_seconds"])
-        out["requests"] = self.sched.load()
-        out["batch"] = {"max_batch_size": self.sched.max_batch_size,
-                        "waiting_for_slot": self.sched.waiting_for_slot}
-        out["step_breakdown"] = self.breakdown.summary()
-        if self.manager is not None:
-            out["cost_model"] = self.manager.cost_status()
-        out["nnodes"], out["rank_node"] = self.cfg.runtime.nnodes, list(self.rank_node)
-        out["membership"] = (self.membership.status() if self.membership is not None
-                             else {"elastic": False})
-        e = self.cfg.eplb
-        out["capacity"] = {"mode": e.moe_capacity_mode, "factor": e.moe_capacity_factor,
-                           "fallback_routing": e.moe_fallback_routing,
-                           "replica_routing": e.eplb_replica_routing,
-                           **self.tele.serving_summary()}
-        # capacity without fallback drops rows, with fallback re-routes them: both change outputs
-        out["outputs_exact"] = e.moe_capacity_mode == "none"
-        out["quantization"] = quant_info(self.cfg.model.model, self.cfg.model.fp8_dequant_cache)
-        out["workload"] = workload_status(self.cfg.serve)   # bench prints it in its header
-        return out

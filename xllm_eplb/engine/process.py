@@ -22,6 +22,7 @@ from xllm_eplb.child import (
 )
 from xllm_eplb.config import Config, ranks_per_node
 from xllm_eplb.elastic.notices import NoticeBox, launcher_gone
+from xllm_eplb.engine.backend import EngineApi
 from xllm_eplb.engine.batch_rows import with_batch_rows
 from xllm_eplb.engine.engine import Engine
 from xllm_eplb.engine.failures import NOTICE_WAIT, SHUTDOWN, WorkerFault
@@ -59,8 +60,9 @@ def _api(cfg: Config, engine_ref: dict):
                          aliases=(alias,) if alias and alias != cfg.serve.served_model_name
                          else ())
 
-    def eng():
-        return engine_ref.get("engine")
+    def eng():          # the API's view of the engine once it runs (engine/backend.py)
+        e = engine_ref.get("engine")
+        return EngineApi(e) if e is not None else None
 
     def need():
         if eng() is None:
@@ -69,13 +71,13 @@ def _api(cfg: Config, engine_ref: dict):
 
     backend = ApiBackend(
         submit=lambda r: need().submit(r),
-        cancel=lambda rid, why: need().sched.cancel(rid, why),
+        cancel=lambda rid, why: need().cancel(rid, why),
         status=lambda: eng().status() if eng() else {"status": "starting"},
         metrics=lambda: eng().render_metrics() if eng() else b"",
         health=lambda: eng().health() if eng() else (False, {"status": "starting"}),
         served=served,
         admit=lambda: need().admit(),
-        routers=(record_router(lambda: eng().recorder if eng() else None),),
+        routers=(record_router(lambda: getattr(engine_ref.get("engine"), "recorder", None)),),
         api_key=cfg.serve.api_key)
     return ApiServer(cfg.serve.host, cfg.serve.port, backend)
 
@@ -102,7 +104,7 @@ def _start_workload(cfg: Config, engine: Engine):
     if cfg.serve.workload != "synthetic":
         return None
     cap = 4 * cfg.eplb.ep_size * cfg.runtime.max_batch_size
-    wl = SyntheticWorkload(cfg, engine.submit,
+    wl = SyntheticWorkload(cfg, engine.sched.submit,
                            backlog=lambda: sum(engine.sched.load().values()), max_backlog=cap)
     wl.start()
     return wl
@@ -136,7 +138,9 @@ def _serve(cfg: Config, events, parent_pid: int, res: dict, stop: dict) -> int:
     if stop["early"]:           # a SIGTERM during the warm-up whose SystemExit was swallowed
         raise SystemExit(0)
     send_event(events, "engine", "warmup")
-    eng.membership = _elastic(cfg, eng, events)
+    membership = _elastic(cfg, eng, events)
+    if membership is not None:
+        eng.use_membership(membership)
     eng.manager = res["manager"] = make_manager(cfg, eng.placement)
     eng.metrics.enabled.set(1 if eng.manager is not None else 0)
     res["workload"] = _start_workload(cfg, eng)

@@ -12,6 +12,13 @@ cache), beside the decode rows of the other requests; the token the worker sampl
 non-final chunk is dropped, so the output is that of one whole-prompt prefill. NOTE: a chunk
 row is a prefill row, so a step carrying one is never a pure-decode (EPLB) boundary.
 
+``--async_scheduling`` (``schedule(ahead=True)``): the engine plans step n+1 while step n runs,
+before n's tokens are known. A request with a token coming from step n gets a decode row whose
+token is :data:`PENDING_TOKEN` (its rank puts in the token it sampled at step n) at the position
+after it; one that step n ends by its length gets none; one that an EOS, a stop or a cancel
+ends at step n runs one row for nothing (its token is dropped, its KV cache released by a later
+step). Greedy and seeded tokens are those of the synchronous schedule.
+
 ``--elastic_ep`` (:meth:`void_step`, :meth:`resize`, :meth:`grow`): when a rank dies the step in
 flight is void. The dead rank's requests go back to the head of the queue (re-prefilled from
 prompt + output on the least-loaded rank); every other request keeps its rank and KV cache and
@@ -35,7 +42,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
-from xllm_eplb.model.batch import RankBatch, SeqRow
+from xllm_eplb.model.batch import PENDING_TOKEN, RankBatch, SeqRow
 
 
 @dataclass
@@ -123,9 +130,10 @@ class Scheduler:
         self.running: dict[int, Request] = {}
         self._release: list[list[int]] = [[] for _ in range(dp_size)]
         self._truncate: list[list[list[int]]] = [[] for _ in range(dp_size)]
-        #: the batches of the step in flight (None once its tokens are committed): what
-        #: :meth:`void_step` rolls back
-        self._sent: list[RankBatch] | None = None
+        #: the steps scheduled and not yet committed, oldest first (the step in flight, and
+        #: the one planned ahead of it): their batches (what :meth:`void_step` rolls back) and
+        #: the req_ids whose row yields a token (a decode row or a context's last chunk)
+        self._sent: list[tuple[list[RankBatch], set[int]]] = []
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self._cancels: dict[int, str] = {}     # req_id -> why (logged by the engine)
@@ -214,19 +222,37 @@ class Scheduler:
                 best = k
         return best
 
-    def schedule(self) -> list[RankBatch]:
+    def can_plan_ahead(self) -> bool:
+        """Would ``schedule(ahead=True)`` give some rank a row? (Not when every running request
+        ends by its length in the step in flight and none waits.)"""
+        return bool(self.waiting) or any(
+            r.prefilling or len(r.output) + (r.req_id in self._producing) < r.max_tokens
+            for r in self.running.values())
+
+    @property
+    def _producing(self) -> set[int]:
+        """The req_ids whose row in the newest scheduled step yields a token."""
+        return self._sent[-1][1] if self._sent else set()
+
+    def schedule(self, ahead: bool = False) -> list[RankBatch]:
         """Build this step's batches: decode rows of running requests, the next chunk of each
-        request still prefilling, then admissions (see the module docstring)."""
+        request still prefilling, then admissions (see the module docstring). ``ahead``: the
+        step in flight is not committed yet (``--async_scheduling``, the module docstring)."""
         batches = [RankBatch(release=rel, truncate=cut)
                    for rel, cut in zip(self._release, self._truncate, strict=True)]
         self._flush = False
         self._release = [[] for _ in range(self.dp_size)]
         self._truncate = [[] for _ in range(self.dp_size)]
-        self._sent = batches
+        pending = self._producing if ahead else set()
+        producing: set[int] = set()
+        self._sent = (self._sent if ahead else []) + [(batches, producing)]
         prefill = [0] * self.dp_size
         for r in self.running.values():
             if not r.prefilling:
-                batches[r.dp_rank].rows.append(_decode_row(r))
+                row = _decode_row(r, pending=r.req_id in pending)
+                if row is not None:
+                    batches[r.dp_rank].rows.append(row)
+                    producing.add(r.req_id)
         for r in self.running.values():
             if r.prefilling:
                 self._add_chunk(batches, prefill, r)
@@ -259,6 +285,8 @@ class Scheduler:
         start = req.prefilled
         prefill[k] += n
         req.prefilled += n
+        if not req.prefilling:          # the context's last chunk: a token comes of it
+            self._sent[-1][1].add(req.req_id)
         ctx = req.prompt[start:start + n] if start + n <= len(req.prompt) else \
             (list(req.prompt) + list(req.output))[start:start + n]
         batches[k].rows.append(SeqRow(req.req_id, ctx, start, True,
@@ -272,10 +300,11 @@ class Scheduler:
         chunk is dropped (the prompt is not all in the KV cache yet)."""
         now = time.monotonic()
         finished = []
-        self._sent = None          # committed: no longer a step to void
+        committed = self._sent.pop(0) if self._sent else None    # no longer a step to void
+        producing = committed[1] if committed is not None else None
         for rid, tok in sampled.items():
             req = self.running.get(int(rid))
-            if req is None or req.prefilling:
+            if req is None or (req.prefilling if producing is None else rid not in producing):
                 continue
             if not req.output:
                 req.first_token_at = now
@@ -308,17 +337,23 @@ class Scheduler:
         keeps its rank and KV cache and recomputes its row of the void step: its rank's next
         batch cuts its cache back to that row's ``start_pos`` and a prefill chunk's progress
         is rolled back. The void step's KV releases are sent again (a rank may have failed
-        before applying them). Returns the requeued requests."""
-        sent, self._sent = self._sent or [], None
-        for k, b in enumerate(sent):
+        before applying them). A step planned ahead of the void one (``--async_scheduling``)
+        is void with it: each request rolls back to its row in the older step. Returns the
+        requeued requests."""
+        sent, self._sent = [b for b, _ in self._sent], []
+        for k in range(self.dp_size):
             if k == lost:
                 continue
-            self._release[k][:0] = b.release
-            for row in b.rows:
-                req = self.running.get(row.req_id)
+            self._release[k][:0] = [rid for step in sent for rid in step[k].release]
+            first: dict[int, SeqRow] = {}
+            for step in sent:
+                for row in step[k].rows:
+                    first.setdefault(row.req_id, row)
+            for rid, row in first.items():
+                req = self.running.get(rid)
                 if req is None:
                     continue
-                self._truncate[k].append([row.req_id, row.start_pos])
+                self._truncate[k].append([rid, row.start_pos])
                 if row.is_prefill:
                     req.prefilled = row.start_pos
         back = sorted((r for r in self.running.values() if r.dp_rank == lost),
@@ -376,8 +411,15 @@ class Scheduler:
         return {"waiting": len(self.waiting) + self.inbox.qsize(), "running": len(self.running)}
 
 
-def _decode_row(r: Request) -> SeqRow:
-    return SeqRow(r.req_id, [r.output[-1]], r.num_tokens - 1, False, r.temperature, r.seed,
+def _decode_row(r: Request, pending: bool = False) -> SeqRow | None:
+    """``r``'s decode row; ``pending``: a token of ``r``'s comes from the step in flight, so the
+    row is the one after it, its token :data:`PENDING_TOKEN` (None: that token is ``r``'s last)."""
+    if not pending:
+        return SeqRow(r.req_id, [r.output[-1]], r.num_tokens - 1, False, r.temperature,
+                      r.seed, r.top_p, r.top_k, r.logprobs)
+    if len(r.output) + 1 >= r.max_tokens:
+        return None
+    return SeqRow(r.req_id, [PENDING_TOKEN], r.num_tokens, False, r.temperature, r.seed,
                   r.top_p, r.top_k, r.logprobs)
 
 

@@ -159,6 +159,12 @@ class EplbManager:
         with self._lock:
             return self.pipe.command(self.clock())
 
+    def quiescent(self) -> bool:
+        """No round in flight (``--async_scheduling``: a step may be planned before the last
+        one's outputs reach :meth:`on_outputs`; it carries no EPLB command)."""
+        with self._lock:
+            return not self.pipe.in_progress
+
     def on_outputs(self, counters: list[np.ndarray], prepared_tokens: list[int],
                    activation_token: int, expert_cpu: list | None = None) -> None:
         """One forward's outputs from every rank, in xLLM order: prepared tokens, then the load

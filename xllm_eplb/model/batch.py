@@ -4,13 +4,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+#: a decode row's token when the engine planned the step before the previous one's outputs
+#: arrived (``--async_scheduling``): the worker puts in the token it sampled for that request
+#: in the previous step (:meth:`RankBatch.fill_pending`)
+PENDING_TOKEN = -1
+
 
 @dataclass
 class SeqRow:
     """One request's share of a step.
 
     Prefill rows carry the whole prompt in ``token_ids``; decode rows carry exactly one token
-    (the last sampled one). ``start_pos`` is the KV-cache length before this step.
+    (the last sampled one, or :data:`PENDING_TOKEN`: the one this rank sampled for the request
+    in the step before). ``start_pos`` is the KV-cache length before this step.
     ``temperature == 0`` means greedy; otherwise sampling uses ``seed`` and the position, so
     the same request gives the same tokens whatever batch it shares, restricted to the ``top_k``
     most likely tokens (0 = all) and to the smallest set whose probability reaches ``top_p``.
@@ -61,6 +67,19 @@ class RankBatch:
     @property
     def is_pure_decode(self) -> bool:
         return bool(self.rows) and not any(r.is_prefill for r in self.rows)
+
+    def fill_pending(self, last: dict[int, int]) -> None:
+        """Put each :data:`PENDING_TOKEN` decode row's token in from ``last`` (req_id -> the
+        token this rank sampled for it in the previous step); a row without one is an error
+        (the engine planned ahead of a step this rank did not run)."""
+        for row in self.rows:
+            if row.token_ids and row.token_ids[0] == PENDING_TOKEN:
+                tok = last.get(row.req_id)
+                if tok is None:
+                    raise ValueError(f"request {row.req_id}: decode row at position "
+                                     f"{row.start_pos} waits for this rank's last sampled "
+                                     f"token, but this rank sampled none for it")
+                row.token_ids = [tok]
 
     def to_dict(self) -> dict:
         d = {"rows": [r.to_dict() for r in self.rows], "release": list(self.release)}

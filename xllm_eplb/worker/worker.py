@@ -130,6 +130,9 @@ class Worker:
         #: the step-time breakdown: the executor hooks and (via ``model.timer``) the model phases
         self.timer = StepTimer()
         self._wait_s = self._ring_s = 0.0     # the loop's seconds since the last output
+        #: req_id -> the token this rank last sampled for it (a planned-ahead decode row's
+        #: token, ``RankBatch.fill_pending``); dropped with the request's KV cache
+        self.last_tokens: dict[int, int] = {}
 
     def _crash(self, detail: str) -> None:
         """An injected crash: tell the launcher why, then leave at once (no clean-up)."""
@@ -361,12 +364,17 @@ class Worker:
     def _forward(self, msg):
         batch, info = msg.batches[self.ep_rank], msg.eplb_info
         c0, t0 = time.thread_time(), time.perf_counter()
+        for r in batch.release:
+            self.last_tokens.pop(r, None)
+        batch.fill_pending(self.last_tokens)      # --async_scheduling: rows planned ahead
         self.faults.step(msg.step)
         self.executor.before_forward(info)
         c1, t1 = time.thread_time(), time.perf_counter()
         res = self.model.forward_step(batch, warmup=msg.warmup, pure_decode=msg.pure_decode,
                                       peer_rows=dispatched_rows(self.model.cfg, msg.batches))
         c2, t2 = time.thread_time(), time.perf_counter()
+        if not msg.warmup:
+            self.last_tokens.update(res.sampled)
         self.executor.after_forward()
         ready = self.executor.consume_ready_token()
         c3 = time.thread_time()
