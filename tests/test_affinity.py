@@ -33,6 +33,20 @@ def test_auto_on_this_two_core_machine():
     assert p.note.endswith("engine on core(s) 0-1")
 
 
+def test_auto_leaves_one_core_workers_unpinned_with_the_shm_all_to_all():
+    # 2 cores, EP2, shm: a pinned rank would sleep in a round behind the engine on its core
+    p = affinity.plan("auto", 2, (0, 1), shm=True)
+    assert not p.pinned and p.engine is None
+    assert p.note == ("worker_cpu_affinity=auto: 2 cores for 2 workers and the engine with the "
+                      "shm all-to-all: not pinned (a pinned rank would wait behind the engine "
+                      "on its core)")
+    # a core left for the engine, several cores per worker, or EP1: pinned as without shm
+    assert affinity.plan("auto", 2, (0, 1, 2), shm=True).workers == ((1,), (2,))
+    assert affinity.plan("auto", 2, tuple(range(4)), shm=True).workers == ((0, 1), (2, 3))
+    assert affinity.plan("auto", 1, (0, 1), shm=True).workers == ((0, 1),)
+    assert affinity.plan("0,1", 2, (0, 1), shm=True).workers == ((0,), (1,))
+
+
 def test_auto_falls_back_to_none_with_too_few_cores():
     p = affinity.plan("auto", 4, (0, 1))                # this 2-core machine at EP4
     assert not p.pinned and p.engine is None

@@ -15,7 +15,7 @@ from xllm_eplb.flags import config_from_dict
 from xllm_eplb.ipc.alltoall import ShmAllToAll, segment_name, semaphore_name, supported
 from xllm_eplb.ipc.objects import list_objects
 from xllm_eplb.ipc.shm import shm_path
-from xllm_eplb.worker.transport import open_ep_transport, shm_unavailable
+from xllm_eplb.worker.transport import open_ep_transport, shm_unavailable, uses_shm
 
 needs_x86 = pytest.mark.skipif(not supported(), reason="shm all-to-all needs x86-64")
 
@@ -33,6 +33,11 @@ def test_where_shm_applies():
     assert open_ep_transport(_cfg(ep_transport="shm"), "t39u", 1, 0, 1) is None
     assert open_ep_transport(_cfg(ep_transport="shm", nnodes=2), "t39u", 1, 0, 2) is None
     assert not list_objects("t39u")
+    # auto (the default): shm wherever it applies, dist elsewhere
+    assert RuntimeConfig().ep_transport == "auto"
+    assert uses_shm(_cfg(), 2) == supported() and uses_shm(_cfg(ep_transport="shm"), 2) == supported()
+    assert not uses_shm(_cfg(), 1) and not uses_shm(_cfg(ep_transport="dist"), 2)
+    assert not uses_shm(_cfg(nnodes=2), 2) and not uses_shm(_cfg(device="cuda"), 2)
 
 
 def test_flag_is_validated():

@@ -100,8 +100,9 @@ def _reference_tokens(argv: list[str]) -> list[list[int]]:
 def test_serve_rebalances_keeps_tokens_identical_and_stops_cleanly(start_server):
     flags = ["--eplb_update_interval=3", "--dtype=float64", "--workload=synthetic",
              "--workload_rate=6", "--workload_output_len=24", "--eplb_policy_kind=balanced",
-             "--eplb_plan_on=tokens", "--log_stats_interval=1",
-             "--ep_transport=shm"]             # #39: EPLB's moves and token identity on shm
+             "--eplb_plan_on=tokens", "--log_stats_interval=1"]
+    # #39: the default transport on one node is the shared memory: EPLB's moves and token
+    # identity on it
     s = start_server(*flags)
     s.wait_ready()
     before = [_post(s.url, b) for b in REQUESTS]
@@ -180,7 +181,7 @@ def _check_breakdown(s: Server, engine_log: str) -> None:
     assert all(v >= 0 for v in b1["seconds"].values())
     assert len(b1["per_rank"]) == st["ep_size"]
     assert all(r["experts"] > 0 and r["wait"] > 0 for r in b1["per_rank"])
-    # #39: the all-to-all per rank (this server: --ep_transport=shm, 2 rounds per MoE layer)
+    # #39: the all-to-all per rank (this server: the default shm, 2 rounds per MoE layer)
     assert len(b1["all_to_all"]) == st["ep_size"]
     assert all(a["rounds"] > 0 and a["rounds_per_step"] == a["rounds"] / b1["steps"]
                and a["round_us"] > 0 for a in b1["all_to_all"]), b1["all_to_all"]

@@ -129,8 +129,10 @@ def check_affinity(cfg: Config):
     :class:`~xllm_eplb.worker.affinity.AffinityPlan` (ConfigError naming the flag if not)."""
     from xllm_eplb.config import ranks_per_node
     from xllm_eplb.worker import affinity
+    from xllm_eplb.worker.transport import uses_shm
 
-    return affinity.plan(cfg.runtime.worker_cpu_affinity, ranks_per_node(cfg))
+    return affinity.plan(cfg.runtime.worker_cpu_affinity, ranks_per_node(cfg),
+                         shm=uses_shm(cfg, cfg.eplb.ep_size))
 
 
 def check_serve(cfg: Config) -> int:

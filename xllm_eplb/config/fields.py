@@ -186,15 +186,16 @@ class RuntimeConfig:
     backend: str = opt("auto", "torch.distributed backend (auto: gloo/nccl/hccl by device)",
                        choices=("auto", "gloo", "nccl", "hccl"))
     ep_transport: str = opt(
-        "dist", "how the EP ranks exchange token rows (dispatch and combine): dist "
-        "(default: torch.distributed's all_to_all, gloo/nccl/hccl) or shm (one node, "
-        "device=cpu, x86-64: through buffers in the run's shared memory, one round per "
-        "dispatch and one per combine, no collective on the hot path; elsewhere the worker "
-        "logs why and uses dist; measured faster with --worker_cpu_affinity=none and at "
-        "EP4, slower than dist with pinned workers: docs/benchmarks.md)",
-        choices=("dist", "shm"))
+        "auto", "how the EP ranks exchange token rows (dispatch and combine): auto (default: "
+        "shm where it applies, else dist), shm (one node, device=cpu, x86-64: through buffers "
+        "in the run's shared memory, one round per dispatch and one per combine, no collective "
+        "on the hot path; elsewhere the worker logs why and uses dist) or dist "
+        "(torch.distributed's all_to_all: gloo/nccl/hccl). With shm, "
+        "--worker_cpu_affinity=auto leaves one-core workers unpinned when the engine has no "
+        "core of its own (docs/benchmarks.md)",
+        choices=("auto", "dist", "shm"))
     ep_shm_buffer_bytes: int = opt(
-        1 * MiB, "with --ep_transport=shm: data bytes of one rank's send buffer (the segment "
+        1 * MiB, "with the shm transport: data bytes of one rank's send buffer (the segment "
         "holds two per rank, about 2 x ep_size x this); a larger message takes several "
         "rounds", unit="bytes", lo=4096, hi=1 << 30)
     master_addr: str = opt("127.0.0.1", "torch.distributed rendezvous address")

@@ -31,6 +31,7 @@ from xllm_eplb.launcher.rings import RunShm
 from xllm_eplb.obs.logs import FILE_ONLY, event
 from xllm_eplb.preflight import StartupError
 from xllm_eplb.worker import affinity
+from xllm_eplb.worker.transport import uses_shm
 from xllm_eplb.worker.worker import worker_main
 
 log = logging.getLogger(__name__)
@@ -92,7 +93,8 @@ class Launcher:
     @functools.cached_property
     def affinity(self) -> affinity.AffinityPlan:
         """This node's ``--worker_cpu_affinity`` plan (decided once, logged in one line)."""
-        plan = affinity.plan(self.cfg.runtime.worker_cpu_affinity, ranks_per_node(self.cfg))
+        plan = affinity.plan(self.cfg.runtime.worker_cpu_affinity, ranks_per_node(self.cfg),
+                             shm=uses_shm(self.cfg, self.cfg.eplb.ep_size))
         log.info(event("launcher cpu affinity", note=plan.note))
         return plan
 

@@ -10,6 +10,10 @@ each rank runs on its own cores, so the step time is the critical path EPLB shor
   else the engine runs on the workers' cores (it works between steps, while they wait for it, so
   a core of its own would sit idle: at EP1 on 2 cores that halved the step's threads). With
   fewer cores than ranks it falls back to ``none`` with one log line (2 cores, EP4: not pinned).
+  With the shared-memory all-to-all (``shm=True``) and one core per worker with none left for
+  the engine, the workers are not pinned either (2 cores, EP2): a pinned rank that sleeps in a
+  round shares its one core with the engine and the HTTP threads and wakes late behind them
+  (docs/benchmarks.md, "The shared-memory all-to-all": EP2 1.15-1.48x unpinned).
 - ``LIST``: one entry per local rank, comma-separated; an entry is a core (``3``), a range
   (``4-7``) or several joined by ``+`` (``0+2``): ``0,1`` puts rank 0 on core 0 and rank 1 on
   core 1 (the engine then runs anywhere). Every core must be one this process may use, and no
@@ -89,8 +93,10 @@ def check_syntax(spec: str, ranks: int) -> None:
             seen[c] = r
 
 
-def plan(spec: str, ranks: int, cpus: tuple[int, ...] | None = None) -> AffinityPlan:
-    """The pinning of ``ranks`` local workers on ``cpus`` (default: this process's cores)."""
+def plan(spec: str, ranks: int, cpus: tuple[int, ...] | None = None, *,
+         shm: bool = False) -> AffinityPlan:
+    """The pinning of ``ranks`` local workers on ``cpus`` (default: this process's cores);
+    ``shm``: they exchange rows through the shared-memory all-to-all (module docstring)."""
     cpus = available_cpus() if cpus is None else tuple(sorted(cpus))
     if spec == "none":
         return AffinityPlan((None,) * ranks, None, f"{FLAG}=none: workers not pinned")
@@ -101,6 +107,11 @@ def plan(spec: str, ranks: int, cpus: tuple[int, ...] | None = None) -> Affinity
                                 f"pinned (needs {ranks})")
         k = len(cpus) // ranks
         spare = len(cpus) - k * ranks
+        if shm and ranks > 1 and k == 1 and not spare:
+            return AffinityPlan((None,) * ranks, None,
+                                f"{FLAG}=auto: {len(cpus)} cores for {ranks} workers and the "
+                                f"engine with the shm all-to-all: not pinned (a pinned rank "
+                                f"would wait behind the engine on its core)")
         engine = cpus[:spare] or None
         workers = tuple(cpus[spare + i * k: spare + (i + 1) * k] for i in range(ranks))
         where = (f"engine on core(s) {_ranges(engine)}" if engine else

@@ -3,9 +3,10 @@
 ``shm``: the node's ranks exchange rows through the run's shared memory
 (:class:`~xllm_eplb.ipc.alltoall.ShmAllToAll`), one segment per process-group generation
 (``/xllm_eplb_<run>_a2a<g>``), so an elastic re-form gets fresh buffers; it applies on one node
-(``--nnodes=1``), on ``device=cpu`` and on x86-64. Anywhere else, and with ``dist``, the
-dispatch runs on the EP process group (torch.distributed) as before; a requested ``shm`` that
-does not apply is logged once with the reason.
+(``--nnodes=1``), on ``device=cpu`` and on x86-64. ``auto`` (the default) is ``shm`` wherever it
+applies. Anywhere else, and with ``dist``, the dispatch runs on the EP process group
+(torch.distributed); an explicitly requested ``shm`` that does not apply is logged once with
+the reason.
 """
 
 from __future__ import annotations
@@ -31,6 +32,12 @@ def shm_unavailable(cfg: Config) -> str | None:
     return None
 
 
+def uses_shm(cfg: Config, size: int) -> bool:
+    """Do ``size`` EP ranks of this run exchange rows through the shared memory?"""
+    return (cfg.runtime.ep_transport != "dist" and size > 1
+            and shm_unavailable(cfg) is None)
+
+
 def open_ep_transport(cfg: Config, run_id: str, generation: int, rank: int,
                       size: int) -> ShmAllToAll | None:
     """The shared-memory all-to-all of ``size`` ranks for this generation, or None (dist).
@@ -38,12 +45,13 @@ def open_ep_transport(cfg: Config, run_id: str, generation: int, rank: int,
     Every rank of the group calls it with the same arguments but its own ``rank``; the
     round timeout is ``--worker_timeout_seconds`` (the process groups' timeout)."""
     rt = cfg.runtime
-    if rt.ep_transport != "shm" or size <= 1:
+    if rt.ep_transport == "dist" or size <= 1:
         return None
     why = shm_unavailable(cfg)
     if why:
-        log.warning(event("EPLB ep transport fallback", requested="shm", used="dist",
-                          reason=why.replace(" ", "_")))
+        if rt.ep_transport == "shm":
+            log.warning(event("EPLB ep transport fallback", requested="shm", used="dist",
+                              reason=why.replace(" ", "_")))
         return None
     a2a = ShmAllToAll.open(run_id, generation, rank, size, rt.ep_shm_buffer_bytes,
                            rt.worker_timeout_seconds)
