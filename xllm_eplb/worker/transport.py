@@ -42,8 +42,10 @@ def open_ep_transport(cfg: Config, run_id: str, generation: int, rank: int,
                       size: int) -> ShmAllToAll | None:
     """The shared-memory all-to-all of ``size`` ranks for this generation, or None (dist).
 
-    Every rank of the group calls it with the same arguments but its own ``rank``; the
-    round timeout is ``--worker_timeout_seconds`` (the process groups' timeout)."""
+    Every rank of the group calls it with the same arguments but its own ``rank``. A round
+    waits for a silent peer twice ``--worker_timeout_seconds``: the engine, whose wait for the
+    step's outputs ends after one, is the one that names the silent rank (a rank that gave up
+    first would be reported as the failure); a dead peer fails the round at once."""
     rt = cfg.runtime
     if rt.ep_transport == "dist" or size <= 1:
         return None
@@ -54,7 +56,7 @@ def open_ep_transport(cfg: Config, run_id: str, generation: int, rank: int,
                               reason=why.replace(" ", "_")))
         return None
     a2a = ShmAllToAll.open(run_id, generation, rank, size, rt.ep_shm_buffer_bytes,
-                           rt.worker_timeout_seconds)
+                           2 * rt.worker_timeout_seconds)
     log.info(event("EPLB ep transport", used="shm", segment=a2a.seg.name, ranks=size,
                    buffer_bytes=rt.ep_shm_buffer_bytes))
     return a2a
