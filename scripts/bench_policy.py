@@ -10,7 +10,7 @@ For EP16+16, EP32+32, EP64+64, EP128+128 (one redundant slot per rank) and every
   loaded shared machine does not distort it);
 - drift to decode_in500out1500 starting from the policy's own fresh plan: slots moved (% of all
   slots) and balancedness reached, plus "no rebalance" (keep the fresh plan);
-- the integrations (``scripts/bench_adapters.py``): every engine interface with our policy next
+- the integrations (``xllm_eplb/testing/adapter_rows.py``): every engine interface with our policy next
   to the engine's own default policy, same input, same run (EP32+32 with --quick, else EP32 and
   EP64), and vllm-ascend's policy fixture;
 - ``incremental`` at 384 experts, EP96+96 (the dumps' 256 experts plus 128 of them again, shuffled:
@@ -231,7 +231,7 @@ def main(argv=None) -> int:
               f"{rs[0]['peak_over_ideal'] / rs[0]['peak_over_replica_bound']:.4f}; "
               f"LP(layer 0) / ideal {'n/a' if lp is None else f'{lp:.4f}'}", file=sys.stderr)
     print(to_markdown(rows))
-    import bench_adapters
+    from xllm_eplb.testing import adapter_rows as bench_adapters
 
     ad = [x for d in ([32] if args.quick else [32, 64]) for x in bench_adapters.bench(d, a, b,
                                                                                      repeats)]

@@ -1,4 +1,4 @@
-"""Peer test fixtures shared by the tests and ``scripts/bench_adapters.py`` (facts from the
+"""Peer test fixtures shared by the tests and ``testing/adapter_rows.py`` (facts from the
 peers' published test set-ups, written here)."""
 
 from __future__ import annotations
