@@ -16,6 +16,9 @@ import pytest
 
 from xllm_eplb.testing.serving import last_error
 
+#: a real child process stands in for the launcher (a process: slow, as the README says)
+pytestmark = pytest.mark.slow
+
 LATE = ("import time, sys; time.sleep(1.0); "
         "print('error: rank 3 (pid 1) died during serving: exit code 1', file=sys.stderr); "
         "sys.exit(1)")
