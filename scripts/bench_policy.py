@@ -34,6 +34,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from xllm_eplb.config import rank_slots  # noqa: E402
 from xllm_eplb.eplb.balance import rank_loads_from_phy2log  # noqa: E402
 from xllm_eplb.eplb.gate import propose  # noqa: E402
 from xllm_eplb.eplb.loads import read_loads  # noqa: E402
@@ -57,7 +58,7 @@ def replica_bound(loads, d, r) -> np.ndarray:
     sum c = E + D*R, c <= D); its rank holds S-1 other distinct experts, each >= L_e / D."""
     w = np.asarray(loads, dtype=np.float64)
     e = w.shape[1]
-    s = e // d + r
+    s = rank_slots(e, d, r)
     c = select_replicas_max_load(w, d * r, d)
     top = (w / c).max(axis=1)
     small = np.sort(w / d, axis=1)[:, : s - 1].sum(axis=1)
@@ -149,7 +150,7 @@ def bench_ep(d, a, b, repeats, with_lp):
     rb = replica_bound(a, d, r).sum() / ideal_a
     lp = None
     if with_lp:
-        v = lp_bound(a[0], d, e // d + r)
+        v = lp_bound(a[0], d, rank_slots(e, d, r))
         lp = None if v is None else v / (a[0].sum() / d)
     rows = []
     for kind in POLICIES:
