@@ -1,6 +1,7 @@
 """docs/architecture.md's module map matches the tree: every module of ``xllm_eplb/`` is named in
 the map's first column (``pkg/mod.py``, or a bare ``mod.py`` after ``pkg/`` in the same cell, or
-``pkg/*.py``), and every module named there exists."""
+``pkg/*.py``), every module named there exists, and every call its contract column names
+(``f(...)``, ``mod.f(...)``, ``Class.m(...)``) is defined where the row says."""
 import ast
 import functools
 import re
