@@ -26,7 +26,7 @@ install: $(STAMP)  ## create .venv: torch==2.13.0 first, then the project with [
 test: install  ## run the whole test suite
 	$(BIN)/python -m pytest tests
 
-test-fast: install  ## the in-process core only (no test marked slow or oracle), ~1 min on a quiet 2-core machine
+test-fast: install  ## the in-process core only (no test marked slow or oracle), ~40 s on a quiet 2-core machine
 	$(BIN)/python -m pytest tests -m "not slow and not oracle"
 
 # no --model: the launcher generates the default deepseek_v3 checkpoint from the config's sizes

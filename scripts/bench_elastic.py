@@ -21,7 +21,7 @@ fence and re-form seconds; per request in flight: kill -> its next token. After 
 ``/eplb/status`` ``placement`` covers every expert in every layer; no ``EPLB canary:`` line,
 one ``canary=ok`` per re-sharded survivor. Throughput: closed-loop streams, 8 s before a kill
 and 10 s after, target 0.9 x (N-1)/N (shrink) or 0.9 (respawn) of the rate before. Overhead
-(``scripts/elastic_overhead.py``): EPLB off, one server at a time on the same cores, off / on /
+(``xllm_eplb/testing/elastic_overhead.py``): EPLB off, one server at a time on the same cores, off / on /
 off / ... / off at each of ``--overhead-eps``; the direct cost (CPU inside elastic-only code,
 accounted by the engine), the idle cost, and CPU and wall per step on / off with the off / off
 (A/A) spread of the same run.
@@ -35,22 +35,18 @@ accounted by the engine), the idle cost, and CPU and wall per step on / off with
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import random
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import elastic_load as L  # noqa: E402
-from elastic_overhead import overhead  # noqa: E402
-
-from xllm_eplb.testing import elastic_measure as M  # noqa: E402
-from xllm_eplb.testing.serving import Server, kill_worker  # noqa: E402
+from xllm_eplb.testing import elastic_load as L
+from xllm_eplb.testing import elastic_measure as M
+from xllm_eplb.testing.elastic_overhead import overhead
+from xllm_eplb.testing.serving import Server, kill_worker, last_error
 
 KINDS = {"prefill": 1, "decode": 1, "migration": 1, "reprefill": 2}
 
@@ -130,7 +126,7 @@ def kills_series(mode: str, a, model: Path, tmp: Path, bodies, ref, rng) -> dict
                     rows.append({"label": "idle", "recs": []})
             except (OSError, KeyError, RuntimeError) as e:     # the server stopped
                 bad.append(f"server {si} stopped: {type(e).__name__}: {e}; "
-                           f"{_last_error(s)}")
+                           f"{last_error(s)}")
             launcher = (logs / "latest" / "launcher.log").read_text()
             restarts.append({k: launcher.count(f"EPLB elastic rejoin {k} ")
                              for k in ("start", "restart", "dropped")})
@@ -282,18 +278,6 @@ def _run(a, skip: set, tmp: Path, out: dict, rng) -> None:
             print(json.dumps({k: v for k, v in r.items()
                               if k not in ("steps", "cpu_ms_per_step", "engine_rss_mb")}),
                   flush=True)
-
-
-def _last_error(s, wait_s: float = 10.0) -> str:
-    """The launcher's error line (why the run stopped), from the server's console output.
-
-    NOTE: the client sees the port close when the engine exits; the launcher prints its line
-    1-4 s later (it waits for the cause, then stops the others): wait up to ``wait_s`` for
-    the launcher to exit first (a run A read the console at once: "(no error line)")."""
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        s.proc.wait(wait_s)
-    errs = [ln for ln in s.out.read_text().splitlines() if "error" in ln.lower()]
-    return errs[-1][:400] if errs else "(no error line)"
 
 
 def _reference(model: Path, tmp: Path, a, bodies) -> list:

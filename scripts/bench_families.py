@@ -28,10 +28,13 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_roofline import COMPUTE, FAMILY_COMPUTE  # noqa: E402
-
+from xllm_eplb.testing.roofline import (  # noqa: E402
+    COMPUTE,
+    FAMILY_COMPUTE,
+    active_params,
+    reference_decoder,
+)
 from xllm_eplb.testing.serving import write_json  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -47,32 +50,6 @@ def checkpoint(family: str, cache: Path, sizes: dict) -> Path:
     if not (d / "config.json").is_file():
         make_checkpoint(family, d, force=True, **sizes)
     return d
-
-
-def active_params(model) -> int:
-    """Weights a decode token reads, embedding excluded (see the module docstring)."""
-    s, reader = model.spec, model.reader
-    n = 0
-    for name, (_, _, shape) in reader.meta.items():
-        if name == "model.embed_tokens.weight" or ".experts." in name:
-            continue
-        k = 1
-        for d in shape:
-            k *= d
-        n += k
-    per_expert = 3 * s.hidden_size * s.moe_intermediate_size
-    if s.expert_bias:
-        per_expert += 2 * s.moe_intermediate_size + s.hidden_size
-    return n + len(s.moe_layers) * s.top_k * per_expert
-
-
-def build(family: str, path: Path):
-    from xllm_eplb.config import Config, EplbConfig, ModelConfig
-    from xllm_eplb.model.decoder import Decoder
-
-    cfg = Config(eplb=EplbConfig(ep_size=1, redundant_experts_num=0),
-                 model=ModelConfig(model=str(path), dtype="float32"))
-    return Decoder.reference(cfg)
 
 
 def decode_steps(model, batch: int, prompt_len: int, steps: int, vocab: int) -> list[float]:
@@ -116,7 +93,7 @@ def main() -> int:
     if BASELINE not in fams:
         fams = [BASELINE, *fams]
     args.cache.mkdir(parents=True, exist_ok=True)
-    models = {f: build(f, checkpoint(f, args.cache, SIZES[f])) for f in fams}
+    models = {f: reference_decoder(checkpoint(f, args.cache, SIZES[f])) for f in fams}
     steps: dict[str, list[float]] = {f: [] for f in fams}
     with torch.no_grad():
         for _ in range(args.rounds):

@@ -40,36 +40,24 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from xllm_eplb.engine.workload import TopicPrompts, zipf_probs  # noqa: E402
 from xllm_eplb.model.checkpoint import make_checkpoint  # noqa: E402
+from xllm_eplb.testing.roofline import HF_COMPUTE  # noqa: E402
 from xllm_eplb.testing.serving import (  # noqa: E402
     Server,
     engine_serves_checkpoints,
     hf_greedy,
     hf_model,
+    make_prompts,
     write_json,
 )
 
 BATCH = 32
 CONFIGS = {
     "tiny": {},
-    "compute": dict(hidden_size=1024, num_layers=4, num_experts=16, top_k=2,
-                    moe_intermediate_size=512, intermediate_size=2048, num_heads=16,
-                    q_lora_rank=384, kv_lora_rank=256, qk_nope_head_dim=64,
-                    qk_rope_head_dim=32, v_head_dim=64),
+    "compute": HF_COMPUTE,
 }
-
-
-def make_prompts(model_dir: Path, n: int, length: int, seed: int = 0) -> list[list[int]]:
-    """``n`` prompts of ``length`` ids, topics by the workload's Zipf(1.2) mix."""
-    tp = TopicPrompts.for_checkpoint(str(model_dir))
-    rng = np.random.default_rng(seed)
-    p = zipf_probs(tp.num_topics, 1.2)
-    return [tp.prompt(int(rng.choice(tp.num_topics, p=p)), length, rng) for _ in range(n)]
 
 
 def bench_hf(model_dir: Path, prompts, new: int) -> tuple[float, list[list[int]]]:

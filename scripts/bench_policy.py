@@ -10,7 +10,7 @@ For EP16+16, EP32+32, EP64+64, EP128+128 (one redundant slot per rank) and every
   loaded shared machine does not distort it);
 - drift to decode_in500out1500 starting from the policy's own fresh plan: slots moved (% of all
   slots) and balancedness reached, plus "no rebalance" (keep the fresh plan);
-- the integrations (``scripts/bench_adapters.py``): every engine interface with our policy next
+- the integrations (``xllm_eplb/testing/adapter_rows.py``): every engine interface with our policy next
   to the engine's own default policy, same input, same run (EP32+32 with --quick, else EP32 and
   EP64), and vllm-ascend's policy fixture;
 - ``incremental`` at 384 experts, EP96+96 (the dumps' 256 experts plus 128 of them again, shuffled:
@@ -34,6 +34,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from xllm_eplb.config import rank_slots  # noqa: E402
 from xllm_eplb.eplb.balance import rank_loads_from_phy2log  # noqa: E402
 from xllm_eplb.eplb.gate import propose  # noqa: E402
 from xllm_eplb.eplb.loads import read_loads  # noqa: E402
@@ -57,7 +58,7 @@ def replica_bound(loads, d, r) -> np.ndarray:
     sum c = E + D*R, c <= D); its rank holds S-1 other distinct experts, each >= L_e / D."""
     w = np.asarray(loads, dtype=np.float64)
     e = w.shape[1]
-    s = e // d + r
+    s = rank_slots(e, d, r)
     c = select_replicas_max_load(w, d * r, d)
     top = (w / c).max(axis=1)
     small = np.sort(w / d, axis=1)[:, : s - 1].sum(axis=1)
@@ -149,7 +150,7 @@ def bench_ep(d, a, b, repeats, with_lp):
     rb = replica_bound(a, d, r).sum() / ideal_a
     lp = None
     if with_lp:
-        v = lp_bound(a[0], d, e // d + r)
+        v = lp_bound(a[0], d, rank_slots(e, d, r))
         lp = None if v is None else v / (a[0].sum() / d)
     rows = []
     for kind in POLICIES:
@@ -231,7 +232,7 @@ def main(argv=None) -> int:
               f"{rs[0]['peak_over_ideal'] / rs[0]['peak_over_replica_bound']:.4f}; "
               f"LP(layer 0) / ideal {'n/a' if lp is None else f'{lp:.4f}'}", file=sys.stderr)
     print(to_markdown(rows))
-    import bench_adapters
+    from xllm_eplb.testing import adapter_rows as bench_adapters
 
     ad = [x for d in ([32] if args.quick else [32, 64]) for x in bench_adapters.bench(d, a, b,
                                                                                      repeats)]

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import tempfile
 import threading
 import time
@@ -33,11 +32,9 @@ from pathlib import Path
 
 import psutil
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import elastic_load as L  # noqa: E402
-
-from xllm_eplb.testing import elastic_measure as M  # noqa: E402
-from xllm_eplb.testing.serving import Server, stream_completion, workers  # noqa: E402
+from xllm_eplb.testing import elastic_load as L
+from xllm_eplb.testing import elastic_measure as M
+from xllm_eplb.testing.serving import Server, stream_completion, workers
 
 BASE = ["--dtype=float64", "--elastic_ep=true", "--elastic_silence_seconds=2",
         "--max_batch_size=8", "--elastic_max_restarts=20", "--enable_eplb=false",

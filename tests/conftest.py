@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, settings
-from serve_util import Server
+
+from xllm_eplb.testing.serving import Server
 
 # the long fuzz runs (docs/reliability.md): pytest ... --hypothesis-profile=fuzz-long
 settings.register_profile("fuzz-long", max_examples=3000, deadline=None,
@@ -106,7 +107,7 @@ def start_server(tmp_path):
     def start(*args: str, base: list[str] | None = None) -> Server:
         d = tmp_path / f"s{len(servers)}"
         d.mkdir()
-        s = Server(d, list(args), base)
+        s = Server.launch(d, list(args), base)
         servers.append(s)
         return s
 

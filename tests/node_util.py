@@ -11,7 +11,8 @@ import time
 from pathlib import Path
 
 import psutil
-from serve_util import ROOT, free_port, kill_run
+
+from xllm_eplb.testing.serving import ROOT, free_port, kill_run
 
 
 def shm_names() -> list[str]:

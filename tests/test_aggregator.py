@@ -1,5 +1,5 @@
-"""EplbAggregator: prefix-sum decode, physical/logical windows, generations (xLLM
-eplb_aggregator_test scenarios plus generation, decay and bad-input checks)."""
+"""EplbAggregator: prefix-sum decode, physical/logical windows, placement epochs (xLLM
+eplb_aggregator_test scenarios plus epoch, decay and bad-input checks)."""
 
 import numpy as np
 import pytest
@@ -9,8 +9,8 @@ from xllm_eplb.eplb.aggregator import (
     EplbAggregator,
     aggregate,
     decode_counters,
-    scatter_logical,
 )
+from xllm_eplb.eplb.placement import logical_loads
 
 
 def _c(*rows):
@@ -55,12 +55,12 @@ def test_processes_layers_independently():
     assert logical.tolist() == [[1, 2, 0, 5], [7, 0, 0, 10]]
 
 
-def test_window_generation_commit_and_decay():
+def test_window_epoch_commit_and_decay():
     agg = EplbAggregator(num_layers=1, ep_size=2, slots_per_rank=2, num_logical=4)
     ids = np.array([[0, 1, 2, 3]])
     assert agg.empty
     d = agg.decode([_c([5, 8]), _c([2, 9])])
-    assert agg.add(d, ids, generation=0).tolist() == [[5, 3, 2, 7]]
+    assert agg.add(d, ids, epoch=0).tolist() == [[5, 3, 2, 7]]
     assert agg.sample_count == 1 and not agg.empty
     agg.decay()
     assert agg.physical.tolist() == [[[2, 1], [1, 3]]]          # int64(x * 0.5)
@@ -68,9 +68,9 @@ def test_window_generation_commit_and_decay():
     assert agg.sample_count == 1                                # decay keeps the count
     assert agg.commit() == 1
     assert agg.empty and not agg.physical.any() and not agg.logical.any()
-    assert agg.add(d, ids, generation=0) is None                # stale: dropped
+    assert agg.add(d, ids, epoch=0) is None                # stale: dropped
     assert agg.empty and agg.dropped_stale == 1
-    assert agg.add(d, ids, generation=1) is not None
+    assert agg.add(d, ids, epoch=1) is not None
 
 
 @pytest.mark.parametrize("counters, msg", [
@@ -94,4 +94,4 @@ def test_vectorised_scatter_matches_loop():
     for lay in range(layers):
         for k in range(d * s):
             want[lay, placement[lay, k]] += deltas[lay].ravel()[k]
-    assert (scatter_logical(deltas, placement, e) == want).all()
+    assert (logical_loads(deltas, placement, e) == want).all()

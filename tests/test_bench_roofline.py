@@ -1,30 +1,17 @@
-"""``scripts/bench_roofline.py``'s arithmetic on a generated checkpoint: the weight bytes by
-role and the decode-step lower bound (no server; the script itself runs by hand,
+"""``testing/roofline.py``, the arithmetic ``scripts/bench_roofline.py`` and
+``scripts/bench_families.py`` use, on a generated checkpoint: the weight bytes by role, the
+decode-step lower bound and the active parameters (no server; the scripts run by hand,
 docs/benchmarks.md)."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
 from xllm_eplb.model.checkpoint import make_checkpoint
-
-SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
-
-
-@pytest.fixture(scope="module")
-def roof():
-    sys.path.insert(0, str(SCRIPTS))
-    try:
-        import bench_roofline
-    finally:
-        sys.path.remove(str(SCRIPTS))
-    return bench_roofline
+from xllm_eplb.testing import roofline as roof
 
 
-def test_weight_bytes_and_the_decode_bound(roof, tmp_path):
+def test_weight_bytes_and_the_decode_bound(tmp_path):
     H, inter, E, L, V = 64, 32, 8, 3, 512
     d = make_checkpoint("qwen3_moe", tmp_path / "q", hidden_size=H, moe_intermediate_size=inter,
                         num_experts=E, top_k=2, num_layers=L, first_k_dense=0, vocab_size=V)
@@ -51,15 +38,10 @@ def test_weight_bytes_and_the_decode_bound(roof, tmp_path):
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss"])
 def test_bench_families_counts_the_active_parameters(arch, tmp_path):
-    """``scripts/bench_families.py``: every non-embedding tensor of the file plus top-k
+    """``scripts/bench_families.py``'s count: every non-embedding tensor of the file plus top-k
     experts per MoE layer (gpt_oss: with their biases), against the file's own tensors."""
     from safetensors.torch import load_file
 
-    sys.path.insert(0, str(SCRIPTS))
-    try:
-        import bench_families
-    finally:
-        sys.path.remove(str(SCRIPTS))
     H, inter, E, k = 64, 32, 8, 2
     d = make_checkpoint(arch, tmp_path / arch, hidden_size=H, moe_intermediate_size=inter,
                         num_experts=E, top_k=k, num_layers=2, first_k_dense=0)
@@ -67,5 +49,5 @@ def test_bench_families_counts_the_active_parameters(arch, tmp_path):
     expert = sum(t.numel() for n, t in sd.items() if ".experts." in n)
     rest = sum(t.numel() for n, t in sd.items()
                if ".experts." not in n and n != "model.embed_tokens.weight")
-    model = bench_families.build(arch, d)
-    assert bench_families.active_params(model) == rest + expert * k // E
+    model = roof.reference_decoder(d)
+    assert roof.active_params(model) == rest + expert * k // E

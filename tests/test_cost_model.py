@@ -131,19 +131,20 @@ def test_model_fits_on_the_fly_and_tracks_the_rate():
 def test_a_layer_measured_slower_after_its_commit_is_rolled_back():
     rng = np.random.default_rng(2)
     counters = Counters()
-    guard = CostGuard(1, 2, 4, counters)
+    guard = CostGuard(1, 2, 4)
     placement = np.array([[0, 1, 2, 3, 1, 2]])
     observe_steps(guard.model, placement, 60, rng)
     prev = placement[0].copy()
-    guard.on_commit(0, prev, generation=1)
+    guard.on_commit(0, prev, epoch=1)
     new = np.array([[0, 1, 2, 0, 3, 2]])
     # after the commit every step costs 30 % more on the slow rank
     for _ in range(guard.checks.steps):
         deltas = rng.poisson(1.5, size=(1, 2, 3))
         cpu = 1.3 * (FIXED * (deltas > 0).sum(2) + ROW * deltas.sum(2)) + 1e-3
-        guard.observe(deltas, new, cpu.T, gen=1)
+        counters.count_checks(guard.observe(deltas, new, cpu.T, epoch=1))
     assert counters.cost_checks == 1 and counters.layers_regressed == 1
     table, update = guard.rollback_round(new)
+    counters.count_rollback(update)
     assert update.tolist() == [True] and np.array_equal(table[0], prev)
     assert counters.layers_rolled_back == 1 and guard.rollback_round(new) is None
     # /eplb/status says why (issue 35); the restore's activation is no commit
@@ -152,8 +153,8 @@ def test_a_layer_measured_slower_after_its_commit_is_rolled_back():
     assert why[0]["measured_after_ms"] > why[0]["measured_before_ms"]
     assert "more than the 5% tolerance" in why[0]["why"] and "previous row was restored" in why[
         0]["why"]
-    assert guard.on_commit(0, new[0], generation=2) is False
-    assert guard.on_commit(0, prev, generation=3) is True
+    assert guard.on_commit(0, new[0], epoch=2) is False
+    assert guard.on_commit(0, prev, epoch=3) is True
     # the rolled-back layer sits out the next rounds
     from xllm_eplb.eplb.gate import Round
     rnd = Round(new, np.array([True]))
@@ -161,19 +162,19 @@ def test_a_layer_measured_slower_after_its_commit_is_rolled_back():
     assert upd.tolist() == [False]
 
 
-def test_checks_ignore_samples_of_the_old_generation_and_pass_a_faster_layer():
+def test_checks_ignore_samples_of_the_old_epoch_and_pass_a_faster_layer():
     rng = np.random.default_rng(3)
     model = cm.CostModel(1, 2, 4)
     placement = np.array([[0, 1, 2, 3, 1, 2]])
     observe_steps(model, placement, 60, rng)
     checks = CostChecks(model, steps=8)
-    checks.on_commit(0, placement[0], generation=5)
+    checks.on_commit(0, placement[0], epoch=5)
     slow = np.full((2, 1), 1.0)
-    assert checks.on_sample(slow, generation=4) == []          # queued before the commit
+    assert checks.on_sample(slow, epoch=4) == []          # queued before the commit
     before = model.measured(0, 8)[0]
     res = []
     for _ in range(8):
-        res += checks.on_sample(np.full((2, 1), 0.5 * before), generation=5)
+        res += checks.on_sample(np.full((2, 1), 0.5 * before), epoch=5)
     assert len(res) == 1 and not res[0].regressed
     assert res[0].measured_gain == pytest.approx(0.5) and res[0].predicted_gain is None
 
@@ -219,8 +220,7 @@ def test_a_layer_whose_data_cannot_separate_the_terms_takes_the_pooled_fit():
 
 
 def test_cost_rounds_wait_for_the_model_once_timings_flow():
-    counters = Counters()
-    guard = CostGuard(1, 2, 4, counters)
+    guard = CostGuard(1, 2, 4)
     cost, tokens = Planner(make_policy("greedy", 2, 4, 1), 0.05, "cost"), \
         Planner(make_policy("greedy", 2, 4, 1), 0.05, "tokens")
     assert not guard.waiting(10, cost)               # no timings at all: plan on tokens now
@@ -231,6 +231,6 @@ def test_cost_rounds_wait_for_the_model_once_timings_flow():
                   np.random.default_rng(6))
     assert not guard.waiting(10, cost)               # fitted, enough steps for the check
     guard.expect_timings = True                      # the engine: wait from the first sample
-    fresh = CostGuard(1, 2, 4, Counters())
+    fresh = CostGuard(1, 2, 4)
     fresh.expect_timings = True
     assert fresh.waiting(10, cost) and not fresh.waiting(10, tokens)

@@ -31,7 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from serve_util import Server, free_port, shm_objects
+
+from xllm_eplb.testing.serving import Server, free_port, shm_objects
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -123,7 +124,7 @@ def readme_server(clone, tmp_path_factory):
     port = free_port()
     (serve,) = of("sh", "serve")
     cmd = ["bash", "-c", "exec " + _subst(serve.text, clone, port).strip()]
-    s = Server(tmp_path_factory.mktemp("readme_server"), [], cmd=cmd, cwd=clone["cwd"],
+    s = Server.launch(tmp_path_factory.mktemp("readme_server"), [], cmd=cmd, cwd=clone["cwd"],
                env=clone["env"], port=port)
     yield s
     s.kill()

@@ -24,9 +24,8 @@ from pathlib import Path
 import openai
 import psutil
 import pytest
-from serve_util import shm_objects
 
-from xllm_eplb.testing.serving import Chaos, Clients, complete, prompt_pool
+from xllm_eplb.testing.serving import Chaos, Clients, complete, prompt_pool, shm_objects
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="needs POSIX shm")]

@@ -21,8 +21,9 @@ from pathlib import Path
 import openai
 import psutil
 import pytest
-from serve_util import shm_objects
 from test_elastic_serve import PROMPTS, _fault, _kept_kv, _kw, _status, _worker
+
+from xllm_eplb.testing.serving import shm_objects
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="needs POSIX shm")]

@@ -31,7 +31,8 @@ from fault_util import (
     scrape,
     wait_for,
 )
-from serve_util import shm_objects
+
+from xllm_eplb.testing.serving import shm_objects
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="needs POSIX shm")]

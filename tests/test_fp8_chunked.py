@@ -125,6 +125,7 @@ def _steps_on_rank(rank, world, path):
     return out
 
 
+@pytest.mark.slow      # a gloo rank in its own process (testing/dist.run_ranks)
 def test_decoder_steps_chunked_equal_cached(tmp_path):
     from xllm_eplb.testing.dist import run_ranks
 

@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from xllm_eplb.engine.live_stats import LiveStats, logical_loads, replica_counts
+from xllm_eplb.engine.live_stats import LiveStats
 from xllm_eplb.engine.scheduler import Request
+from xllm_eplb.eplb.placement import logical_loads, replica_counts
 from xllm_eplb.model.batch import RankBatch, SeqRow
 from xllm_eplb.obs.metrics import EngineMetrics
 from xllm_eplb.obs.stats_line import StatsLine

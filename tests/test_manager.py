@@ -15,7 +15,7 @@ from xllm_eplb.eplb.manager import EplbManager
 def test_plans_against_the_active_distribution():
     pol = RecordingPlanner([SWAP])
     mgr, _ = make(pol)
-    assert mgr.active_placement.tolist() == [[0, 1]] and mgr.generation == 0
+    assert mgr.active_placement.tolist() == [[0, 1]] and mgr.placement_epoch == 0
     out(mgr, [[[10]], [[0]]])
     mgr.tick()
     assert pol.calls[0][2].tolist() == [[0, 1]]
@@ -65,7 +65,7 @@ def test_queued_load_uses_placement_active_at_submission(caplog):
     assert mgr.active_placement.tolist() == [[0, 1]]       # not before the output returns
     out(mgr, [[[7]], [[7]]], act=1)                        # measured with the OLD weights
     assert mgr.active_placement.tolist() == [[1, 0]] and activated_layers(caplog) == [0]
-    assert mgr.generation == 1 and not mgr.window_physical().any()
+    assert mgr.placement_epoch == 1 and not mgr.window_physical().any()
     out(mgr, [[[2]], [[4]]])                               # slot 0 now holds expert 1
     mgr.tick()
     logical, physical, deployed = pol.calls[1]
@@ -161,7 +161,7 @@ def test_activation_token_only_commits_once_and_stale_ones_warn(caplog):
     mgr.eplb_info(True)
     out(mgr, act=1)
     out(mgr, act=1)                                        # duplicate
-    assert activated_layers(caplog) == [0] and mgr.generation == 1
+    assert activated_layers(caplog) == [0] and mgr.placement_epoch == 1
     assert mgr.stats()["stale_tokens"] == 2
 
 

@@ -18,7 +18,7 @@ def test_measures_plans_and_commits_from_the_initial_table(caplog):
     caplog.set_level(logging.INFO)
     pol = RecordingPlanner([(NEXT, [True, False])])
     mgr, _ = make(pol, layers=2, redundant=1, initial=np.array(START))
-    assert mgr.active_placement.tolist() == START and mgr.generation == 0
+    assert mgr.active_placement.tolist() == START and mgr.placement_epoch == 0
     # rank 0 slots (3, 1), rank 1 slots (0, 2) in both layers, scattered under START
     out(mgr, [[[3, 1], [3, 1]], [[0, 2], [0, 2]]])
     mgr.tick()

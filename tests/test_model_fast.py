@@ -142,6 +142,7 @@ def _sharded_timed(rank, world, cfg):
     return timer.take(), res.timings["total_s"], res.logits.numpy()
 
 
+@pytest.mark.slow      # a gloo rank in its own process (testing/dist.run_ranks)
 def test_sharded_decoder_times_dispatch_and_experts_apart():
     from xllm_eplb.testing.dist import run_ranks
 

@@ -111,12 +111,11 @@ def test_elastic_notices_of_a_remote_node_reach_node0_in_order():
     launcher forwards them in order, each once (real TCPStore, real pipes)."""
     import multiprocessing as mp
 
-    from serve_util import free_port
-
     from xllm_eplb.elastic.notices import Attached, WorkerDied
     from xllm_eplb.launcher.events import EventHub
     from xllm_eplb.node.elastic import NoticeForwarder, NoticeSender
     from xllm_eplb.node.rendezvous import open_store
+    from xllm_eplb.testing.serving import free_port
 
     cfg0 = _cfg(nnodes=2, master_addr="127.0.0.1", master_port=free_port())
     store0 = open_store(cfg0, master=True)
@@ -233,7 +232,7 @@ def test_mismatched_node_is_refused_and_node0_times_out(ckpt, cluster):
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_node1_without_node0_times_out(ckpt, tmp_path):
-    from serve_util import free_port
+    from xllm_eplb.testing.serving import free_port
 
     n1 = Node(tmp_path, 1, 2, free_port(), free_port(),
               ["--model", str(ckpt), "--rendezvous_timeout_seconds=3"])

@@ -5,13 +5,14 @@ import pytest
 
 from xllm_eplb.eplb.balance import balancedness, peak_over_ideal, rank_loads_from_phy2log
 from xllm_eplb.eplb.placement import (
-    Placement,
     PlacementError,
     build_log2phy,
+    complete_rows,
     diff,
     initial_phy2log,
     log2phy,
-    logcnt,
+    logical_loads,
+    replica_counts,
     slots_per_rank,
     validate_phy2log,
 )
@@ -53,7 +54,7 @@ def test_slots_per_rank_rules():
 
 def test_log2phy_logcnt_and_routing():
     p = np.array([0, 1, 2, 3, 0, 4, 5, 6, 7, 1])
-    assert logcnt(p, 8).tolist() == [2, 2, 1, 1, 1, 1, 1, 1]
+    assert replica_counts(p, 8).tolist() == [2, 2, 1, 1, 1, 1, 1, 1]
     t = log2phy(p, 8)
     assert t[0].tolist() == [0, 4] and t[2].tolist() == [2, -1]
     # source rank r uses replica r % count
@@ -61,15 +62,25 @@ def test_log2phy_logcnt_and_routing():
     assert build_log2phy(p, 8, 1)[1] == 9
 
 
-def test_placement_type_views():
-    pl = Placement.initial(8, 2, 1)
-    assert pl.slots_per_rank == 5
-    assert pl.logcnt.tolist() == [1, 1, 1, 2, 1, 1, 1, 2]
-    assert pl.by_rank().shape == (2, 5)
-    pl.validate(allow_rank_duplicates=True)
-    other = Placement(np.array([0, 1, 2, 3, 4, 5, 6, 7, 3, 0]), 8, 2)
-    d = pl.diff(other)
+def test_initial_layout_views():
+    pl = initial_phy2log(8, 2, 1)
+    assert slots_per_rank(8, 2, 1) == 5
+    assert replica_counts(pl, 8).tolist() == [1, 1, 1, 2, 1, 1, 1, 2]
+    validate_phy2log(pl, 8, 2, allow_rank_duplicates=True)
+    other = np.array([0, 1, 2, 3, 4, 5, 6, 7, 3, 0])
+    d = diff(pl, other, 2)
     assert (d.moved_slots, d.weight_copies) == (6, 3)   # 3 reorders on rank 1 are free
+
+
+def test_complete_rows_and_logical_loads():
+    t = np.array([[0, 1, 2, 3], [0, 1, 2, 2], [0, 1, 2, 4], [0, 1, -1, 3]])
+    assert complete_rows(t, 4).tolist() == [True, False, False, False]
+    assert complete_rows(t[0], 4).tolist() == [True]
+    slots = np.array([[5, 1, 2, 7], [3, 4, 5, 6], [0, 0, 0, 0], [0, 0, 0, 0]])
+    table = np.array([[0, 1, 2, 0], [3, 3, 2, 1], [0, 1, 2, 3], [0, 1, 2, 3]])
+    assert logical_loads(slots, table, 4)[:2].tolist() == [[12, 1, 2, 0], [0, 6, 5, 7]]
+    assert logical_loads(slots.reshape(4, 2, 2), table, 4).tolist() == \
+        logical_loads(slots, table, 4).tolist()            # [L, D, S] deltas alike
 
 
 def test_diff_counts_reorders_as_free():

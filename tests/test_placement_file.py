@@ -147,7 +147,7 @@ def test_validate_accepts_the_plan(plan_file, ckpt):
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_serve_with_a_bad_file_exits_2_and_leaves_nothing(plan_file, tmp_path, ckpt):
-    from serve_util import free_port, shm_objects
+    from xllm_eplb.testing.serving import free_port, shm_objects
 
     p = _bad(plan_file, tmp_path, _set("ep_size", 2))
     port = free_port()

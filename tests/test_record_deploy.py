@@ -17,10 +17,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from serve_util import ROOT, Server, shm_objects
 
 from xllm_eplb.eplb.placement import initial_phy2log
 from xllm_eplb.sim.trace import load_trace
+from xllm_eplb.testing.serving import ROOT, Server, shm_objects
 
 pytestmark = [pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="needs POSIX shm"),
               pytest.mark.slow]
@@ -73,7 +73,7 @@ class _Servers:
     def start(self, *args: str) -> Server:
         d = self.root / f"s{len(self.all)}"
         d.mkdir()
-        s = Server(d, list(args))
+        s = Server.launch(d, list(args))
         self.all.append(s)
         s.wait_ready(240)
         return s

@@ -19,7 +19,8 @@ from pathlib import Path
 import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from serve_util import ROOT, Server, shm_objects
+
+from xllm_eplb.testing.serving import ROOT, Server, shm_objects
 
 pytestmark = [pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="needs POSIX shm"),
               pytest.mark.slow]   # starts other processes (make test-fast skips it)

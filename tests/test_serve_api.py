@@ -19,7 +19,8 @@ import openai
 import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from serve_util import shm_objects
+
+from xllm_eplb.testing.serving import shm_objects
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="needs POSIX shm")]

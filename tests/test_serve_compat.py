@@ -15,7 +15,8 @@ from pathlib import Path
 import numpy as np
 import openai
 import pytest
-from serve_util import ROOT, Server
+
+from xllm_eplb.testing.serving import ROOT, Server
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="needs POSIX shm")]
@@ -28,7 +29,7 @@ N_NEW = 8
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    s = Server(tmp_path_factory.mktemp("compat"), FLAGS)
+    s = Server.launch(tmp_path_factory.mktemp("compat"), FLAGS)
     try:
         s.wait_ready(180)
         yield s
@@ -185,7 +186,7 @@ def test_a_1500_token_prompt_is_prefilled_in_chunks_with_transformers_tokens(ser
 def test_ep_size_one_serves_the_same_tokens_without_eplb(server, tmp_path):
     """``--ep-size 1`` with the example config (EPLB on there): one worker holding every
     expert, EPLB off, and the same greedy tokens as the EP2 server on the same checkpoint."""
-    one = Server(tmp_path, [*FLAGS, "--ep-size", "1"])
+    one = Server.launch(tmp_path, [*FLAGS, "--ep-size", "1"])
     try:
         one.wait_ready(180)
         st = _call(one, "GET", "/eplb/status")[1]

@@ -9,7 +9,8 @@ import signal
 import time
 
 import pytest
-from serve_util import ROOT, shm_objects
+
+from xllm_eplb.testing.serving import ROOT, shm_objects
 
 pytestmark = pytest.mark.slow
 

@@ -5,9 +5,9 @@ not on every interface as c10d's own server does."""
 from __future__ import annotations
 
 import psutil
-from serve_util import free_port
 
 from xllm_eplb.ipc.store import host_store, interface_of, listen_socket, store_client
+from xllm_eplb.testing.serving import free_port
 
 
 def _listening() -> set[tuple[str, int]]:

@@ -22,11 +22,11 @@ from xllm_eplb.config.fields import (
     ServeConfig,
     opt,
 )
+from xllm_eplb.config.layout import elastic_redundancy_needed, rank_slots, survivors_hold_all
 from xllm_eplb.config.rules import (
     BACKEND_FOR_DEVICE,
     DEVICES_FOR_BACKEND,
     check_field,
-    elastic_redundancy_needed,
     elastic_rules,
     layout_error,
     layout_rules,
@@ -54,8 +54,8 @@ __all__ = [
     "BACKEND_FOR_DEVICE", "DEVICES_FOR_BACKEND", "FIELDS", "LEGACY_POLICY_KINDS", "MiB",
     "POLICY_KINDS", "SECTIONS", "Config", "EplbConfig", "FaultConfig", "FieldSpec",
     "ModelConfig", "RuntimeConfig", "ServeConfig", "as_flat_dict", "check_field",
-    "elastic_redundancy_needed", "elastic_rules", "format_value", "get_value", "known_policy_kind", "layout_error",
-    "layout_rules", "node_of_rank", "node_ranks",
-    "normalize_policy_kind", "opt", "ranks_per_node", "resolve_backend", "topology_rules",
-    "validate",
+    "elastic_redundancy_needed", "elastic_rules", "format_value", "get_value",
+    "known_policy_kind", "layout_error", "layout_rules", "node_of_rank", "node_ranks",
+    "normalize_policy_kind", "opt", "rank_slots", "ranks_per_node", "resolve_backend",
+    "survivors_hold_all", "topology_rules", "validate",
 ]

@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from xllm_eplb.config.layout import rank_slots
+
 MiB = 1 << 20
 GiB = 1 << 30
 
@@ -353,4 +355,5 @@ class Config:
 
     @property
     def slots_per_rank(self) -> int:
-        return self.model.num_experts // self.eplb.ep_size + self.eplb.redundant_experts_num
+        return rank_slots(self.model.num_experts, self.eplb.ep_size,
+                          self.eplb.redundant_experts_num)

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from xllm_eplb.config.fields import Config
+from xllm_eplb.config.layout import elastic_redundancy_needed, survivors_hold_all
 from xllm_eplb.config.schema import FIELDS, FieldSpec, format_value, get_value
 from xllm_eplb.errors import ConfigError
 from xllm_eplb.faultspec import fault_rules
@@ -145,14 +146,6 @@ def _cross_rules(cfg: Config) -> list[tuple[str, Any, str]]:
     return bad
 
 
-def elastic_redundancy_needed(num_experts: int, ep_size: int) -> int:
-    """The smallest ``--redundant_experts_num`` under which ``ep_size``-1 ranks hold every
-    expert (the rule of an elastic shrink or rejoin)."""
-    if ep_size < 2:
-        return 0
-    return max(0, -(-num_experts // (ep_size - 1)) - num_experts // ep_size)
-
-
 def elastic_rules(cfg: Config) -> list[tuple[str, Any, str]]:
     """``--elastic_ep`` (on by default; the mode a death gets is the launcher's choice,
     ``elastic/supervisor.replacement_mode``): only what no mode can serve is refused. With
@@ -166,7 +159,7 @@ def elastic_rules(cfg: Config) -> list[tuple[str, Any, str]]:
         return [("elastic_restart", False, f"must be true: with --elastic_ep and --nnodes="
                  f"{r.nnodes} a dead worker can only be respawned in place (no shrink across "
                  "nodes)")]
-    if e.ep_size > 1 and (e.ep_size - 1) * cfg.slots_per_rank < m.num_experts:
+    if e.ep_size > 1 and not survivors_hold_all(e.ep_size, cfg.slots_per_rank, m.num_experts):
         need = elastic_redundancy_needed(m.num_experts, e.ep_size)
         return [("redundant_experts_num", e.redundant_experts_num,
                  f"with --elastic_restart=false (a dead worker is left out) the other "

@@ -14,25 +14,12 @@ import collections
 
 import numpy as np
 
+from xllm_eplb.eplb.placement import logical_loads, replica_counts
 from xllm_eplb.obs.metrics import EngineMetrics
 from xllm_eplb.obs.stats_line import StatsLine
 
 #: steps in the recent window behind the expert gauges (as ``telemetry.RECENT_STEPS``)
 EXPERT_WINDOW_STEPS = 64
-
-
-def logical_loads(slots: np.ndarray, placement: np.ndarray, num_experts: int) -> np.ndarray:
-    """Per-slot loads ``slots`` [L, P] under ``placement`` (phy2log, int [L, P]) -> per logical
-    expert loads, int64 [L, E] (replicas summed)."""
-    L = slots.shape[0]
-    idx = (np.asarray(placement, dtype=np.int64) + num_experts * np.arange(L)[:, None]).ravel()
-    return np.bincount(idx, weights=slots.ravel(), minlength=L * num_experts).reshape(
-        L, num_experts).astype(np.int64)
-
-
-def replica_counts(placement: np.ndarray, num_experts: int) -> np.ndarray:
-    """Slots holding each logical expert, int64 [L, E]."""
-    return logical_loads(np.ones_like(placement), placement, num_experts)
 
 
 class LiveStats:

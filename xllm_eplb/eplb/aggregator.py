@@ -10,9 +10,9 @@ The window holds two views, both int64 token counts:
 - logical ``[layers, experts]``: each slot's count added to the logical expert the slot held
   *under the placement that was active when the sample was taken* (replicas sum).
 
-Samples are tagged with the placement generation they were measured under; a sample whose
-generation is not the window's current generation is dropped (it was read against another
-placement). :meth:`commit` (an activation) zeroes the window and bumps the generation;
+Samples are tagged with the placement epoch they were measured under; a sample whose epoch is
+not the window's current epoch is dropped (it was read against another placement).
+:meth:`commit` (an activation) zeroes the window and bumps the epoch;
 :meth:`decay` (after each policy round) halves it, as xLLM does (``int64(x * 0.5)``).
 """
 
@@ -23,6 +23,7 @@ import logging
 import numpy as np
 
 from xllm_eplb.eplb import counters as counter_format
+from xllm_eplb.eplb.placement import logical_loads
 from xllm_eplb.obs.logs import event
 
 log = logging.getLogger(__name__)
@@ -64,23 +65,12 @@ def decode_counters(counters: list[np.ndarray], num_layers: int, slots_per_rank:
     return deltas
 
 
-def scatter_logical(deltas: np.ndarray, placement: np.ndarray, num_logical: int) -> np.ndarray:
-    """Per-slot deltas ``[layers, ranks, slots]`` + ``placement [layers, ranks*slots]`` ->
-    logical load int64 ``[layers, experts]`` (replicas of one expert sum)."""
-    layers = deltas.shape[0]
-    flat = deltas.reshape(layers, -1)
-    idx = placement + (np.arange(layers, dtype=np.int64) * num_logical)[:, None]
-    # NOTE: bincount works in float64; exact for counts below 2**53 tokens per window.
-    out = np.bincount(idx.ravel(), weights=flat.ravel(), minlength=layers * num_logical)
-    return np.rint(out).astype(np.int64).reshape(layers, num_logical)
-
-
 class EplbAggregator:
     """The engine's load window (see module docstring).
 
     ``physical`` int64 ``[layers, ranks, slots]``, ``logical`` int64 ``[layers, experts]``,
-    ``generation`` (placement generation the window belongs to), ``sample_count`` (samples in
-    the window since the last commit; decay keeps it).
+    ``placement_epoch`` (the placement epoch the window belongs to: +1 per commit),
+    ``sample_count`` (samples in the window since the last commit; decay keeps it).
     """
 
     def __init__(self, num_layers: int, ep_size: int, slots_per_rank: int, num_logical: int):
@@ -90,7 +80,7 @@ class EplbAggregator:
         self.num_logical = num_logical
         self.physical = np.zeros((num_layers, ep_size, slots_per_rank), dtype=np.int64)
         self.logical = np.zeros((num_layers, num_logical), dtype=np.int64)
-        self.generation = 0
+        self.placement_epoch = 0
         self.sample_count = 0
         self.dropped_stale = 0
 
@@ -98,42 +88,42 @@ class EplbAggregator:
         """Validate and decode one step's counters -> deltas ``[layers, ranks, slots]``."""
         return decode_counters(counters, self.num_layers, self.slots_per_rank, self.ep_size)
 
-    def add(self, deltas: np.ndarray, placement: np.ndarray, generation: int) -> np.ndarray | None:
+    def add(self, deltas: np.ndarray, placement: np.ndarray, epoch: int) -> np.ndarray | None:
         """Aggregate one decoded sample measured under ``placement [layers, ranks*slots]``.
 
         Returns the sample's logical load ``[layers, experts]``, or None when the sample's
-        generation is stale (dropped, not aggregated).
+        epoch is stale (dropped, not aggregated).
         """
-        if generation != self.generation:
-            self._drop(generation)
+        if epoch != self.placement_epoch:
+            self._drop(epoch)
             return None
-        logical = scatter_logical(deltas, placement, self.num_logical)
-        self.accumulate(deltas, logical, generation)
+        logical = logical_loads(deltas, placement, self.num_logical)
+        self.accumulate(deltas, logical, epoch)
         return logical
 
-    def accumulate(self, deltas: np.ndarray, logical: np.ndarray, generation: int) -> bool:
+    def accumulate(self, deltas: np.ndarray, logical: np.ndarray, epoch: int) -> bool:
         """Add an already scattered sample (``deltas [L, D, S]``, ``logical [L, E]``); False
-        (dropped) when its generation is stale. Lets callers do the heavy part unlocked."""
-        if generation != self.generation:
-            self._drop(generation)
+        (dropped) when its epoch is stale. Lets callers do the heavy part unlocked."""
+        if epoch != self.placement_epoch:
+            self._drop(epoch)
             return False
         self.physical += deltas
         self.logical += logical
         self.sample_count += 1
         return True
 
-    def _drop(self, generation: int) -> None:
+    def _drop(self, epoch: int) -> None:
         self.dropped_stale += 1
-        log.debug(event("EPLB stale load sample dropped", sample_generation=generation,
-                        window_generation=self.generation))
+        log.debug(event("EPLB stale load sample dropped", sample_epoch=epoch,
+                        window_epoch=self.placement_epoch))
 
     def commit(self) -> int:
-        """An activation was committed: zero the window, start a new generation; returns it."""
+        """An activation was committed: zero the window, start a new placement epoch; returns it."""
         self.physical[...] = 0
         self.logical[...] = 0
         self.sample_count = 0
-        self.generation += 1
-        return self.generation
+        self.placement_epoch += 1
+        return self.placement_epoch
 
     def decay(self, factor: float = ROUND_DECAY) -> None:
         """After a policy round: ``x = int64(x * factor)`` on both views (truncation, as xLLM)."""
@@ -157,6 +147,6 @@ def aggregate(logical: np.ndarray, physical: np.ndarray | None, placement: np.nd
     ep_size = len(counters)
     slots = placement.shape[1] // ep_size
     deltas = decode_counters(counters, layers, slots, ep_size)
-    logical += scatter_logical(deltas, np.asarray(placement, dtype=np.int64), num_logical)
+    logical += logical_loads(deltas, np.asarray(placement, dtype=np.int64), num_logical)
     if physical is not None:
         physical += deltas

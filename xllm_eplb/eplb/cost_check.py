@@ -5,7 +5,7 @@ of the layer before the commit (max over ranks of the mean expert seconds per st
 last ``steps`` observed steps, :meth:`~xllm_eplb.eplb.cost_model.CostModel.measured`) and, when
 the round was gated on cost, the modelled critical paths under the old and the new row. It then
 sums the next ``steps`` pure-decode steps measured under the new placement (samples tagged with
-the commit's generation or a later one) and closes with a :class:`CheckResult`: the predicted
+the commit's placement epoch or a later one) and closes with a :class:`CheckResult`: the predicted
 and the measured relative gain, and ``regressed`` when the layer got slower by more than
 ``tol`` (the manager then rolls it back to ``prev_row`` and counts it).
 """
@@ -30,7 +30,7 @@ class CommitCheck:
 
     layer: int
     prev_row: np.ndarray
-    generation: int
+    placement_epoch: int
     measured_before: float
     predicted_before: float | None
     predicted_after: float | None
@@ -65,22 +65,23 @@ class CostChecks:
         self.predicted = {r.layer: (r.current_peak, r.proposed_peak) for r in records
                           if r.basis == "cost" and r.placement_changed}
 
-    def on_commit(self, layer: int, prev_row: np.ndarray, generation: int) -> None:
-        """``layer`` committed (its row was ``prev_row``); the window is now ``generation``."""
+    def on_commit(self, layer: int, prev_row: np.ndarray, epoch: int) -> None:
+        """``layer`` committed (its row was ``prev_row``); the window is now placement epoch
+        ``epoch``."""
         before, n = self.model.measured(layer, self.steps)
         pred = self.predicted.pop(layer, (None, None))
         if n < self.steps // 2 or before <= 0:
             self.open.pop(layer, None)         # too little measured before: nothing to compare
             return
-        self.open[layer] = CommitCheck(layer, np.array(prev_row, dtype=np.int64), generation,
+        self.open[layer] = CommitCheck(layer, np.array(prev_row, dtype=np.int64), epoch,
                                        before, pred[0], pred[1], np.zeros(self.model.D))
 
-    def on_sample(self, expert_cpu: np.ndarray, generation: int) -> list[CheckResult]:
-        """One observed step (``expert_cpu`` [D, L]) measured under ``generation``; returns the
-        checks it closed."""
+    def on_sample(self, expert_cpu: np.ndarray, epoch: int) -> list[CheckResult]:
+        """One observed step (``expert_cpu`` [D, L]) measured under placement epoch ``epoch``;
+        returns the checks it closed."""
         done = []
         for layer, c in list(self.open.items()):
-            if generation < c.generation:
+            if epoch < c.placement_epoch:
                 continue                        # measured under the old row (queue lag)
             c.sums += expert_cpu[:, layer]
             c.n += 1

@@ -16,13 +16,13 @@ gate). An aborted layer (timeout) simply never reaches the deployed table, so th
 plans it again from what the workers run; a committed one is written into it.
 
 Load window: :class:`~xllm_eplb.eplb.aggregator.EplbAggregator` (samples tagged with the
-placement generation; commit zeroes, each round halves). Policy input: the logical estimate of
+placement epoch; commit zeroes, each round halves). Policy input: the logical estimate of
 :class:`~xllm_eplb.eplb.estimator.LoadEstimator` (or the raw window) plus the raw physical window
 for the gate (which always uses measured load). Counters and heartbeats:
 :mod:`~xllm_eplb.eplb.manager_stats`.
 
-Timer: armed by the first valid sample of a generation, ``eplb_update_interval`` seconds; every
-commit (a new generation) disarms it, so it restarts at the next sample. A round starts only when
+Timer: armed by the first valid sample of a placement epoch, ``eplb_update_interval`` seconds; every
+commit (a new epoch) disarms it, so it restarts at the next sample. A round starts only when
 it fired, the window is not empty and no layer of the previous round is still in flight. The
 first round does not wait for the timer: it runs once the window holds
 ``eplb_first_round_samples`` samples or the timer fired, whichever comes first (0: the timer
@@ -45,6 +45,7 @@ injected clock -- deterministic, no sleeps. Both drain samples the same way (:me
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import threading
 import time
@@ -53,7 +54,7 @@ from typing import Callable
 import numpy as np
 
 from xllm_eplb.config import EplbConfig
-from xllm_eplb.eplb.aggregator import CounterShapeError, EplbAggregator, scatter_logical
+from xllm_eplb.eplb.aggregator import CounterShapeError, EplbAggregator
 from xllm_eplb.eplb.estimator import LoadEstimator
 from xllm_eplb.eplb.gate import Planner, Round
 from xllm_eplb.eplb.info import NO_TOKEN, EplbInfo
@@ -61,7 +62,7 @@ from xllm_eplb.eplb.manager_cost import CostGuard
 from xllm_eplb.eplb.manager_runner import RebalanceThread
 from xllm_eplb.eplb.manager_state import LayerPipeline
 from xllm_eplb.eplb.manager_stats import Counters, Heartbeats, ManagerStats
-from xllm_eplb.eplb.placement import diff, initial_phy2log, slots_per_rank
+from xllm_eplb.eplb.placement import diff, initial_phy2log, logical_loads, slots_per_rank
 from xllm_eplb.eplb.policy import policy_from_config
 from xllm_eplb.errors import ConfigError
 from xllm_eplb.obs.logs import event
@@ -129,9 +130,9 @@ class EplbManager:
         self._lock = threading.Lock()
         self._queue: collections.deque = collections.deque()
         self._deadline: float | None = None
-        self._deadline_gen = -1
+        self._deadline_epoch = -1
         self._counters = Counters()
-        self.cost = CostGuard(num_layers, cfg.ep_size, num_logical, self._counters)
+        self.cost = CostGuard(num_layers, cfg.ep_size, num_logical)
         self.cost.expect_timings = bool(expect_timings)
         self.hb = Heartbeats(clock(), cfg.eplb_heartbeat_seconds, self.policy_name)
         log.info(event("EPLB manager start", policy=self.policy_name, layers=num_layers,
@@ -148,9 +149,9 @@ class EplbManager:
         return self._active
 
     @property
-    def generation(self) -> int:
-        """Placement generation: +1 per committed activation."""
-        return self.agg.generation
+    def placement_epoch(self) -> int:
+        """The placement epoch: +1 per committed activation."""
+        return self.agg.placement_epoch
 
     def eplb_info(self, allow: bool) -> EplbInfo:
         """The control message for the next forward. ``allow=False``: empty, no state change."""
@@ -228,8 +229,8 @@ class EplbManager:
         /eplb/status): counters, heartbeats (manager clock seconds) and the round's state."""
         with self._lock:
             return ManagerStats(
-                **vars(self._counters), **self.hb.stats(), placement_epoch=self.agg.generation,
-                generation=self.agg.generation,     # deprecated alias (one release)
+                **vars(self._counters), **self.hb.stats(), placement_epoch=self.agg.placement_epoch,
+                generation=self.agg.placement_epoch,     # deprecated alias (one release)
                 window_samples=self.agg.sample_count, layer_in_flight=self.pipe.layer_in_flight(),
                 waiting_on=self.pipe.waiting_on(), round_in_progress=self.pipe.in_progress,
                 next_prepare_token=self.pipe.next_token, policy=self.policy_name,
@@ -241,8 +242,7 @@ class EplbManager:
         replaces the manager: ``/eplb/status`` and the metrics, which take deltas of these
         totals, must stay monotonic)."""
         with self._lock:
-            for k, v in vars(old._counters).items():
-                setattr(self._counters, k, v)      # in place: the cost guard holds the object
+            self._counters = dataclasses.replace(old._counters)
             self.hb.cpu_s += old.hb.cpu_s
 
     def cost_status(self) -> dict:
@@ -266,10 +266,10 @@ class EplbManager:
 
     def _due(self, now: float) -> bool:
         """Timer logic (lock held, queue drained): True when a round must run now."""
-        if self._deadline is not None and self._deadline_gen != self.agg.generation:
+        if self._deadline is not None and self._deadline_epoch != self.agg.placement_epoch:
             self._deadline = None                 # a commit happened: restart the interval
         if not self.agg.empty and self._deadline is None:
-            self._deadline, self._deadline_gen = now + self.interval, self.agg.generation
+            self._deadline, self._deadline_epoch = now + self.interval, self.agg.placement_epoch
         if self._first_round_pending() and self.agg.sample_count >= self.first_round_samples:
             self._deadline = None                 # the interval counts from the first round
             return not self.pipe.in_progress
@@ -319,6 +319,7 @@ class EplbManager:
         with self._lock:
             back = None if self.pipe.in_progress else self.cost.rollback_round(self._active)
             if back is not None:
+                self._counters.count_rollback(back[1])
                 self.pipe.start_round(*back)
             run = self._due(self.clock())
             if run:
@@ -399,7 +400,7 @@ class EplbManager:
             cpu = np.asarray(expert_cpu, dtype=np.float64)
             if cpu.shape != (self.ep_size, self.num_layers):
                 cpu = None                        # a model without per-layer timings: no cost
-        self._queue.append((counters, self._active, self.agg.generation, cpu))
+        self._queue.append((counters, self._active, self.agg.placement_epoch, cpu))
 
     def _reject(self, why: str) -> None:
         self._counters.samples_rejected += 1
@@ -416,43 +417,45 @@ class EplbManager:
         active.setflags(write=False)
         self._active = active
         self.agg.commit()
-        committed = self.cost.on_commit(layer, prev, self.agg.generation)
+        committed = self.cost.on_commit(layer, prev, self.agg.placement_epoch)
         self._deadline = None
         self._counters.layers_committed += int(committed)   # a rollback's restore is no commit
         self._counters.slots_moved += d.moved_slots
         self._counters.weight_copies += d.weight_copies
-        log.info(event("EPLB layer activated", layer=layer, placement_epoch=self.agg.generation,
+        log.info(event("EPLB layer activated", layer=layer,
+                       placement_epoch=self.agg.placement_epoch,
                        slots_moved=d.moved_slots, weight_copies=d.weight_copies))
 
     # --- samples -----------------------------------------------------------------------------
 
     def _drain(self) -> None:
         """Aggregate queued samples: take the queue under the lock, decode and scatter without
-        it, add under it again (the generation check then drops samples a commit made stale)."""
+        it, add under it again (the epoch check then drops samples a commit made stale)."""
         with self._lock:
             if not self._queue:
                 return
             items, self._queue = self._queue, collections.deque()
         done = []
-        for counters, placement, gen, cpu in items:
+        for counters, placement, epoch, cpu in items:
             try:
                 deltas = self.agg.decode(counters)
             except CounterShapeError as e:
-                done.append((str(e), None, gen, placement, None))
+                done.append((str(e), None, epoch, placement, None))
                 continue
-            done.append((deltas, scatter_logical(deltas, placement, self.num_logical), gen,
+            done.append((deltas, logical_loads(deltas, placement, self.num_logical), epoch,
                          placement, cpu))
         with self._lock:
-            for deltas, logical, gen, placement, cpu in done:
+            for deltas, logical, epoch, placement, cpu in done:
                 if logical is None:
                     self._reject(deltas)
                     continue
-                self._accumulate(deltas, logical, gen)
+                self._accumulate(deltas, logical, epoch)
                 if cpu is not None:
-                    self.cost.observe(deltas, placement, cpu, gen, logical)
+                    self._counters.count_checks(
+                        self.cost.observe(deltas, placement, cpu, epoch, logical))
 
-    def _accumulate(self, deltas: np.ndarray, logical: np.ndarray, gen: int) -> None:
-        if not self.agg.accumulate(deltas, logical, gen):
+    def _accumulate(self, deltas: np.ndarray, logical: np.ndarray, epoch: int) -> None:
+        if not self.agg.accumulate(deltas, logical, epoch):
             self._counters.samples_stale += 1
             return
         self._counters.samples += 1

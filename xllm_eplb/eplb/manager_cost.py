@@ -25,13 +25,14 @@ COST_WAIT_SAMPLES = 512
 
 
 class CostGuard:
-    """``counters``: the manager's :class:`~xllm_eplb.eplb.manager_stats.Counters` (updated in
-    place: ``cost_checks``, ``layers_regressed``, ``layers_rolled_back``, the last gains)."""
+    """The cost model, the open commit checks and the roll-back state. It counts nothing
+    itself: :meth:`observe` returns the checks it closed and :meth:`rollback_round` the layers
+    it restores; the manager adds them to its
+    :class:`~xllm_eplb.eplb.manager_stats.Counters` (``count_checks``, ``count_rollback``)."""
 
-    def __init__(self, num_layers: int, ep_size: int, num_logical: int, counters):
+    def __init__(self, num_layers: int, ep_size: int, num_logical: int):
         self.model = CostModel(num_layers, ep_size, num_logical)
         self.checks = CostChecks(self.model)
-        self.counters = counters
         self.num_layers = num_layers
         self.rollback: dict[int, np.ndarray] = {}
         self.held: dict[int, int] = {}
@@ -58,17 +59,17 @@ class CostGuard:
         return unfit and window_samples < COST_WAIT_SAMPLES
 
     def observe(self, deltas: np.ndarray, placement: np.ndarray, cpu: np.ndarray,
-                gen: int, logical: np.ndarray | None = None) -> None:
-        """One pure-decode step: the model, then the open commit checks."""
+                epoch: int, logical: np.ndarray | None = None) -> list[CheckResult]:
+        """One pure-decode step (measured under placement epoch ``epoch``): the model, then the
+        open commit checks; returns the checks this step closed (logged; a regressed layer is
+        queued for roll-back)."""
         self.model.observe(deltas, placement, cpu, logical)
-        for res in self.checks.on_sample(cpu, gen):
+        results = self.checks.on_sample(cpu, epoch)
+        for res in results:
             self._checked(res)
+        return results
 
     def _checked(self, res: CheckResult) -> None:
-        c = self.counters
-        c.cost_checks += 1
-        c.cost_measured_gain = res.measured_gain
-        c.cost_predicted_gain = res.predicted_gain if res.predicted_gain is not None else 0.0
         log.info(event("EPLB layer cost check", layer=res.layer,
                        measured_before_ms=round(res.measured_before * 1e3, 4),
                        measured_after_ms=round(res.measured_after * 1e3, 4),
@@ -77,7 +78,6 @@ class CostGuard:
                                        else round(res.predicted_gain, 4)),
                        regressed=res.regressed))
         if res.regressed:
-            c.layers_regressed += 1
             self.rollback[res.layer] = res.prev_row
             self.rolled.append(rollback_record(res, self.checks.steps, self.checks.tol))
 
@@ -96,10 +96,10 @@ class CostGuard:
                                                                       d).sum())
         return out
 
-    def on_commit(self, layer: int, prev_row: np.ndarray, generation: int) -> bool:
+    def on_commit(self, layer: int, prev_row: np.ndarray, epoch: int) -> bool:
         """``layer``'s new row is active; False when it was a rollback's restore (counted in
         ``layers_rolled_back``, not in ``layers_committed``)."""
-        self.checks.on_commit(layer, prev_row, generation)
+        self.checks.on_commit(layer, prev_row, epoch)
         if layer in self.restoring:
             self.restoring.discard(layer)
             return False
@@ -117,7 +117,6 @@ class CostGuard:
             self.held[layer] = HOLD_ROUNDS
         self.rollback = {}
         self.restoring = set(np.nonzero(update)[0].tolist())
-        self.counters.layers_rolled_back += int(update.sum())
         log.warning(event("EPLB rolling back layers measured slower",
                           layers=",".join(map(str, np.nonzero(update)[0]))))
         return table, update

@@ -40,6 +40,22 @@ class Counters:
     cost_predicted_gain: float = 0.0   # the last check: modelled relative critical-path drop
     cost_measured_gain: float = 0.0    # ... and the measured one
 
+    def count_checks(self, results) -> None:
+        """Closed post-commit checks (``CostGuard.observe``'s
+        :class:`~xllm_eplb.eplb.cost_check.CheckResult` list): ``cost_checks``, the last gains,
+        ``layers_regressed``."""
+        for res in results:
+            self.cost_checks += 1
+            self.cost_measured_gain = res.measured_gain
+            self.cost_predicted_gain = res.predicted_gain if res.predicted_gain is not None \
+                else 0.0
+            self.layers_regressed += int(res.regressed)
+
+    def count_rollback(self, update) -> None:
+        """A roll-back round (``CostGuard.rollback_round``'s ``update`` bool [L]): its layers
+        into ``layers_rolled_back``."""
+        self.layers_rolled_back += int(sum(bool(u) for u in update))
+
 
 @dataclass
 class ManagerStats(Counters):

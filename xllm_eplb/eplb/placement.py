@@ -6,7 +6,8 @@ Glossary: ``phy2log[global_slot] -> logical id`` (length ``ep_size * slots_per_r
 slot ``s`` lives on rank ``s // slots_per_rank``); ``log2phy`` = logical -> its global slots;
 ``logcnt[e]`` = replica count of logical expert ``e``.
 
-- replica counts: :func:`replica_counts` (``logcnt``);
+- replica counts and loads: :func:`replica_counts` (``logcnt``), :func:`complete_rows` (ids in
+  range, every expert present), :func:`logical_loads` (per-slot loads summed per expert);
 - validity: :func:`valid_rows` (a mask over layers), :func:`validate_phy2log` (one row, the
   message naming the rule), :func:`validate_table` (every row, one error class);
 - layout rules: :func:`check_slot_layout` (any layout the peers plan) and
@@ -24,7 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from xllm_eplb.config import layout_error
+from xllm_eplb.config import layout_error, rank_slots
 
 
 class PlacementError(ValueError):
@@ -32,12 +33,12 @@ class PlacementError(ValueError):
 
 
 def slots_per_rank(num_logical: int, ep_size: int, redundant: int) -> int:
-    """``num_logical / ep_size + redundant``; PlacementError when the layout rules
-    (:func:`xllm_eplb.config.layout_rules`) fail."""
+    """``num_logical / ep_size + redundant`` (``config.rank_slots``); PlacementError when the
+    layout rules (:func:`xllm_eplb.config.layout_rules`) fail."""
     err = layout_error(num_logical, ep_size, redundant)
     if err:
         raise PlacementError(err)
-    return num_logical // ep_size + redundant
+    return rank_slots(num_logical, ep_size, redundant)
 
 
 def initial_phy2log(num_logical: int, ep_size: int, redundant: int) -> np.ndarray:
@@ -97,6 +98,28 @@ def replica_counts(table: np.ndarray, num_logical: int) -> np.ndarray:
     cnt = np.bincount(key.ravel(), minlength=layers * num_logical + 1)[:-1]
     cnt = cnt.reshape(layers, num_logical)
     return cnt if p.ndim == 2 else cnt[0]
+
+
+def complete_rows(table: np.ndarray, num_logical: int) -> np.ndarray:
+    """Per row of ``[L, D*S]`` (or one row ``[D*S]``): every id in ``[0, E)`` and every expert
+    present (a full map; no per-rank rule). bool ``[L]``."""
+    t = np.atleast_2d(np.asarray(table, dtype=np.int64))
+    cnt = replica_counts(t, num_logical)
+    return (cnt.sum(axis=1) == t.shape[1]) & (cnt.min(axis=1, initial=1) > 0)
+
+
+def logical_loads(slot_loads: np.ndarray, table: np.ndarray, num_logical: int) -> np.ndarray:
+    """Per-slot loads ``[L, D*S]`` (or ``[L, D, S]``) under ``table`` (phy2log ``[L, D*S]``)
+    -> per logical expert loads, int64 ``[L, E]`` (the replicas of one expert sum; one
+    bincount). Ids outside ``[0, E)`` are an error of the caller (not checked).
+
+    NOTE: bincount works in float64; exact for loads below 2**53 per expert."""
+    t = np.asarray(table, dtype=np.int64)
+    layers = t.shape[0]
+    idx = t + (np.arange(layers, dtype=np.int64) * num_logical)[:, None]
+    w = np.asarray(slot_loads).reshape(layers, -1)
+    out = np.bincount(idx.ravel(), weights=w.ravel(), minlength=layers * num_logical)
+    return np.rint(out).astype(np.int64).reshape(layers, num_logical)
 
 
 def valid_rows(table: np.ndarray, num_logical: int, ep_size: int,
@@ -161,11 +184,6 @@ def validate_phy2log(phy2log: np.ndarray, num_logical: int, ep_size: int,
         rule = "one replica" if per_rank_cap == 1 else f"{per_rank_cap} replicas"
         raise PlacementError(f"{what}: rank {r} holds expert {e} {int(cnt[r, e])} times "
                              f"(at most {rule} per rank)")
-
-
-def logcnt(phy2log: np.ndarray, num_logical: int) -> np.ndarray:
-    """Replica count per logical expert (:func:`replica_counts`), int64 [E] or [layers, E]."""
-    return replica_counts(phy2log, num_logical)
 
 
 def log2phy(phy2log: np.ndarray, num_logical: int, width: int | None = None) -> np.ndarray:
@@ -248,43 +266,3 @@ def diff(old: np.ndarray, new: np.ndarray, ep_size: int) -> PlacementDiff:
     resident = (rn[..., :, None] == ro).any(axis=-1)
     copies = int(((o != n).reshape(rn.shape) & ~resident).sum())
     return PlacementDiff(moved, copies)
-
-
-@dataclass(frozen=True)
-class Placement:
-    """One MoE layer's slot table with its derived views.
-
-    ``phy2log``: int64 [ep_size * slots_per_rank], rank-major. ``log2phy``: int64
-    [E, max_replicas] padded with -1. ``logcnt``: int64 [E] replica counts.
-    """
-
-    phy2log: np.ndarray
-    num_logical: int
-    ep_size: int
-
-    @classmethod
-    def initial(cls, num_logical: int, ep_size: int, redundant: int) -> "Placement":
-        return cls(initial_phy2log(num_logical, ep_size, redundant), num_logical, ep_size)
-
-    @property
-    def slots_per_rank(self) -> int:
-        return int(np.asarray(self.phy2log).size // self.ep_size)
-
-    @property
-    def log2phy(self) -> np.ndarray:
-        return log2phy(self.phy2log, self.num_logical)
-
-    @property
-    def logcnt(self) -> np.ndarray:
-        return logcnt(self.phy2log, self.num_logical)
-
-    def by_rank(self) -> np.ndarray:
-        """int64 [ep_size, slots_per_rank]."""
-        return np.asarray(self.phy2log, dtype=np.int64).reshape(self.ep_size, -1)
-
-    def validate(self, what: str = "placement", allow_rank_duplicates: bool = False) -> None:
-        validate_phy2log(self.phy2log, self.num_logical, self.ep_size, what,
-                         allow_rank_duplicates)
-
-    def diff(self, other: "Placement") -> PlacementDiff:
-        return diff(self.phy2log, other.phy2log, self.ep_size)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from xllm_eplb.config import Config
+from xllm_eplb.config import Config, rank_slots
 from xllm_eplb.eplb.loads import read_json
 from xllm_eplb.eplb.placement import initial_phy2log, validate_table
 from xllm_eplb.errors import InputFileError
@@ -50,7 +50,7 @@ def _load_json(path: str) -> dict:
 def _check_sizes(data: dict, where: str, num_logical: int, ep_size: int, redundant: int,
                  num_moe_layers: int) -> int:
     """The scalar fields against the server; returns slots per rank."""
-    slots = num_logical // ep_size + redundant
+    slots = rank_slots(num_logical, ep_size, redundant)
     rules = (
         ("num_logical_experts", num_logical, f"must equal the model's {num_logical} routed "
                                              f"experts per layer"),

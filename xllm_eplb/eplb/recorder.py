@@ -3,7 +3,7 @@
 The engine hands it every forward's slot counters (the ``[L, S]`` prefix sums each rank reports,
 :mod:`~xllm_eplb.eplb.counters`) together with the placement that forward ran under; it decodes
 them exactly as the aggregator does (:func:`~xllm_eplb.eplb.aggregator.decode_counters`, then
-:func:`~xllm_eplb.eplb.aggregator.scatter_logical`: replicas of one expert sum) and adds the
+:func:`~xllm_eplb.eplb.placement.logical_loads`: replicas of one expert sum) and adds the
 logical counts. What it produces:
 
 - :meth:`dump`: SGLang's expert-distribution dump, ``{"logical_count": [[E] x L], ...}`` (MoE
@@ -26,7 +26,8 @@ import time
 
 import numpy as np
 
-from xllm_eplb.eplb.aggregator import CounterShapeError, decode_counters, scatter_logical
+from xllm_eplb.eplb.aggregator import CounterShapeError, decode_counters
+from xllm_eplb.eplb.placement import logical_loads
 from xllm_eplb.obs.logs import event
 
 log = logging.getLogger(__name__)
@@ -91,7 +92,7 @@ class ExpertRecorder:
                 self._rejected += 1
             log.warning(event("EPLB record rejected worker output", reason=str(e)))
             return
-        logical = scatter_logical(deltas, np.asarray(placement, dtype=np.int64), self.E)
+        logical = logical_loads(deltas, np.asarray(placement, dtype=np.int64), self.E)
         with self._lock:
             if not self.active:
                 return

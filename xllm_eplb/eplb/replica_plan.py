@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from xllm_eplb.eplb.placement import PlacementError
+from xllm_eplb.eplb.placement import PlacementError, replica_counts
 
 MODES = ("static", "spread", "balanced")
 
@@ -60,12 +60,12 @@ class RoutingPlan:
 def prepare(phy2log: np.ndarray, num_logical: int, ep_size: int) -> RoutingPlan:
     """Precompute the routing structures of one layer's placement (``phy2log [D*S]``)."""
     p = np.array(phy2log, dtype=np.int64)     # a copy: the plan outlives the caller's array
-    if p.ndim != 1 or p.size % ep_size or ((p < 0) | (p >= num_logical)).any():
+    cnt = replica_counts(p, num_logical) if p.ndim == 1 else None
+    if cnt is None or p.size % ep_size or cnt.sum() != p.size:      # an id outside [0, E)
         raise PlacementError(f"replica routing: slot table of shape {p.shape} is not "
                              f"[ep_size*slots] of ids in [0, {num_logical}) (ep_size={ep_size})")
     ns, d = p.size, ep_size
     s = ns // d
-    cnt = np.bincount(p, minlength=num_logical)
     if (cnt == 0).any():
         raise PlacementError(f"replica routing: logical expert {int(np.argmin(cnt))} has no "
                              f"replica")

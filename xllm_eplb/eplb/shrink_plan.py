@@ -16,7 +16,7 @@ Pure planning, no I/O. For each MoE layer:
 
 Only the orphans' slots change: the number of changed slots is the number of orphans, the least
 any shrink can do. Every logical expert keeps >= 1 replica; the orphan lands on a rank without it,
-so no rank gains a second replica. The rule ``(D-1) x S >= E`` (``config.elastic_rules``)
+so no rank gains a second replica. The rule ``(D-1) x S >= E`` (``config.survivors_hold_all``)
 guarantees the slots; :class:`ShrinkError` names it when it does not hold.
 """
 
@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from xllm_eplb.config import survivors_hold_all
 from xllm_eplb.eplb.placement import replica_counts
 
 
@@ -51,8 +52,9 @@ class ShrinkPlan:
 
 
 def check_rule(ep_size: int, slots: int, num_experts: int) -> None:
-    """:class:`ShrinkError` unless ``(ep_size-1) x slots >= num_experts``."""
-    if ep_size < 2 or (ep_size - 1) * slots < num_experts:
+    """:class:`ShrinkError` unless ``(ep_size-1) x slots >= num_experts`` (the N-1 rule,
+    ``config.survivors_hold_all``)."""
+    if not survivors_hold_all(ep_size, slots, num_experts):
         raise ShrinkError(
             f"cannot shrink ep_size {ep_size} -> {ep_size - 1}: the survivors' "
             f"{max(0, ep_size - 1)} x {slots} slots cannot hold num_experts={num_experts} "

@@ -33,7 +33,12 @@ import os
 import numpy as np
 
 from xllm_eplb.eplb.balance import rank_loads_from_phy2log
-from xllm_eplb.eplb.placement import PlacementError, check_slot_layout, validate_table
+from xllm_eplb.eplb.placement import (
+    PlacementError,
+    check_slot_layout,
+    complete_rows,
+    validate_table,
+)
 from xllm_eplb.eplb.policy import policy_class
 from xllm_eplb.eplb.policy.node_aware import check_topology
 from xllm_eplb.eplb.policy.packing import (
@@ -151,10 +156,8 @@ def deployed_rows(old, layers: int, num_replicas: int, num_logical: int) -> np.n
     if o.ndim != 2 or o.shape != (layers, num_replicas):
         return out
     o = o.astype(np.int64)
-    for i, row in enumerate(o):
-        if row.min() >= 0 and row.max() < num_logical and \
-                np.bincount(row, minlength=num_logical).min() > 0:
-            out[i] = row
+    full = complete_rows(o, num_logical)
+    out[full] = o[full]
     return out
 
 

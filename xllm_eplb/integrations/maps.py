@@ -30,7 +30,7 @@ def check_triple(phy2log, log2phy, logcnt, num_logical: int) -> list[str]:
     if (c < 1).any():
         bad.append("an expert has logcnt < 1")
     for i in range(p.shape[0]):
-        if not np.array_equal(np.bincount(p[i], minlength=num_logical), c[i]):
+        if not np.array_equal(replica_counts(p[i], num_logical), c[i]):
             bad.append(f"layer {i}: logcnt differs from the replica counts of phy2log")
         valid = l2p[i] >= 0
         if not np.array_equal(valid.sum(axis=1), c[i]):

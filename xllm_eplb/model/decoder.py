@@ -175,6 +175,11 @@ class Decoder:
     def slots_per_rank(self) -> int:
         return self.cfg.slots_per_rank
 
+    def take_rank(self, ep_rank: int) -> None:
+        """An elastic membership change made this model compact rank ``ep_rank``
+        (``model/reshard.py``; its MoE layers follow through ``FusedMoE.reshard``)."""
+        self.ep_rank = int(ep_rank)
+
     def release(self, req_ids) -> None:
         """Free the KV cache of finished requests."""
         for r in req_ids:

@@ -111,20 +111,45 @@ class FusedMoE:
                              f"({self.ep_size * self.slots_per_rank},)")
         first: dict[int, int] = {}
         for s, e in enumerate(self.local_slice(p).tolist()):
-            dst = self.store.slot(s)
-            if e in first:                  # a second local replica: copy, do not re-read
-                w = self.store.slot(first[e])
-            else:
-                first[e] = s
-                w = self.source(self.layer_id, e, dst)
-            for name, t in dst.items():
-                if w[name].data_ptr() != t.data_ptr():
-                    t.copy_(w[name])
-            self.csum[s] = slot_checksum(dst)
-            self.tag[s, 0] = e
-            self.tag[s, 1] = self.layer_id
+            # a second local replica: copy, do not re-read
+            self.load_slot(s, e, first.get(e))
+            first.setdefault(e, s)
         self.store.refresh(range(self.slots_per_rank))
         self.activate_table(p)
+
+    def load_slot(self, s: int, e: int, copy_of: int | None = None) -> None:
+        """Local slot ``s`` takes logical expert ``e``'s weights: read from ``source`` (the
+        checkpoint, same bytes as at load), or copied from local slot ``copy_of``; its tag and
+        checksum follow. The caller refreshes the store's derived state (``store.refresh``)."""
+        dst = self.store.slot(s)
+        w = self.store.slot(copy_of) if copy_of is not None else self.source(self.layer_id, e,
+                                                                             dst)
+        for name, t in dst.items():
+            if w[name].data_ptr() != t.data_ptr():
+                t.copy_(w[name])
+        self.csum[s] = slot_checksum(dst)
+        self.tag[s, 0] = e
+        self.tag[s, 1] = self.layer_id
+
+    def reshard(self, ep_rank: int, ep_size: int, table: np.ndarray) -> int:
+        """Elastic membership change (``model/reshard.py``): this layer becomes compact rank
+        ``ep_rank`` of ``ep_size`` under the deployed row ``table`` [ep_size*S]; a local slot
+        keeps its weights unless its logical expert changed (then read from ``source``). Every
+        size-derived field follows (``ep_rank``, ``ep_size``, ``global_phy2log``, ``log2phy``,
+        the routing plan). Returns the slots read."""
+        S = self.slots_per_rank
+        old = self.local_expert_ids.cpu().numpy().copy()
+        new = np.asarray(table, dtype=np.int64)[ep_rank * S:(ep_rank + 1) * S]
+        changed = [s for s in range(S) if new[s] != old[s]]
+        for s in changed:
+            self.load_slot(s, int(new[s]))
+        if changed:
+            self.store.refresh(changed)
+        self.ep_rank, self.ep_size = int(ep_rank), int(ep_size)
+        self.global_phy2log = np.empty(ep_size * S, dtype=np.int64)
+        self._plan = None
+        self.activate_table(table)
+        return len(changed)
 
     def activate_table(self, phy2log: np.ndarray) -> None:
         """Switch the id tables (not the weights) to ``phy2log`` [D*S], all in place."""

@@ -5,9 +5,9 @@ The survivor keeps its local slots and their weights (stable local slot ids next
 rank, ``eplb/shrink_plan.py``): only the slots whose logical expert changed (an orphan of the
 dead rank placed into a donor slot) are read from the checkpoint's safetensors, through the
 model's own expert source (dense or FP8, exactly as at load: same bytes, same checksum). Every
-size-derived piece of each :class:`~xllm_eplb.model.moe.FusedMoE` follows: ``ep_rank``,
-``ep_size``, ``global_phy2log`` [D*S], ``log2phy``, the replica-routing plan (rebuilt on its next
-use). The dispatch splits and capacity gathers read ``ep_size`` / ``ep_rank`` from the layer on
+size-derived piece of each :class:`~xllm_eplb.model.moe.FusedMoE` follows
+(``FusedMoE.reshard``: ``ep_rank``, ``ep_size``, ``global_phy2log`` [D*S], ``log2phy``, the
+replica-routing plan, rebuilt on its next use), and the decoder's rank (``Decoder.take_rank``). The dispatch splits and capacity gathers read ``ep_size`` / ``ep_rank`` from the layer on
 every step; the caller replaces the process groups and rebuilds the EPLB executor.
 
 Afterwards every slot passes the transfer canary: tag = (expert, layer), weights = the checksum
@@ -21,8 +21,6 @@ import time
 
 import numpy as np
 
-from xllm_eplb.model.expert_store import slot_checksum
-
 
 def reshard(model, ep_rank: int, ep_size: int, table: np.ndarray) -> dict:
     """Switch ``model`` (a sharded Decoder) to compact rank ``ep_rank`` of ``ep_size`` ranks
@@ -35,28 +33,8 @@ def reshard(model, ep_rank: int, ep_size: int, table: np.ndarray) -> dict:
     if t.shape != (len(layers), ep_size * S):
         raise ValueError(f"reshard: table of shape {t.shape}, expected "
                          f"[layers, ep_size*slots]={(len(layers), ep_size * S)}")
-    read = 0
-    for ml, fm in enumerate(layers):
-        old = fm.local_expert_ids.cpu().numpy().copy()
-        new = t[ml, ep_rank * S:(ep_rank + 1) * S]
-        changed = [s for s in range(S) if new[s] != old[s]]
-        for s in changed:
-            e = int(new[s])
-            dst = fm.store.slot(s)
-            w = fm.source(fm.layer_id, e, dst)
-            for name, x in dst.items():
-                if w[name].data_ptr() != x.data_ptr():
-                    x.copy_(w[name])
-            fm.csum[s] = slot_checksum(dst)
-            fm.tag[s, 0], fm.tag[s, 1] = e, fm.layer_id
-        if changed:
-            fm.store.refresh(changed)
-        fm.ep_rank, fm.ep_size = int(ep_rank), int(ep_size)
-        fm.global_phy2log = np.empty(ep_size * S, dtype=np.int64)
-        fm._plan = None
-        fm.activate_table(t[ml])
-        read += len(changed)
-    model.ep_rank = int(ep_rank)
+    read = sum(fm.reshard(ep_rank, ep_size, t[ml]) for ml, fm in enumerate(layers))
+    model.take_rank(ep_rank)
     return {"checkpoint": read, "kept": len(layers) * S - read,
             "seconds": time.perf_counter() - t0}
 

@@ -63,6 +63,10 @@ class SimClock:
     def __call__(self) -> float:
         return self.t
 
+    def advance(self, seconds: float) -> None:
+        """One simulated step went by."""
+        self.t += seconds
+
 
 @dataclass
 class ReplayResult:
@@ -145,7 +149,7 @@ def replay(trace: Trace, cfg: EplbConfig, opts: ReplayOptions | None = None) -> 
                 moved[t] = diff(before, workers.placement[info.update_layer_id], ep).moved_slots
             mgr.on_outputs(cnt, tokens, act, expert_cpu=cost_step(
                 opts.cost, cnt, served_static, ep, critical, t))
-            clock.t += opts.step_seconds
+            clock.advance(opts.step_seconds)
             mgr.tick()
             r = mgr.stats()["rounds"]
             if r != rounds:

@@ -21,6 +21,7 @@ import numpy as np
 
 from xllm_eplb.eplb import counters as counter_format
 from xllm_eplb.eplb.info import NO_LAYER, NO_TOKEN, EplbInfo
+from xllm_eplb.eplb.placement import replica_counts
 
 
 class SimulatedWorkerError(AssertionError):
@@ -37,7 +38,7 @@ def slot_counts(logical: np.ndarray, placement: np.ndarray) -> np.ndarray:
     num_logical = logical.shape[1]
     rows = np.arange(layers)[:, None]
     flat = placement + rows * num_logical
-    cnt = np.bincount(flat.ravel(), minlength=layers * num_logical).reshape(layers, num_logical)
+    cnt = replica_counts(placement, num_logical)
     # rank of each slot among the replicas of its expert (0 for the first occurrence)
     order = np.argsort(flat, axis=1, kind="stable")
     sorted_ids = np.take_along_axis(flat, order, axis=1)

@@ -6,6 +6,8 @@ from __future__ import annotations
 import highspy
 import numpy as np
 
+from xllm_eplb.eplb.placement import replica_counts
+
 
 def lp_peak(phy: np.ndarray, tot: np.ndarray, d: int) -> float:
     """phy2log ``[D*S]``, logical totals ``tot [E]``, ``d`` ranks -> the exact fractional min
@@ -21,7 +23,7 @@ def lp_peak(phy: np.ndarray, tot: np.ndarray, d: int) -> float:
     h.addCols(ns + 1, cost, np.zeros(ns + 1), np.full(ns + 1, inf), 0,
               np.zeros(ns + 1, np.int32), np.zeros(0, np.int32), np.zeros(0))
     order = np.argsort(phy, kind="stable")
-    cnt = np.bincount(phy, minlength=e)
+    cnt = replica_counts(phy, e)
     starts = np.concatenate([np.concatenate(([0], np.cumsum(cnt)[:-1])),
                              ns + np.arange(d) * (s + 1)])
     idx = np.concatenate([order] + [np.append(np.arange(r * s, r * s + s), ns) for r in range(d)])

@@ -1,9 +1,11 @@
-"""Peer test fixtures shared by the tests and ``scripts/bench_adapters.py`` (facts from the
+"""Peer test fixtures shared by the tests and ``testing/adapter_rows.py`` (facts from the
 peers' published test set-ups, written here)."""
 
 from __future__ import annotations
 
 import numpy as np
+
+from xllm_eplb.eplb.placement import replica_counts
 
 
 def ascend_fixture(seed: int = 0, layers: int = 58, devices: int = 32, slots: int = 9,
@@ -23,5 +25,5 @@ def ascend_fixture(seed: int = 0, layers: int = 58, devices: int = 32, slots: in
 def slot_workload(table: np.ndarray, loads: np.ndarray) -> np.ndarray:
     """Per-slot workload of ``table`` [L, R] for expert loads [L, E]: each expert's load split
     evenly over its replicas (what vllm-ascend's per-slot counters would read). float [L, R]."""
-    cnt = np.stack([np.bincount(r, minlength=loads.shape[1]) for r in table])
+    cnt = replica_counts(table, loads.shape[1])
     return np.take_along_axis(loads / cnt, table, 1)

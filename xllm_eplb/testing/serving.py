@@ -25,6 +25,7 @@ from pathlib import Path
 
 import psutil
 
+from xllm_eplb.ipc.objects import clean
 from xllm_eplb.testing.dist import free_port
 
 #: the checkout this package runs from (scripts, configs)
@@ -58,28 +59,90 @@ def wait_ready(proc: subprocess.Popen, out: Path, timeout: float = 300.0) -> Non
 
 # --- the server ----------------------------------------------------------------------------
 
+def shm_objects(run_id: str) -> list[str]:
+    """This run's /dev/shm objects (names containing ``xllm_eplb_<run_id>_``)."""
+    return [n for n in os.listdir("/dev/shm") if f"xllm_eplb_{run_id}_" in n]
+
+
+def last_error(server, wait_s: float = 10.0) -> str:
+    """The launcher's error line (why the run stopped), from ``server``'s console output
+    (``out``, and ``err`` when not None; a :class:`Server` or anything with ``proc``, ``out``,
+    ``err``).
+
+    NOTE: the client sees the port close when the engine exits; the launcher prints its line
+    1-4 s later (it waits for the cause, then stops the others): wait up to ``wait_s`` for
+    the launcher to exit first (a run that read the console at once: "(no error line)")."""
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        server.proc.wait(wait_s)
+    text = server.out.read_text() + ("" if server.err is None else server.err.read_text())
+    errs = [ln for ln in text.splitlines() if "error" in ln.lower()]
+    return errs[-1][:400] if errs else "(no error line)"
+
+
+def kill_run(proc: subprocess.Popen, alive) -> None:
+    """SIGKILL the process group of ``proc``, then every pid ``alive()`` still lists (children
+    that left the group), then reap ``proc``."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    for p in alive():
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(p, signal.SIGKILL)
+    proc.wait(10)
+
+
 class Server:
-    """``xllm-eplb serve --ep-size EP [--model MODEL] --workload=none ... *flags`` in its own
-    session, logging under ``log_dir``; stdout and stderr go to ``log_dir.parent /
-    f"{log_dir.name}.out"``. ``src``: the source tree to run (another checkout's
-    ``xllm_eplb``, e.g. a ``git archive`` of an older commit); ``model=None``: the flags say
-    what to serve. Call :meth:`wait_ready` before sending requests; :meth:`stop` always."""
+    """One real ``xllm-eplb serve`` process group in its own session, with its logs and every
+    process it started; the one server harness of ``scripts/`` and the tests.
+
+    Two ways to start one (both return at once; call :meth:`wait_ready` before requests):
+
+    - ``Server(model, log_dir, flags, *, ep=4, src=ROOT)`` (the scripts):
+      ``serve --ep-size EP [--model MODEL] --workload=none --run_id s<port> --log_dir
+      log_dir *flags``; stdout and stderr both into ``log_dir.parent / f"{log_dir.name}.out"``
+      (``err`` is None). ``src``: the source tree to run (another checkout's ``xllm_eplb``,
+      e.g. a ``git archive`` of an older commit); ``model=None``: the flags say what to serve.
+    - :meth:`launch` ``(tmp, args, base=None, *, cmd=None, cwd=ROOT, env=None, port=None)``
+      (the tests): ``serve *base --port P --log_dir tmp/logs *args`` (``base`` default: 4 ranks
+      of ``configs/eplb.yaml``), stdout and stderr in ``tmp/stdout.txt`` / ``tmp/stderr.txt``,
+      ``log_dir`` = ``tmp/logs/latest``; ``cmd``: the whole command line instead (it must
+      listen on ``port`` and log under ``cwd/logs``).
+
+    :meth:`stop` is a clean stop (SIGTERM, SIGKILL after 60 s); :meth:`kill` SIGKILLs every
+    process the run started and sweeps its /dev/shm objects (a test fixture's teardown). One
+    of them always runs, even on failure.
+    """
 
     def __init__(self, model: Path | None, log_dir: Path, flags: list[str], *, ep: int = 4,
                  src: Path = ROOT):
-        self.port = free_port()
-        self.run_id = f"s{self.port}"
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_dir = log_dir
+        port = free_port()
         cmd = [sys.executable, "-m", "xllm_eplb", "serve", "--ep-size", str(ep),
                *(["--model", str(model)] if model is not None else []), "--workload=none",
-               "--port", str(self.port), "--run_id", self.run_id, "--log_dir", str(log_dir),
-               *flags]
-        self.out = log_dir.parent / f"{log_dir.name}.out"
-        self.out.parent.mkdir(parents=True, exist_ok=True)
+               "--port", str(port), "--run_id", f"s{port}", "--log_dir", str(log_dir), *flags]
+        out = log_dir.parent / f"{log_dir.name}.out"
+        out.parent.mkdir(parents=True, exist_ok=True)
         env = None if src == ROOT else dict(os.environ, PYTHONPATH=str(src))
-        self.proc = subprocess.Popen(cmd, cwd=src, env=env, stdout=self.out.open("w"),
-                                     stderr=subprocess.STDOUT, start_new_session=True)
+        self._spawn(cmd, port=port, run_id=f"s{port}", log_dir=log_dir, log_root=log_dir,
+                    out=out, err=None, cwd=src, env=env)
+
+    @classmethod
+    def launch(cls, tmp: Path, args: list[str], base: list[str] | None = None, *,
+               cmd: list[str] | None = None, cwd: Path = ROOT, env: dict | None = None,
+               port: int | None = None) -> "Server":
+        """The tests' form (class doc); ``run_id`` = ``p<port>`` (serve's default)."""
+        srv = cls.__new__(cls)
+        port = port or free_port()
+        log_root = tmp / "logs"
+        if cmd is None:
+            if base is None:
+                base = ["--ep-size", "4", "--config", str(ROOT / "configs" / "eplb.yaml")]
+            cmd = [sys.executable, "-m", "xllm_eplb", "serve", *base, "--port", str(port),
+                   "--log_dir", str(log_root), *args]
+        else:
+            log_root = cwd / "logs"
+        srv._spawn(cmd, port=port, run_id=f"p{port}", log_dir=log_root / "latest",
+                   log_root=log_root, out=tmp / "stdout.txt", err=tmp / "stderr.txt", cwd=cwd,
+                   env=env)
+        return srv
 
     @classmethod
     def start(cls, model: Path | None, log_dir: Path, flags: list[str], *, ep: int = 4,
@@ -89,14 +152,43 @@ class Server:
         srv.wait_ready(timeout)
         return srv
 
+    def _spawn(self, cmd: list[str], *, port: int, run_id: str, log_dir: Path, log_root: Path,
+               out: Path, err: Path | None, cwd: Path, env: dict | None) -> None:
+        self.port, self.run_id, self.url = port, run_id, f"http://127.0.0.1:{port}"
+        #: this run's own log folder; ``log_root``: the ``--log_dir`` it was given
+        self.log_dir, self.log_root = log_dir, log_root
+        self.out, self.err = out, err
+        self.proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=out.open("w"),
+                                     stderr=subprocess.STDOUT if err is None else err.open("w"),
+                                     start_new_session=True)
+        #: every pid the run started that was seen (:meth:`note_children`)
+        self.pids: set[int] = {self.proc.pid}
+
     def wait_ready(self, timeout: float = 300.0) -> None:
-        """Until ``xllm-eplb ready``; on failure the server is stopped and RuntimeError names
-        the log folder and the output's tail."""
+        """Until ``xllm-eplb ready`` (then the run's processes are noted); on failure the
+        server is stopped and RuntimeError names the log folder and the output's tail."""
         try:
             wait_ready(self.proc, self.out, timeout)
         except RuntimeError as e:
+            tail = "" if self.err is None else f"\nstderr: {self.err.read_text()[-3000:]}"
             self.stop()
-            raise RuntimeError(f"{e} (logs: {self.log_dir})") from None
+            raise RuntimeError(f"{e} (rc={self.proc.poll()}, logs: {self.log_dir}){tail}") \
+                from None
+        self.note_children()
+
+    def note_children(self) -> None:
+        """Record every process now under the launcher (:attr:`pids`)."""
+        with contextlib.suppress(psutil.NoSuchProcess):
+            self.pids |= {c.pid for c in psutil.Process(self.proc.pid).children(recursive=True)}
+
+    def alive(self) -> list[int]:
+        """The recorded pids still running (zombies excluded)."""
+        out = []
+        for p in self.pids:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                if psutil.Process(p).status() != psutil.STATUS_ZOMBIE:
+                    out.append(p)
+        return out
 
     def procs(self) -> list[psutil.Process]:
         """The launcher and every process under it."""
@@ -148,6 +240,16 @@ class Server:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(10)
             return -9
+
+    def kill(self) -> None:
+        """SIGKILL every process the run started, wait for them (10 s at most), then remove
+        the run's /dev/shm objects (forced: a dying child may still map one)."""
+        self.note_children()
+        kill_run(self.proc, self.alive)
+        deadline = time.monotonic() + 10     # SIGKILLed children still hold the run's segments
+        while self.alive() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        clean(self.run_id, force=True)
 
 
 # --- requests ------------------------------------------------------------------------------
@@ -210,6 +312,19 @@ def stream_completion(port: int, body: dict, rec: dict, timeout: float = 300) ->
 
 WORDS = ("the engine moves experts between ranks while requests keep flowing and every token "
          "stays the same as before the balancer ran").split()
+
+
+def make_prompts(model_dir: Path, n: int, length: int, seed: int = 0) -> list[list[int]]:
+    """``n`` token-id prompts of ``length`` ids for the checkpoint at ``model_dir``, topics by
+    the built-in workload's Zipf(1.2) mix (``engine/workload.py``), seeded."""
+    import numpy as np
+
+    from xllm_eplb.engine.workload import TopicPrompts, zipf_probs
+
+    tp = TopicPrompts.for_checkpoint(str(model_dir))
+    rng = np.random.default_rng(seed)
+    p = zipf_probs(tp.num_topics, 1.2)
+    return [tp.prompt(int(rng.choice(tp.num_topics, p=p)), length, rng) for _ in range(n)]
 
 
 def prompt_pool(n: int = 12) -> list[dict]:

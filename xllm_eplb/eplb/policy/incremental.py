@@ -179,35 +179,34 @@ class IncrementalPolicy(EplbPolicy):
         else:
             cut = np.where(fresh, lb * (1 + self.must_slack), target)
             pos = [best_cut(t, cur[i], slot_cost[i], cut[i]) for i, t in enumerate(traj)]
-        out: list[np.ndarray | None] = []
-        for i in range(n):
-            k = pos[i] - 1                            # index into [repair, move 1, move 2, ...]
-            if k < 0:
-                out.append(None)
-                continue
-            t = rep[i].reshape(-1).copy()
-            out.append(replay(t, moves[i][:k]))
+        out = _cut_tables(rep, moves, pos)
         n_scratch = 0
         if self.budget_slots <= 0:
             must = np.maximum(lb * (1 + self.must_slack), start)
             n_scratch = self._try_scratch(w, base, out, traj, pos, cur, must, slot_cost, c_opt)
         n_peer = 0
         if self.budget_slots <= 0:               # a slot budget caps the moves: no peer plan
-            # a peer's peak is >= LB, so a layer at or below ``must`` (LB x (1 + must_slack))
-            # cannot lose more than must_slack to one: the peers plan only the rest
-            own = np.array([np.inf if out[i] is None else 0.0 for i in range(n)])
-            have = np.nonzero(np.isfinite(own))[0]
-            if have.size:
-                own[have] = rank_loads_from_phy2log(np.stack([out[i] for i in have]), w[have],
-                                                    d).max(axis=1)
-            miss = fresh & (own > lb * (1 + self.must_slack))
-            n_peer = self._never_worse_than_peers(w if self.peak_z > 0 else logical, w, base,
-                                                  out, np.nonzero(miss)[0])
+            n_peer = self._peer_pass(logical, w, base, out, fresh, lb)
         n_filled = self._fill_unseeded(out, unseeded, rep, ok, w, c)
         self.last_stats = dict(scratch_layers=n_scratch, searched_layers=int(idx.size),
                                fresh_fallback_layers=n_fb, peer_plan_layers=n_peer,
                                filled_layers=n_filled)
         return out
+
+    def _peer_pass(self, logical, w, base, out: list, fresh, lb) -> int:
+        """The peers' plans of the fresh layers still above ``must`` (in place on ``out``);
+        returns how many layers a peer plan replaced. A peer's peak is >= LB, so a layer at or
+        below ``must`` (LB x (1 + must_slack)) cannot lose more than must_slack to one: the
+        peers plan only the rest."""
+        n = len(out)
+        own = np.array([np.inf if out[i] is None else 0.0 for i in range(n)])
+        have = np.nonzero(np.isfinite(own))[0]
+        if have.size:
+            own[have] = rank_loads_from_phy2log(np.stack([out[i] for i in have]), w[have],
+                                                self.ep_size).max(axis=1)
+        miss = fresh & (own > lb * (1 + self.must_slack))
+        return self._never_worse_than_peers(w if self.peak_z > 0 else logical, w, base, out,
+                                            np.nonzero(miss)[0])
 
     def _fill_unseeded(self, out, unseeded, rep, ok, w, c) -> int:
         """The fresh-plan contract: a layer with nothing deployed (``-1`` row) always gets a full
@@ -388,3 +387,14 @@ def _check_noise_aware(peak_z, step_tokens) -> tuple[float, float]:
                           f"top-k occurrences, per forward step over all ranks), got "
                           f"{step_tokens}")
     return z, t
+
+
+def _cut_tables(rep: np.ndarray, moves: list, pos: list) -> list[np.ndarray | None]:
+    """Per layer the table at trajectory point ``pos[i]`` (0: keep the deployed one -> None;
+    1: the repaired table ``rep[i]`` [D, S]; k > 1: it after the first k - 1 moves), flat
+    int64 [D*S]."""
+    out: list[np.ndarray | None] = []
+    for i in range(len(pos)):
+        k = pos[i] - 1                            # index into [repair, move 1, move 2, ...]
+        out.append(None if k < 0 else replay(rep[i].reshape(-1).copy(), moves[i][:k]))
+    return out

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from xllm_eplb.eplb.placement import replica_counts
+
 
 def dedup_ranks(table: np.ndarray) -> np.ndarray:
     """[n, D, S]: later same-rank repeats of an expert become -1 (free)."""
@@ -56,7 +58,7 @@ def drop_surplus(w_row, t, c_row) -> None:
     present = t >= 0
     v = np.where(present, w_row[np.maximum(t, 0)] / c_row[np.maximum(t, 0)], 0.0)
     r = v.sum(axis=1)
-    cur = np.bincount(t[present], minlength=w_row.size)
+    cur = replica_counts(t.reshape(-1), w_row.size)          # free slots (-1) not counted
     for e in np.nonzero(cur > c_row)[0]:
         dr, ds = np.nonzero(t == e)
         for k in np.argsort(-r[dr], kind="stable")[: cur[e] - c_row[e]]:
@@ -75,8 +77,7 @@ def repair(w, t0, c):
     n, num_d, s = t.shape
     num_e = w.shape[1]
     for i in range(n):
-        row = t[i][t[i] >= 0]
-        if (np.bincount(row, minlength=num_e) > c[i]).any():
+        if (replica_counts(t[i].reshape(-1), num_e) > c[i]).any():
             drop_surplus(w[i], t[i], c[i])
     flat = t.reshape(n, -1)
     cnt = np.zeros((n, num_e), dtype=np.int64)
@@ -124,7 +125,7 @@ def fill_exchange(per, t, c) -> bool:
     rank holds it, an expert ``f`` of another rank moves into the free slot and the replica takes
     ``f``'s place (2 slots). per [E] per-replica load, c [E] target counts. False if stuck."""
     num_d = t.shape[0]
-    cnt = np.bincount(t[t >= 0], minlength=c.size)
+    cnt = replica_counts(t.reshape(-1), c.size)            # free slots (-1) not counted
     missing = np.repeat(np.arange(c.size), np.maximum(c - cnt, 0))
     for e in missing[np.argsort(-per[missing], kind="stable")]:
         load = np.where(t >= 0, per[np.maximum(t, 0)], 0.0).sum(axis=1)

@@ -31,9 +31,9 @@ from pathlib import Path
 
 import numpy as np
 import psutil
-from elastic_load import body, workload_cost
 
 from xllm_eplb.engine.engine import IDLE_WAIT
+from xllm_eplb.testing.elastic_load import body, workload_cost
 from xllm_eplb.testing.serving import Server
 
 STORE_THREAD = "pt_tcpstore_uv"    # torch's TCPStore server thread (libuv)

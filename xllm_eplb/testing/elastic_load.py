@@ -1,5 +1,5 @@
-"""The load side of ``scripts/bench_elastic.py`` (issue #23 acceptance): streaming clients that
-stamp every token, the kill trials (a worker SIGKILLed at a chosen moment: prefill, decode, an
+"""The load side of ``scripts/bench_elastic.py`` and ``scripts/nested_faults.py`` (issue #23
+acceptance): streaming clients that stamp every token, the kill trials (a worker SIGKILLed at a chosen moment: prefill, decode, an
 EPLB round in flight, the re-prefill just after a recovery), closed-loop load around a kill
 (throughput after recovery) and the CPU per step of a fixed workload (steady-state overhead).
 """

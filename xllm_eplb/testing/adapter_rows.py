@@ -1,4 +1,4 @@
-"""The adapters' rows of ``scripts/bench_policy.py``: each engine's interface with our policy
+"""The adapters' rows of ``scripts/bench_policy.py`` (a library, not a script): each engine's interface with our policy
 next to that engine's own default policy, on the same input in the same run.
 
 Hosts: DeepSeek EPLB (this repository's implementation of its published algorithm,
