@@ -1,5 +1,5 @@
 """Counters and heartbeats of :class:`~xllm_eplb.eplb.manager.EplbManager`: what ``stats()``
-reports (:class:`ManagerStats`, the one list of its keys, reused by ``Engine.status()``) and the
+reports (:class:`ManagerStats`, the one list of its keys, reused by ``EngineApi.status()``) and the
 periodic ``EPLB heartbeat`` log lines.
 
 Pure bookkeeping: the manager calls it with its lock held and passes its own clock's time
