@@ -23,10 +23,10 @@ from xllm_eplb.elastic.notices import (
     notice_from_dict,
     notice_to_dict,
 )
+from xllm_eplb.elastic.protocol import ABANDONED, decision_key
 from xllm_eplb.elastic.recovery import TRANSITIONS, EngineRecovery, Phase
 from xllm_eplb.errors import WorkerFault
 from xllm_eplb.ipc.errors import IpcError, RingTimeoutError
-from xllm_eplb.ipc.store import ABANDONED, decision_key
 from xllm_eplb.obs.metrics import EngineMetrics
 
 P = Phase
@@ -191,7 +191,7 @@ def test_respawn_detect_fence_reform_resume():
     r.recover(WorkerFault("rank 1: ring producer gone"), got)
     assert r.visited == [P.DETECT, P.FENCE, P.REFORM, P.RESUME, P.SERVING]
     assert r.pg_generation == 2 and r.workers == [0, 1, 2, 3] and eng.resizes == []
-    assert eng.voided == [1] and r.last["mode"] == "respawn"
+    assert eng.voided == [1] and r.counts.last["mode"] == "respawn"
     assert r.status()["last_recovery"]["generation"] == 2 == r.status()["pg_generation"]
     assert store.d["members/gen2"] == b"0,1,2,3" and r.health() is None
 
@@ -201,9 +201,9 @@ def test_shrink_resizes_the_engine_once_and_reforms_the_survivors():
     got = step_fails(r, eng, 2)
     sent.append(died(2, 2, "shrink"))
     r.recover(WorkerFault("rank 2: peer lost"), got)
-    assert eng.resizes == [[0, 1, 3]] and r.workers == [0, 1, 3] and r.shrinks == 1
+    assert eng.resizes == [[0, 1, 3]] and r.workers == [0, 1, 3] and r.counts.shrinks == 1
     assert eng.active_placement.shape == (L, 3 * S)
-    assert r.last["ep_size"] == 3 and r.visited[-1] is P.SERVING
+    assert r.counts.last["ep_size"] == 3 and r.visited[-1] is P.SERVING
 
 
 def test_rejoin_shrinks_then_joins_and_switches_at_a_boundary():
@@ -218,8 +218,8 @@ def test_rejoin_shrinks_then_joins_and_switches_at_a_boundary():
     r.visited.clear()
     r.at_boundary()
     assert r.visited == [P.JOIN, P.SWITCH, P.SERVING]
-    assert eng.workers == [0, 2, 3, 1] and r.pg_generation == 3 and r.joins == 1
-    assert r.last_join["ep_size"] == "3->4" and not r.joining
+    assert eng.workers == [0, 2, 3, 1] and r.pg_generation == 3 and r.counts.joins == 1
+    assert r.counts.last_join["ep_size"] == "3->4" and not r.joining
     assert store.d["join/ep1/pid99"] == b"3"
 
 
@@ -306,7 +306,7 @@ def test_a_death_during_a_reprefill_step_is_recovered_again():
         eng.q[dead] = []
         sent += [died(dead, g, "respawn"), Attached(dead, g)]
         r.recover(WorkerFault("x"), got)
-    assert r.recoveries == 2 and r.reprefilled == 4 and eng.voided == [1, 2]
+    assert r.counts.recoveries == 2 and r.counts.reprefilled == 4 and eng.voided == [1, 2]
     assert r.pg_generation == 3
 
 
@@ -332,7 +332,7 @@ def test_a_serving_death_while_the_joiner_takes_its_ring_abandons_then_recovers(
     sent.append(JoinReady(1, 0.0, 1.0, 7))
     r.at_boundary()
     assert r.visited == [P.JOIN, P.ABANDON, P.DETECT, P.FENCE, P.REFORM, P.RESUME, P.SERVING]
-    assert eng.resizes[-1] == [0, 2] and r.switches_abandoned == 1
+    assert eng.resizes[-1] == [0, 2] and r.counts.switches_abandoned == 1
 
 
 def test_a_serving_death_during_the_switch_abandons_resizes_back_and_recovers():

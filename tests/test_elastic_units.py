@@ -48,7 +48,8 @@ def test_elastic_is_on_by_default_and_refuses_only_what_no_mode_serves():
 
 
 def test_store_carries_the_placement_of_a_generation():
-    from xllm_eplb.ipc.store import get_placement, host_store, put_placement, store_client
+    from xllm_eplb.elastic.protocol import get_placement, put_placement
+    from xllm_eplb.ipc.store import host_store, store_client
 
     port = free_port()
     host = host_store("127.0.0.1", port, 10)
