@@ -103,12 +103,12 @@ class FakeEngine:
             raise item
         return item
 
-    def send_regroup(self, g, timeout):
+    def send_regroup(self, pg_generation, timeout):
         self.step_no += 1
         for r, w in enumerate(self.workers):
             self.q[w].append(Out(self.step_no, r))
         if self.on_regroup is not None:
-            self.on_regroup(g, self.step_no)
+            self.on_regroup(pg_generation, self.step_no)
         return self.step_no
 
     def resize(self, workers, placement):
