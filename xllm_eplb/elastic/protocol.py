@@ -18,6 +18,8 @@ key                                  written by              read by
 ``pg_generation`` (counter)          launcher, engine (add)  launcher, engine
 ``placement/gen<g>``  [L, D*S]       engine (:func:`publish`) a replacement, every resharder
 ``members/gen<g>``  workers          engine (:func:`publish`) every member (its compact rank)
+``attached/gen<g>/ep<w>``            a replacement (:func:`announce_attached`)  engine
+                                     (:func:`await_attached`): its rings are attached
 ``join/ep<w>/pid<p>``  g             engine (:func:`send_go`) the joiner (:func:`wait_go`)
 ``joined/ep<w>/pid<p>``              the joiner              engine (:func:`await_joined`)
 ``switch/gen<g>/arrived`` (counter)  every member (:func:`vote`)  the last one to arrive
@@ -84,6 +86,10 @@ def placement_key(pg_generation: int) -> str:
 
 def members_key(pg_generation: int) -> str:
     return f"members/gen{pg_generation}"
+
+
+def attached_key(pg_generation: int, worker: int) -> str:
+    return f"attached/gen{pg_generation}/ep{worker}"
 
 
 def join_key(worker: int, pid: int) -> str:
@@ -162,6 +168,21 @@ def _alive_check(alive, what: str):
 def _late(what: str, limit: str, timeout_s: float):
     return lambda: TimeoutError(f"{what}: {limit} within {timeout_s:g} s "
                                 "(--elastic_join_timeout_seconds)")
+
+
+# --- a respawn: the replacement's rings are attached --------------------------------------
+def announce_attached(store, worker: int, pg_generation: int) -> None:
+    """A replacement of ``worker`` attached its rings (it reads from the newest input frame
+    on): the engine may send the regroup step of ``pg_generation``."""
+    store.set(attached_key(pg_generation, worker), b"1")
+
+
+def await_attached(store, worker: int, pg_generation: int, timeout_s: float, on_slice) -> None:
+    """The engine waits for the replacement of ``worker`` in ``pg_generation``;
+    ``on_slice()`` may raise (a death meanwhile), ``timeout_s`` raises :class:`WorkerFault`."""
+    wait_key(store, attached_key(pg_generation, worker), WAIT_SLICE, timeout_s, on_slice,
+             lambda: WorkerFault(f"EPLB elastic: the replacement of worker ep{worker} did not "
+                                 f"attach within --elastic_join_timeout_seconds={timeout_s:g}"))
 
 
 # --- a rejoin: the go, the joiner's answer, the vote ---------------------------------------

@@ -17,7 +17,7 @@ One death (respawn: the launcher replaces the worker in place):
    committed), an EPLB round in flight is aborted, ``Engine.void_step`` requeues the dead
    rank's requests for re-prefill and cuts the survivors' KV back to the committed length;
 3. reform: members + placement of ``g`` published (``elastic/protocol.py``), the replacement's
-   ``Attached`` awaited, then the one regroup step and every rank's answer; a shrink (mode
+   ``attached`` key awaited (``protocol.await_attached``), then the one regroup step and every rank's answer; a shrink (mode
    ``shrink``/``rejoin``) re-plans the experts (``eplb/shrink_plan.py``) and calls
    ``Engine.resize(workers, placement)`` first;
 4. resume: the counters and ``last_recovery``; the next step is ordinary.
@@ -299,13 +299,14 @@ class EngineRecovery:
     def _respawn(self, dead: int, g: int) -> None:
         """Same members, same placement; the replacement attaches, then the regroup."""
         protocol.publish(self.store, g, self.workers, self.eng.active_placement)
-        got = self.box.next_attached(self.join_timeout)
-        if got is None or self.box.died is not None:
-            self._stop(WorkerFault(
-                f"EPLB elastic: the replacement of rank {dead} did not attach within "
-                f"--elastic_join_timeout_seconds={self.join_timeout:g}"
-                + (f" ({self.box.death})" if self.box.died is not None else "")))
+
+        def second_death() -> None:
+            if self.box.poll(0.0):
+                raise WorkerFault(f"EPLB elastic: the replacement of rank {dead} did not "
+                                  f"attach: a second death ({self.box.death})")
         try:
+            protocol.await_attached(self.store, self.workers[dead], g, self.join_timeout,
+                                    second_death)
             self._reform_all(g)
         except WorkerFault as e:
             self._stop(e)

@@ -42,7 +42,7 @@ import signal
 import time
 
 from xllm_eplb.config import elastic_redundancy_needed
-from xllm_eplb.elastic.notices import Attached, JoinDropped, JoinReady, WorkerDied
+from xllm_eplb.elastic.notices import JoinDropped, JoinReady, WorkerDied
 from xllm_eplb.elastic.ports import LauncherPort
 from xllm_eplb.elastic.protocol import Mode, next_pg_generation
 from xllm_eplb.eplb.shrink_plan import ShrinkError, check_rule
@@ -280,12 +280,10 @@ class ElasticSupervisor:
                               serving=self.serving(), pg_generation="unchanged"))
 
     def on_event(self, who: str, stage: str, detail: str) -> None:
-        """A replacement attached its rings (-> the engine may send the regroup); a joiner is
-        loaded (``join_ready``) or joined; or the engine (node n: its relay) asks for a silent
-        worker to be SIGKILLed (a hang becomes a death)."""
-        if stage == "attached":
-            self.launcher.notify_engine(Attached(int(who[2:]), int(detail or 0)))
-        elif stage == "join_ready" and who in self.joining:
+        """A joiner is loaded (``join_ready``) or joined; or the engine (node n: its relay)
+        asks for a silent worker to be SIGKILLed (a hang becomes a death). (A replacement's
+        ``attached`` goes to the engine through the store: ``elastic/protocol.py``.)"""
+        if stage == "join_ready" and who in self.joining:
             info = self.joining[who]
             ready_at, pid = detail.split(",")
             if int(pid) != self.launcher.worker_proc(who).pid:   # a dropped predecessor's late event

@@ -221,7 +221,7 @@ class Launcher:
     def _report_stage(self, who: str, stage: str, detail: str) -> None:
         if stage == "error" and detail and who not in self.errors:
             self.errors[who] = detail            # named in the death message
-        if self.elastic is not None and stage in ("attached", "kill", "join_ready", "joined"):
+        if self.elastic is not None and stage in ("kill", "join_ready", "joined"):
             self.elastic.on_event(who, stage, detail)
         if self.progress is not None:
             self.progress.update(who, stage)

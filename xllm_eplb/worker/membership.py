@@ -143,9 +143,15 @@ class WorkerMembership:
         self.store = store_client(self.cfg, timeout_s)
 
     def join_world(self, timeout_s: float) -> comm.CommGroups:
-        """Start-up: the launcher's store, then this generation's groups at rank ``rank``."""
-        self.connect(timeout_s)
+        """Start-up: the launcher's store (unless connected), then this generation's groups at
+        rank ``rank``."""
+        if self.store is None:
+            self.connect(timeout_s)
         return join(self.cfg, self.store, self.rank, self.pg_generation, timeout_s)
+
+    def announce_attached(self) -> None:
+        """A replacement's rings are attached: the engine may send the regroup step."""
+        protocol.announce_attached(self.store, self.rank, self.pg_generation)
 
     def start_placement(self):
         """The placement [L, D*S] a replacement builds its shard from (None: the start one)."""

@@ -146,8 +146,9 @@ class Worker:
         self.inp = InputRing.attach(rid, reader_index=self.rank - first, timeout=ATTACH_TIMEOUT,
                                     skip=ms.replacement)
         self.out = OutputRing.attach(rid, self.rank, timeout=ATTACH_TIMEOUT)
-        if ms.replacement:
-            send_event(self.events, who, "attached", str(ms.pg_generation))
+        if ms.replacement:        # the engine may send the regroup step now
+            ms.connect(max(120.0, self.cfg.runtime.worker_timeout_seconds))
+            ms.announce_attached()
         ep_group, eplb_group = self._init_dist()
         send_event(self.events, who, "dist_init")
         self._build(ep_group, eplb_group)
