@@ -39,6 +39,26 @@ class RecoveryCounters:
     """The last rejoin: worker, ``ep_size`` ("N-1->N"), ``pg_generation``, start-to-ready,
     ready-to-switch, pause and start-to-serving seconds, experts read, slots kept."""
 
+    def recovered(self, record: dict, shrink: bool) -> None:
+        """One death recovered: ``record`` becomes :attr:`last` (its re-prefilled and kept
+        requests are counted); ``shrink``: the dead worker was left out."""
+        self.recoveries += 1
+        self.shrinks += shrink
+        self.reprefilled += record["requests_reprefilled"]
+        self.kept += record["requests_kept"]
+        self.last = record
+
+    def joined(self, record: dict) -> None:
+        """One rejoin switched: ``record`` becomes :attr:`last_join`."""
+        self.joins += 1
+        self.last_join = record
+
+    def join_dropped(self) -> None:
+        self.joins_dropped += 1
+
+    def switch_abandoned(self) -> None:
+        self.switches_abandoned += 1
+
     def status(self) -> dict:
         """The counters as ``/eplb/status`` ``membership`` names them."""
         return {"recoveries": self.recoveries, "shrinks": self.shrinks,

@@ -188,7 +188,7 @@ class EngineRecovery:
         for i, n in enumerate(notices):
             if isinstance(n, JoinDropped):
                 if n.worker in self.joining:
-                    self.counts.joins_dropped += 1
+                    self.counts.join_dropped()
                     self.m.rejoins.labels("dropped").inc()
                     if not n.restart:    # restart: the launcher starts it again, still joining
                         del self.joining[n.worker]
@@ -201,8 +201,7 @@ class EngineRecovery:
             if not got:
                 continue
             self.joining.pop(n.worker)
-            self.counts.joins += 1
-            self.counts.last_join = got
+            self.counts.joined(got)
             self.m.rejoins.labels("joined").inc()
             self.m.rejoin_seconds.observe(got["start_to_serving_s"])
             log.warning(event("EPLB elastic rejoin", **got))
@@ -240,7 +239,6 @@ class EngineRecovery:
         extra = {}
         if mode in (Mode.SHRINK, Mode.REJOIN):
             extra = self._shrink(rank, g)
-            self.counts.shrinks += 1
             if mode is Mode.REJOIN:
                 self.joining[d.worker] = d.seen_at
         else:
@@ -249,18 +247,17 @@ class EngineRecovery:
                        ep_size=eng.ep_size, seconds=round(time.monotonic() - t_fence, 3)))
         self._to(P.RESUME)
         t_done = time.monotonic()
-        c = self.counts
         self.pg_generation = g
-        c.recoveries, c.reprefilled, c.kept = c.recoveries + 1, c.reprefilled + back, c.kept + kept
         self.m.pg_generation.set(g)
         self.m.recovery_seconds.observe(t_done - t0)
         self.m.reprefilled.inc(back)
-        c.last = {"rank": rank, "worker": f"ep{d.worker}", "step": step,
-                  "pg_generation": g, "mode": mode.value,
-                  "fence_s": round(t_fence - t0, 3), "reform_s": round(t_done - t_fence, 3),
-                  "seconds": round(t_done - t0, 3), "requests_reprefilled": back,
-                  "requests_kept": kept, **extra}
-        log.warning(event("EPLB elastic resume", **c.last))
+        last = {"rank": rank, "worker": f"ep{d.worker}", "step": step,
+                "pg_generation": g, "mode": mode.value,
+                "fence_s": round(t_fence - t0, 3), "reform_s": round(t_done - t_fence, 3),
+                "seconds": round(t_done - t0, 3), "requests_reprefilled": back,
+                "requests_kept": kept, **extra}
+        self.counts.recovered(last, shrink=mode is not Mode.RESPAWN)
+        log.warning(event("EPLB elastic resume", **last))
         self._to(P.SERVING)
 
     def _switched(self, dead: int, got: dict) -> bool | None:
@@ -447,7 +444,7 @@ class EngineRecovery:
             except WorkerFault as e:
                 self._stop(e)
             self.eng.resize(*before)
-        self.counts.switches_abandoned += 1
+        self.counts.switch_abandoned()
         self.m.rejoins.labels("abandoned").inc()
         log.warning(event("EPLB elastic rejoin abandoned", worker=f"ep{w}", why=why,
                           pg_generation=self.pg_generation, abandoned=g,
