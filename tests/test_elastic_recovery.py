@@ -423,7 +423,7 @@ def test_a_join_timeout_and_a_switch_error_stop():
 def test_a_silent_worker_is_fenced_once_and_health_says_so():
     killed = []
     r, eng, _, _ = make()
-    r.kill = killed.append
+    r.fence.kill = killed.append
     r.between_slices(11, 0.001, lambda: [2])            # not silent long enough
     assert killed == [] and r.health() is None
     r.between_slices(11, 1.0, lambda: [2])

@@ -294,7 +294,7 @@ def test_a_silent_rank_shows_in_health_within_a_second_and_the_fence_clock_start
         w.end()
         assert w.suspect(eng) is None
     now = time.monotonic()
-    fenced = SimpleNamespace(phase=P.SERVING, fenced_step=7, fenced_at=now - 0.4,
+    fenced = SimpleNamespace(phase=P.SERVING, fence=SimpleNamespace(active=True, at=now - 0.4),
                              phase_since=now - 14.0)
     got = EngineRecovery.health(fenced)
     assert got["phase"] == "fence" and 0.4 <= got["phase_seconds"] < 1.0, got

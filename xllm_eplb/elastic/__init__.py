@@ -5,7 +5,7 @@ One room, one file per role (docs/architecture.md, "Elastic EP: one death's reco
 
 * ``recovery.py``   the engine's state machine (:class:`~xllm_eplb.elastic.recovery.EngineRecovery`):
   detect -> fence -> re-form -> resume, and a rejoin's join -> switch (-> abandon);
-  ``counters.py`` its counters and last records;
+  ``counters.py`` its counters and last records, ``fence.py`` the silent-worker fence;
 * ``supervisor.py`` the launcher's component (:class:`~xllm_eplb.elastic.supervisor.ElasticSupervisor`):
   which mode a death gets (rejoin / respawn / shrink, and why), replacements, joiners, fencing;
   per worker a named state changed by one transition function;

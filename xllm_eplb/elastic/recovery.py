@@ -45,6 +45,7 @@ import time
 
 from xllm_eplb.elastic import protocol
 from xllm_eplb.elastic.counters import RecoveryCounters
+from xllm_eplb.elastic.fence import SilenceFence
 from xllm_eplb.elastic.notices import JoinDropped, JoinReady, NoticeBox, WorkerDied
 from xllm_eplb.elastic.ports import EnginePort
 from xllm_eplb.elastic.protocol import FENCE_MIN_S, NOTICE_WAIT, Mode, next_pg_generation
@@ -101,15 +102,13 @@ class EngineRecovery:
         self.E, self.S, self.L = num_experts, slots, num_layers
         self.silence, self.join_timeout = silence_s, join_timeout_s
         self.on_cpu = on_cpu or (lambda seconds, idle=False: None)
-        self.kill = kill
+        self.fence = SilenceFence(silence_s, kill)
         self.phase, self.phase_since, self.visited = P.SERVING, time.monotonic(), []
         self.pg_generation = 1
         #: the worker of each EP rank (compact ranks; a shrink drops the dead one)
         self.workers = list(range(engine.ep_size))
         self.initial = engine.active_placement.copy()     # what a joiner loads
         self.joining: dict[int, float] = {}     # worker -> wall time of its death
-        self.fenced_step = -1                   # the step whose silent ranks were SIGKILLed
-        self.fenced_at = 0.0                    # time.monotonic() of that fence
         self.counts = RecoveryCounters()
 
     # --- the one transition function --------------------------------------------------------
@@ -129,12 +128,12 @@ class EngineRecovery:
 
     def health(self) -> dict | None:
         """None while serving normally; else what ``/health`` shows (a fence or recovery)."""
-        if self.phase is P.SERVING and self.fenced_step < 0:
+        if self.phase is P.SERVING and not self.fence.active:
             return None
         fence = self.phase is P.SERVING
         # NOTE: the fence is no transition of the state machine: its clock starts at the fence,
         # not at the last transition (it read 14 s less than a second into the fence)
-        since = self.fenced_at if fence else self.phase_since
+        since = self.fence.at if fence else self.phase_since
         return {"status": "recovering", "phase": "fence" if fence else self.phase.value,
                 "phase_seconds": round(time.monotonic() - since, 3)}
 
@@ -152,15 +151,7 @@ class EngineRecovery:
         ``--elastic_silence_seconds`` (``unread()``) are SIGKILLed by the launcher, once per
         step (a hang becomes a death, recovered as one); the check's CPU is accounted."""
         c0 = time.thread_time()
-        if self.kill is not None and self.fenced_step != step and silent_for > self.silence:
-            silent = unread()
-            if silent:
-                self.fenced_step, self.fenced_at = step, time.monotonic()
-                log.warning(event("EPLB elastic silent", step=step,
-                                  ranks=",".join(map(str, silent)),
-                                  seconds=round(silent_for, 2)))
-                for w in silent:
-                    self.kill(w)
+        self.fence.check(step, silent_for, unread)
         self.on_cpu(time.thread_time() - c0)
 
     def at_boundary(self) -> None:
@@ -168,8 +159,7 @@ class EngineRecovery:
         starts it again; a ready one joins now, one at a time; a ``JoinReady`` followed by that
         joiner's drop in the same batch is stale. Its CPU is accounted."""
         c0 = time.thread_time()
-        if self.fenced_step >= 0 and self.eng.step_no > self.fenced_step:
-            self.fenced_step = -1
+        self.fence.passed(self.eng.step_no)
         if self.joining:
             self._boundary_joins()
         self.on_cpu(time.thread_time() - c0)
