@@ -10,22 +10,19 @@ grow). It is one atomic counter in the run's store (``PG_GENERATION_KEY``), draw
 that generation), the engine when it grows. Not to be confused with EPLB's placement epoch
 (``placement_epoch``; docs/architecture.md, "Elastic glossary").
 
-The keys of generation ``g`` (the store is the launcher's TCPStore, ``ipc/store.py``):
+The keys (the store is the launcher's TCPStore, ``ipc/store.py``), who writes -> who reads:
 
-==================================  ======================  ================================
-key                                  written by              read by
-==================================  ======================  ================================
-``pg_generation`` (counter)          launcher, engine (add)  launcher, engine
-``placement/gen<g>``  [L, D*S]       engine (:func:`publish`) a replacement, every resharder
-``members/gen<g>``  workers          engine (:func:`publish`) every member (its compact rank)
-``attached/gen<g>/ep<w>``            a replacement (:func:`announce_attached`)  engine
-                                     (:func:`await_attached`): its rings are attached
-``join/ep<w>/pid<p>``  g             engine (:func:`send_go`) the joiner (:func:`wait_go`)
-``joined/ep<w>/pid<p>``              the joiner              engine (:func:`await_joined`)
-``switch/gen<g>/arrived`` (counter)  every member (:func:`vote`)  the last one to arrive
-``switch/gen<g>/decision``           last member ``go`` or engine ``abort`` (:func:`decide`:
-                                     first wins)             every member, the engine
-==================================  ======================  ================================
+* ``pg_generation`` (a counter): launcher and engine draw (:func:`next_pg_generation`);
+* ``placement/gen<g>`` [L, D*S], ``members/gen<g>`` (workers in compact rank order): the
+  engine (:func:`publish`) -> a replacement, every member (its rank, its re-shard);
+* ``attached/gen<g>/ep<w>``: a replacement (:func:`announce_attached`) -> the engine
+  (:func:`await_attached`), then the regroup step;
+* ``join/ep<w>/pid<p>`` (g): the engine (:func:`send_go`) -> the joiner (:func:`wait_go`);
+  ``joined/ep<w>/pid<p>``: the joiner (:func:`announce_joined`) -> the engine
+  (:func:`await_joined`);
+* ``switch/gen<g>/arrived`` (a counter): every member of a grow (:func:`vote`);
+  ``switch/gen<g>/decision``: the last arrival ``go`` or the engine ``abort``
+  (:func:`decide`, first wins) -> every member, the engine (:func:`abort`).
 
 A rank's process groups of generation ``g`` rendezvous under ``PrefixStore("gen<g>/")``
 (``worker/membership.py``).
