@@ -15,7 +15,6 @@ import pytest
 
 from xllm_eplb.elastic import recovery as rec_mod
 from xllm_eplb.elastic.notices import (
-    Attached,
     JoinDropped,
     JoinReady,
     NoticeBox,
@@ -23,10 +22,10 @@ from xllm_eplb.elastic.notices import (
     notice_from_dict,
     notice_to_dict,
 )
+from xllm_eplb.elastic.protocol import ABANDONED, attached_key, decision_key
 from xllm_eplb.elastic.recovery import TRANSITIONS, EngineRecovery, Phase
 from xllm_eplb.errors import WorkerFault
 from xllm_eplb.ipc.errors import IpcError, RingTimeoutError
-from xllm_eplb.ipc.store import ABANDONED, decision_key
 from xllm_eplb.obs.metrics import EngineMetrics
 
 P = Phase
@@ -103,12 +102,12 @@ class FakeEngine:
             raise item
         return item
 
-    def send_regroup(self, g, timeout):
+    def send_regroup(self, pg_generation, timeout):
         self.step_no += 1
         for r, w in enumerate(self.workers):
             self.q[w].append(Out(self.step_no, r))
         if self.on_regroup is not None:
-            self.on_regroup(g, self.step_no)
+            self.on_regroup(pg_generation, self.step_no)
         return self.step_no
 
     def resize(self, workers, placement):
@@ -149,6 +148,11 @@ def make(D=4, alive=True):
     return r, eng, store, sent
 
 
+def attach(store, w, g):
+    """The replacement of worker ``w`` attached its rings (its key in generation ``g``)."""
+    store.set(attached_key(g, w), b"1")
+
+
 def died(w, g, mode):
     return WorkerDied(w, f"rank {w} (pid 1) died during serving: killed by SIGKILL", g,
                       time.time(), mode)
@@ -169,10 +173,10 @@ def step_fails(r, eng, dead: int):
 
 
 def test_notices_round_trip_exactly_and_refuse_bad_fields():
-    for n in (died(2, 3, "rejoin"), Attached(1, 2), JoinReady(3, 1.0, 2.5, 77),
+    for n in (died(2, 3, "rejoin"), JoinReady(3, 1.0, 2.5, 77),
               JoinDropped(3, "timeout", True)):
         assert notice_from_dict(notice_to_dict(n)) == n
-    d = notice_to_dict(Attached(1, 2))
+    d = notice_to_dict(died(1, 2, "respawn"))
     with pytest.raises(ValueError, match="missing"):
         notice_from_dict({k: v for k, v in d.items() if k != "pg_generation"})
     with pytest.raises(ValueError, match="unknown"):
@@ -187,11 +191,12 @@ def test_respawn_detect_fence_reform_resume():
     r, eng, store, sent = make()
     got = step_fails(r, eng, 1)
     eng.q[1] = []                               # the replacement's ring: a fresh reader
-    sent += [died(1, 2, "respawn"), Attached(1, 2)]
+    sent.append(died(1, 2, "respawn"))
+    attach(store, 1, 2)
     r.recover(WorkerFault("rank 1: ring producer gone"), got)
     assert r.visited == [P.DETECT, P.FENCE, P.REFORM, P.RESUME, P.SERVING]
     assert r.pg_generation == 2 and r.workers == [0, 1, 2, 3] and eng.resizes == []
-    assert eng.voided == [1] and r.last["mode"] == "respawn"
+    assert eng.voided == [1] and r.counts.last["mode"] == "respawn"
     assert r.status()["last_recovery"]["generation"] == 2 == r.status()["pg_generation"]
     assert store.d["members/gen2"] == b"0,1,2,3" and r.health() is None
 
@@ -201,9 +206,9 @@ def test_shrink_resizes_the_engine_once_and_reforms_the_survivors():
     got = step_fails(r, eng, 2)
     sent.append(died(2, 2, "shrink"))
     r.recover(WorkerFault("rank 2: peer lost"), got)
-    assert eng.resizes == [[0, 1, 3]] and r.workers == [0, 1, 3] and r.shrinks == 1
+    assert eng.resizes == [[0, 1, 3]] and r.workers == [0, 1, 3] and r.counts.shrinks == 1
     assert eng.active_placement.shape == (L, 3 * S)
-    assert r.last["ep_size"] == 3 and r.visited[-1] is P.SERVING
+    assert r.counts.last["ep_size"] == 3 and r.visited[-1] is P.SERVING
 
 
 def test_rejoin_shrinks_then_joins_and_switches_at_a_boundary():
@@ -218,8 +223,8 @@ def test_rejoin_shrinks_then_joins_and_switches_at_a_boundary():
     r.visited.clear()
     r.at_boundary()
     assert r.visited == [P.JOIN, P.SWITCH, P.SERVING]
-    assert eng.workers == [0, 2, 3, 1] and r.pg_generation == 3 and r.joins == 1
-    assert r.last_join["ep_size"] == "3->4" and not r.joining
+    assert eng.workers == [0, 2, 3, 1] and r.pg_generation == 3 and r.counts.joins == 1
+    assert r.counts.last_join["ep_size"] == "3->4" and not r.joining
     assert store.d["join/ep1/pid99"] == b"3"
 
 
@@ -264,10 +269,11 @@ def test_a_survivor_dead_in_the_fence_stops():
 
 
 def test_a_second_death_in_the_reform_stops():
-    r, eng, _, sent = make()
+    r, eng, store, sent = make()
     got = step_fails(r, eng, 1)
     eng.q[1] = []
-    sent += [died(1, 2, "respawn"), Attached(1, 2)]
+    sent.append(died(1, 2, "respawn"))
+    attach(store, 1, 2)
 
     def second(g, step):
         eng.q[3] = [IpcError("producer gone")]
@@ -289,10 +295,11 @@ def test_a_shrink_the_rule_refuses_stops_in_the_reform():
 
 
 def test_a_death_during_resume_is_the_next_steps():
-    r, eng, _, sent = make()
+    r, eng, store, sent = make()
     got = step_fails(r, eng, 1)
     eng.q[1] = []
-    sent += [died(1, 2, "respawn"), Attached(1, 2), died(2, 3, "respawn")]
+    sent += [died(1, 2, "respawn"), died(2, 3, "respawn")]
+    attach(store, 1, 2)
     r.recover(WorkerFault("x"), got)                    # the second notice waits its turn
     assert r.phase is P.SERVING
     r.when_idle()
@@ -300,13 +307,14 @@ def test_a_death_during_resume_is_the_next_steps():
 
 
 def test_a_death_during_a_reprefill_step_is_recovered_again():
-    r, eng, _, sent = make()
+    r, eng, store, sent = make()
     for dead, g in ((1, 2), (2, 3)):                   # the second step re-prefills the first's
         got = step_fails(r, eng, dead)
         eng.q[dead] = []
-        sent += [died(dead, g, "respawn"), Attached(dead, g)]
+        sent.append(died(dead, g, "respawn"))
+        attach(store, dead, g)
         r.recover(WorkerFault("x"), got)
-    assert r.recoveries == 2 and r.reprefilled == 4 and eng.voided == [1, 2]
+    assert r.counts.recoveries == 2 and r.counts.reprefilled == 4 and eng.voided == [1, 2]
     assert r.pg_generation == 3
 
 
@@ -332,7 +340,7 @@ def test_a_serving_death_while_the_joiner_takes_its_ring_abandons_then_recovers(
     sent.append(JoinReady(1, 0.0, 1.0, 7))
     r.at_boundary()
     assert r.visited == [P.JOIN, P.ABANDON, P.DETECT, P.FENCE, P.REFORM, P.RESUME, P.SERVING]
-    assert eng.resizes[-1] == [0, 2] and r.switches_abandoned == 1
+    assert eng.resizes[-1] == [0, 2] and r.counts.switches_abandoned == 1
 
 
 def test_a_serving_death_during_the_switch_abandons_resizes_back_and_recovers():
@@ -415,7 +423,7 @@ def test_a_join_timeout_and_a_switch_error_stop():
 def test_a_silent_worker_is_fenced_once_and_health_says_so():
     killed = []
     r, eng, _, _ = make()
-    r.kill = killed.append
+    r.fence.kill = killed.append
     r.between_slices(11, 0.001, lambda: [2])            # not silent long enough
     assert killed == [] and r.health() is None
     r.between_slices(11, 1.0, lambda: [2])
@@ -459,3 +467,23 @@ def test_every_transition_is_taken_and_no_other_is_allowed(monkeypatch):
     r, _, _, _ = make()
     with pytest.raises(RuntimeError, match="no transition serving -> reform"):
         r._to(P.REFORM)
+
+
+def test_a_respawn_waits_for_the_replacements_attached_key_and_a_death_meanwhile_stops():
+    """The replacement's ``attached`` is a key of the conversation (``elastic/protocol.py``),
+    not a launcher relay: no key within the join timeout, or a second death while waiting,
+    stops the run naming it; the regroup step is not sent before the key."""
+    r, eng, store, sent = make()
+    got = step_fails(r, eng, 1)
+    eng.q[1] = []
+    sent.append(died(1, 2, "respawn"))
+    step = eng.step_no
+    with pytest.raises(WorkerFault, match="did not attach within"):
+        r.recover(WorkerFault("x"), got)
+    assert eng.step_no == step and r.visited[-2:] == [P.REFORM, P.STOPPED]
+    r, eng, store, sent = make()
+    got = step_fails(r, eng, 1)
+    eng.q[1] = []
+    sent += [died(1, 2, "respawn"), died(3, 3, "respawn")]
+    with pytest.raises(WorkerFault, match=r"did not attach: a second death \(rank 3"):
+        r.recover(WorkerFault("x"), got)

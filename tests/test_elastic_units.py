@@ -48,7 +48,8 @@ def test_elastic_is_on_by_default_and_refuses_only_what_no_mode_serves():
 
 
 def test_store_carries_the_placement_of_a_generation():
-    from xllm_eplb.ipc.store import get_placement, host_store, put_placement, store_client
+    from xllm_eplb.elastic.protocol import get_placement, put_placement
+    from xllm_eplb.ipc.store import host_store, store_client
 
     port = free_port()
     host = host_store("127.0.0.1", port, 10)
@@ -293,7 +294,7 @@ def test_a_silent_rank_shows_in_health_within_a_second_and_the_fence_clock_start
         w.end()
         assert w.suspect(eng) is None
     now = time.monotonic()
-    fenced = SimpleNamespace(phase=P.SERVING, fenced_step=7, fenced_at=now - 0.4,
+    fenced = SimpleNamespace(phase=P.SERVING, fence=SimpleNamespace(active=True, at=now - 0.4),
                              phase_since=now - 14.0)
     got = EngineRecovery.health(fenced)
     assert got["phase"] == "fence" and 0.4 <= got["phase_seconds"] < 1.0, got

@@ -111,7 +111,7 @@ def test_elastic_notices_of_a_remote_node_reach_node0_in_order():
     launcher forwards them in order, each once (real TCPStore, real pipes)."""
     import multiprocessing as mp
 
-    from xllm_eplb.elastic.notices import Attached, WorkerDied
+    from xllm_eplb.elastic.notices import JoinDropped, WorkerDied
     from xllm_eplb.launcher.events import EventHub
     from xllm_eplb.node.elastic import NoticeForwarder, NoticeSender
     from xllm_eplb.node.rendezvous import open_store
@@ -127,10 +127,10 @@ def test_elastic_notices_of_a_remote_node_reach_node0_in_order():
     assert fwd.pump(hub0) == 0
     died = WorkerDied(2, "node 1: rank 2 died", 2, 1.5, "respawn")
     assert hub1.notify("engine", died)
-    assert hub1.notify("engine", Attached(2, 2))
+    assert hub1.notify("engine", JoinDropped(2, "timeout"))
     assert fwd.pump(hub0) == 2 and fwd.pump(hub0) == 0
     assert engine.notice(1.0) == died
-    assert engine.notice(1.0) == Attached(2, 2)
+    assert engine.notice(1.0) == JoinDropped(2, "timeout")
     assert engine.notice(0.0) is None
     hub0.close()
     engine.close()

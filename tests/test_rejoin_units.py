@@ -72,9 +72,10 @@ def test_switch_vote_go_and_abort():
     engine's abort before the last arrival -> abandoned for everyone (first decision wins)."""
     import threading
 
-    from xllm_eplb.ipc.store import decide, host_store, store_client
+    from xllm_eplb.elastic import protocol
+    from xllm_eplb.elastic.protocol import decide
+    from xllm_eplb.ipc.store import host_store, store_client
     from xllm_eplb.testing.dist import free_port
-    from xllm_eplb.worker import regroup
 
     port = free_port()
     host = host_store("127.0.0.1", port, 10)
@@ -82,7 +83,7 @@ def test_switch_vote_go_and_abort():
     got: dict = {}
 
     def member(name, client, g):
-        got[name] = regroup.vote(client, g, 2, 10.0, lambda: True)
+        got[name] = protocol.vote(client, g, 2, 10.0, lambda: True)
 
     th = [threading.Thread(target=member, args=(n, c, 5)) for n, c in (("a", a), ("b", b))]
     for t in th:
@@ -99,18 +100,18 @@ def test_switch_vote_go_and_abort():
 
 
 def test_store_go_and_joined_keys_are_per_joiner():
+    from xllm_eplb.elastic import protocol
     from xllm_eplb.ipc.store import host_store, store_client
     from xllm_eplb.testing.dist import free_port
-    from xllm_eplb.worker import regroup
 
     port = free_port()
     host = host_store("127.0.0.1", port, 10)
     client = store_client("127.0.0.1", port, 10)
-    host.set(regroup.join_key(2, os.getpid()), b"7")
-    assert regroup.wait_join(client, 2, 5, lambda: True) == 7
-    regroup.announce_joined(client, 2)
-    host.wait([regroup.joined_key(2, os.getpid())])
+    host.set(protocol.join_key(2, os.getpid()), b"7")
+    assert protocol.wait_go(client, 2, 5, lambda: True) == 7
+    protocol.announce_joined(client, 2)
+    host.wait([protocol.joined_key(2, os.getpid())])
     with pytest.raises(TimeoutError, match="elastic_join_timeout_seconds"):
-        regroup.wait_join(client, 3, 0.5, lambda: True)
+        protocol.wait_go(client, 3, 0.5, lambda: True)
     with pytest.raises(RuntimeError, match="launcher is gone"):
-        regroup.wait_join(client, 3, 5, lambda: False)
+        protocol.wait_go(client, 3, 5, lambda: False)

@@ -35,14 +35,6 @@ class WorkerDied:
 
 
 @dataclass(frozen=True)
-class Attached:
-    """A respawned worker attached its rings: the engine may send the regroup step."""
-
-    worker: int
-    pg_generation: int
-
-
-@dataclass(frozen=True)
 class JoinReady:
     """A rejoin replacement loaded its model (``started_at``/``ready_at``: wall times, ``pid``:
     the joiner's process; the go key is per pid)."""
@@ -75,7 +67,7 @@ def launcher_gone(pid: int) -> LauncherGone:
     return LauncherGone(f"the launcher (pid {pid}) is gone (killed?): the run stops")
 
 
-NOTICES = {c.__name__: c for c in (WorkerDied, Attached, JoinReady, JoinDropped)}
+NOTICES = {c.__name__: c for c in (WorkerDied, JoinReady, JoinDropped)}
 
 
 def notice_to_dict(notice) -> dict:
@@ -106,7 +98,7 @@ def notice_from_dict(d: dict):
 
 class NoticeBox:
     """The engine's mailbox of launcher notices, the one place they are read and sorted:
-    a death (:attr:`died`, kept until :meth:`clear_death`), ``Attached`` and the rejoin
+    a death (:attr:`died`, kept until :meth:`clear_death`) and the rejoin
     notices. ``read(timeout) -> notice or None`` is the launcher channel (None: no launcher,
     a test engine); ``launcher_alive()`` False turns into a :class:`LauncherGone` death.
 
@@ -116,7 +108,6 @@ class NoticeBox:
     def __init__(self, read=None, launcher_alive=None, launcher_pid: int = 0):
         self.read, self.launcher_alive, self.launcher_pid = read, launcher_alive, launcher_pid
         self.died: WorkerDied | LauncherGone | None = None
-        self.attached: list[Attached] = []
         self.joins: list[JoinReady | JoinDropped] = []
         self.switching: int | None = None
         self.joiner_lost = ""
@@ -167,16 +158,6 @@ class NoticeBox:
         got, self.joins = self.joins, []
         return got
 
-    def next_attached(self, timeout: float) -> Attached | None:
-        """The next ``Attached`` within ``timeout`` s, or None (a death meanwhile is kept)."""
-        deadline = time.monotonic() + timeout
-        while not self.attached and time.monotonic() < deadline:
-            if self.read is None:
-                return None
-            if self.poll(min(0.1, max(0.0, deadline - time.monotonic()))):
-                break
-        return self.attached.pop(0) if self.attached else None
-
     def clear_death(self) -> None:
         self.died, self.gave_up = None, False
 
@@ -188,9 +169,7 @@ class NoticeBox:
             return
         if isinstance(n, dict):
             n = notice_from_dict(n)
-        if isinstance(n, Attached):
-            self.attached.append(n)
-        elif isinstance(n, (JoinReady, JoinDropped)):
+        if isinstance(n, (JoinReady, JoinDropped)):
             if isinstance(n, JoinDropped) and n.worker == self.switching:
                 self.joiner_lost = (f"the joiner ep{n.worker} died during the switch "
                                     f"({n.why})")

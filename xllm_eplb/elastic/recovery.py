@@ -16,25 +16,25 @@ One death (respawn: the launcher replaces the worker in place):
 2. fence: the survivors' outputs of the step are read and dropped (no token of it is
    committed), an EPLB round in flight is aborted, ``Engine.void_step`` requeues the dead
    rank's requests for re-prefill and cuts the survivors' KV back to the committed length;
-3. reform: members + placement of ``g`` published (``elastic/regroup.py``), the replacement's
-   ``Attached`` awaited, then the one regroup step and every rank's answer; a shrink (mode
+3. reform: members + placement of ``g`` published (``elastic/protocol.py``), the replacement's
+   ``attached`` key awaited (``protocol.await_attached``), then the one regroup step and every rank's answer; a shrink (mode
    ``shrink``/``rejoin``) re-plans the experts (``eplb/shrink_plan.py``) and calls
    ``Engine.resize(workers, placement)`` first;
 4. resume: the counters and ``last_recovery``; the next step is ordinary.
 
 A rejoin (mode ``rejoin``) is a shrink now and a grow later: at a step boundary a ready joiner
 is let in (``eplb/join_plan.py``; go key, joiner's ``joined`` key, ``Engine.resize`` to N,
-regroup step, the members' vote in ``worker/regroup.py``). A death during the switch abandons
+regroup step, the members' vote: ``elastic/protocol.py``). A death during the switch abandons
 it (the vote's ``abort``; ``Engine.resize`` back to N-1) and is then recovered as above.
 What stops the run instead: a notice that is not an elastic death, an EPLB activation only some
 ranks switched, a second death while re-forming, a shrink the redundancy rule refuses, the
 joiner alone lost after every member voted go, or ``--elastic_join_timeout_seconds``.
 
-The engine is reached through a narrow port (``engine/engine.py``): ``ep_size``, ``step_no``,
-``stopping``,
-``active_placement``, ``expert_load()``, ``read_output``, ``end_void_step``,
-``abort_eplb_round``, ``awaited_token``, ``send_regroup``, ``resize``, ``idle_step``; the tests
-drive this class with a fake one (tests/test_elastic_recovery.py).
+The engine is reached through a typed port, :class:`~xllm_eplb.elastic.ports.EnginePort`
+(``elastic/ports.py``: what ``engine/engine.py``'s ``Engine`` offers); the tests drive this
+class with a fake one (tests/test_elastic_recovery.py) and check both against the port
+(tests/test_elastic_ports.py). The counters and last records are
+:class:`~xllm_eplb.elastic.counters.RecoveryCounters`.
 """
 
 from __future__ import annotations
@@ -42,22 +42,23 @@ from __future__ import annotations
 import enum
 import logging
 import time
-from datetime import timedelta
 
-from xllm_eplb.elastic import regroup
+from xllm_eplb.elastic import protocol
+from xllm_eplb.elastic.counters import RecoveryCounters
+from xllm_eplb.elastic.fence import SilenceFence
 from xllm_eplb.elastic.notices import JoinDropped, JoinReady, NoticeBox, WorkerDied
+from xllm_eplb.elastic.ports import EnginePort
 from xllm_eplb.elastic.protocol import (
     ELASTIC_IDLE_WAIT,
     FENCE_MIN_S,
     NOTICE_WAIT,
-    WAIT_SLICE,
+    Mode,
     next_pg_generation,
 )
 from xllm_eplb.eplb.join_plan import JoinError, plan_join
 from xllm_eplb.eplb.shrink_plan import ShrinkError, plan_shrink
 from xllm_eplb.errors import WorkerFault
 from xllm_eplb.ipc.errors import IpcError, RingTimeoutError
-from xllm_eplb.ipc.store import decide, join_key, joined_key
 from xllm_eplb.obs.logs import event
 
 log = logging.getLogger(__name__)
@@ -90,14 +91,6 @@ TRANSITIONS = {
 }
 
 
-def _aliased(record: dict) -> dict:
-    """``record`` with ``generation``, the deprecated name of ``pg_generation`` (one release)."""
-    out = dict(record)
-    if "pg_generation" in out:
-        out["generation"] = out["pg_generation"]
-    return out
-
-
 class SwitchLost(Exception):
     """A death during a rejoin's switch (a serving rank's, or the joiner's)."""
 
@@ -109,25 +102,20 @@ class EngineRecovery:
     ``on_cpu(seconds)``: elasticity's steady-state CPU (``Telemetry.on_elastic``);
     ``kill(worker)``: asks the launcher to SIGKILL a silent worker."""
 
-    def __init__(self, engine, box: NoticeBox, store, *, num_experts: int, slots: int,
+    def __init__(self, engine: EnginePort, box: NoticeBox, store, *, num_experts: int, slots: int,
                  num_layers: int, silence_s: float, join_timeout_s: float, metrics, on_cpu=None, kill=None):
         self.eng, self.box, self.store, self.m = engine, box, store, metrics
         self.E, self.S, self.L = num_experts, slots, num_layers
         self.silence, self.join_timeout = silence_s, join_timeout_s
         self.on_cpu = on_cpu or (lambda seconds, idle=False: None)
-        self.kill = kill
+        self.fence = SilenceFence(silence_s, kill)
         self.phase, self.phase_since, self.visited = P.SERVING, time.monotonic(), []
         self.pg_generation = 1
         #: the worker of each EP rank (compact ranks; a shrink drops the dead one)
         self.workers = list(range(engine.ep_size))
         self.initial = engine.active_placement.copy()     # what a joiner loads
         self.joining: dict[int, float] = {}     # worker -> wall time of its death
-        self.fenced_step = -1                   # the step whose silent ranks were SIGKILLed
-        self.fenced_at = 0.0                    # time.monotonic() of that fence
-        self.recoveries = self.shrinks = self.reprefilled = self.kept = 0
-        self.joins = self.joins_dropped = self.switches_abandoned = 0
-        self.last: dict = {}
-        self.last_join: dict = {}
+        self.counts = RecoveryCounters()
 
     # --- the one transition function --------------------------------------------------------
     def _to(self, phase: Phase, **why) -> None:
@@ -146,12 +134,12 @@ class EngineRecovery:
 
     def health(self) -> dict | None:
         """None while serving normally; else what ``/health`` shows (a fence or recovery)."""
-        if self.phase is P.SERVING and self.fenced_step < 0:
+        if self.phase is P.SERVING and not self.fence.active:
             return None
         fence = self.phase is P.SERVING
         # NOTE: the fence is no transition of the state machine: its clock starts at the fence,
         # not at the last transition (it read 14 s less than a second into the fence)
-        since = self.fenced_at if fence else self.phase_since
+        since = self.fence.at if fence else self.phase_since
         return {"status": "recovering", "phase": "fence" if fence else self.phase.value,
                 "phase_seconds": round(time.monotonic() - since, 3)}
 
@@ -160,13 +148,8 @@ class EngineRecovery:
         return {"elastic": True, "pg_generation": self.pg_generation,
                 "generation": self.pg_generation,      # deprecated alias (one release)
                 "phase": self.phase.value, "ep_size": D, "ranks_active": list(range(D)),
-                "workers": list(self.workers), "recoveries": self.recoveries,
-                "shrinks": self.shrinks, "requests_reprefilled": self.reprefilled,
-                "requests_kept": self.kept, "last_recovery": _aliased(self.last),
-                "joins": self.joins, "joining": sorted(f"ep{w}" for w in self.joining),
-                "joins_dropped": self.joins_dropped,
-                "switches_abandoned": self.switches_abandoned,
-                "last_join": _aliased(self.last_join)}
+                "workers": list(self.workers),
+                "joining": sorted(f"ep{w}" for w in self.joining), **self.counts.status()}
 
     # --- between slices, at boundaries, idle (the loop's points: engine/membership.py) -------
     idle_wait = ELASTIC_IDLE_WAIT
@@ -174,7 +157,7 @@ class EngineRecovery:
     def quiet(self) -> bool:
         """May the next step be planned while one runs (``--async_scheduling``)? Not while a
         joiner is on its way (it joins at a boundary) or a fence waits to be lifted."""
-        return self.fenced_step < 0 and not self.joining
+        return not self.fence.active and not self.joining
 
     def idle_cpu(self, seconds: float) -> None:
         """An idle pass's thread CPU (it wakes every ``ELASTIC_IDLE_WAIT`` s for elasticity)."""
@@ -185,15 +168,7 @@ class EngineRecovery:
         ``--elastic_silence_seconds`` (``unread()``) are SIGKILLed by the launcher, once per
         step (a hang becomes a death, recovered as one); the check's CPU is accounted."""
         c0 = time.thread_time()
-        if self.kill is not None and self.fenced_step != step and silent_for > self.silence:
-            silent = unread()
-            if silent:
-                self.fenced_step, self.fenced_at = step, time.monotonic()
-                log.warning(event("EPLB elastic silent", step=step,
-                                  ranks=",".join(map(str, silent)),
-                                  seconds=round(silent_for, 2)))
-                for w in silent:
-                    self.kill(w)
+        self.fence.check(step, silent_for, unread)
         self.on_cpu(time.thread_time() - c0)
 
     def at_boundary(self) -> None:
@@ -201,8 +176,7 @@ class EngineRecovery:
         starts it again; a ready one joins now, one at a time; a ``JoinReady`` followed by that
         joiner's drop in the same batch is stale. Its CPU is accounted."""
         c0 = time.thread_time()
-        if self.fenced_step >= 0 and self.eng.step_no > self.fenced_step:
-            self.fenced_step = -1
+        self.fence.passed(self.eng.step_no)
         if self.joining:
             self._boundary_joins()
         self.on_cpu(time.thread_time() - c0)
@@ -221,7 +195,7 @@ class EngineRecovery:
         for i, n in enumerate(notices):
             if isinstance(n, JoinDropped):
                 if n.worker in self.joining:
-                    self.joins_dropped += 1
+                    self.counts.join_dropped()
                     self.m.rejoins.labels("dropped").inc()
                     if not n.restart:    # restart: the launcher starts it again, still joining
                         del self.joining[n.worker]
@@ -234,8 +208,7 @@ class EngineRecovery:
             if not got:
                 continue
             self.joining.pop(n.worker)
-            self.joins += 1
-            self.last_join = got
+            self.counts.joined(got)
             self.m.rejoins.labels("joined").inc()
             self.m.rejoin_seconds.observe(got["start_to_serving_s"])
             log.warning(event("EPLB elastic rejoin", **got))
@@ -251,12 +224,13 @@ class EngineRecovery:
         d = box.died
         if not isinstance(d, WorkerDied) or not d.mode:
             self._stop(fault)
+        mode = Mode(d.mode)
         box.clear_death()                  # from here on, a death notice is a second death
         if d.worker not in self.workers:
             self._stop(fault)
         rank, step, g = self.workers.index(d.worker), eng.step_no, d.pg_generation
         log.warning(event("EPLB elastic detect", rank=rank, worker=f"ep{d.worker}", step=step,
-                          pg_generation=g, mode=d.mode,
+                          pg_generation=g, mode=mode.value,
                           detect_s=round(time.time() - d.seen_at, 3), cause=d.message))
         self.m.rank_active.labels(str(rank)).set(0)
         self._to(P.FENCE)
@@ -270,10 +244,9 @@ class EngineRecovery:
                        requests_kept=kept, seconds=round(t_fence - t0, 3)))
         self._to(P.REFORM)
         extra = {}
-        if d.mode in ("shrink", "rejoin"):
+        if mode in (Mode.SHRINK, Mode.REJOIN):
             extra = self._shrink(rank, g)
-            self.shrinks += 1
-            if d.mode == "rejoin":
+            if mode is Mode.REJOIN:
                 self.joining[d.worker] = d.seen_at
         else:
             self._respawn(rank, g)
@@ -281,18 +254,17 @@ class EngineRecovery:
                        ep_size=eng.ep_size, seconds=round(time.monotonic() - t_fence, 3)))
         self._to(P.RESUME)
         t_done = time.monotonic()
-        self.pg_generation, self.recoveries = g, self.recoveries + 1
-        self.reprefilled += back
-        self.kept += kept
+        self.pg_generation = g
         self.m.pg_generation.set(g)
         self.m.recovery_seconds.observe(t_done - t0)
         self.m.reprefilled.inc(back)
-        self.last = {"rank": rank, "worker": f"ep{d.worker}", "step": step,
-                     "pg_generation": g, "mode": d.mode,
-                     "fence_s": round(t_fence - t0, 3), "reform_s": round(t_done - t_fence, 3),
-                     "seconds": round(t_done - t0, 3), "requests_reprefilled": back,
-                     "requests_kept": kept, **extra}
-        log.warning(event("EPLB elastic resume", **self.last))
+        last = {"rank": rank, "worker": f"ep{d.worker}", "step": step,
+                "pg_generation": g, "mode": mode.value,
+                "fence_s": round(t_fence - t0, 3), "reform_s": round(t_done - t_fence, 3),
+                "seconds": round(t_done - t0, 3), "requests_reprefilled": back,
+                "requests_kept": kept, **extra}
+        self.counts.recovered(last, shrink=mode is not Mode.RESPAWN)
+        log.warning(event("EPLB elastic resume", **last))
         self._to(P.SERVING)
 
     def _switched(self, dead: int, got: dict) -> bool | None:
@@ -326,18 +298,19 @@ class EngineRecovery:
         step = self.eng.send_regroup(g, self.join_timeout)
         deadline = time.monotonic() + self.join_timeout
         for r in range(self.eng.ep_size):
-            regroup.await_answer(self.eng, r, step, deadline, self._second_death)
+            protocol.await_answer(self.eng, r, step, deadline, self._second_death)
 
     def _respawn(self, dead: int, g: int) -> None:
         """Same members, same placement; the replacement attaches, then the regroup."""
-        regroup.publish(self.store, g, self.workers, self.eng.active_placement)
-        got = self.box.next_attached(self.join_timeout)
-        if got is None or self.box.died is not None:
-            self._stop(WorkerFault(
-                f"EPLB elastic: the replacement of rank {dead} did not attach within "
-                f"--elastic_join_timeout_seconds={self.join_timeout:g}"
-                + (f" ({self.box.death})" if self.box.died is not None else "")))
+        protocol.publish(self.store, g, self.workers, self.eng.active_placement)
+
+        def second_death() -> None:
+            if self.box.poll(0.0):
+                raise WorkerFault(f"EPLB elastic: the replacement of rank {dead} did not "
+                                  f"attach: a second death ({self.box.death})")
         try:
+            protocol.await_attached(self.store, self.workers[dead], g, self.join_timeout,
+                                    second_death)
             self._reform_all(g)
         except WorkerFault as e:
             self._stop(e)
@@ -360,7 +333,7 @@ class EngineRecovery:
                           checkpoint=len(plan.reloads), replica=0, kept=plan.kept,
                           per_rank=",".join(map(str, per)), seconds=round(t_plan, 4)))
         workers = [self.workers[r] for r in plan.survivors]
-        regroup.publish(self.store, g, workers, plan.table)
+        protocol.publish(self.store, g, workers, plan.table)
         eng.resize(workers, plan.table)
         self.workers = workers
         try:
@@ -390,18 +363,18 @@ class EngineRecovery:
         g = next_pg_generation(self.store)
         before = (list(self.workers), eng.active_placement.copy())
         workers = self.workers + [w]
-        regroup.publish(self.store, g, workers, plan.table)
+        protocol.publish(self.store, g, workers, plan.table)
         self.box.watch_joiner(w)
         sent, answers = False, {}
         try:
-            self.store.set(join_key(w, n.pid), str(g).encode())
-            self._wait_joined(w, joined_key(w, n.pid))
+            protocol.send_go(self.store, w, n.pid, g)
+            protocol.await_joined(self.store, w, n.pid, self.join_timeout, self._lost_check)
             eng.resize(workers, plan.table)
             self._to(P.SWITCH)
             step, sent = eng.send_regroup(g, self.join_timeout), True
             deadline = time.monotonic() + self.join_timeout
             for r in range(D + 1):
-                answers[r] = regroup.await_answer(
+                answers[r] = protocol.await_answer(
                     eng, r, step, deadline, self._switch_silence, on_error=self._switch_error)
         except SwitchLost as e:
             if len(e.args) > 1:
@@ -446,21 +419,10 @@ class EngineRecovery:
             raise SwitchLost(why, out)          # the rank's one answer: kept for the drain
         raise WorkerFault(out.error)
 
-    def _wait_joined(self, w: int, key: str) -> None:
-        """The joiner's answer to the go: a death meanwhile raises :class:`SwitchLost`,
-        ``--elastic_join_timeout_seconds`` :class:`WorkerFault`."""
-        deadline = time.monotonic() + self.join_timeout
-        while True:
-            try:
-                self.store.wait([key], timedelta(seconds=WAIT_SLICE))
-                return
-            except Exception:  # noqa: BLE001 - the store's wait timeout
-                if why := self._lost():
-                    raise SwitchLost(why) from None
-                if time.monotonic() > deadline:
-                    raise WorkerFault(f"EPLB elastic: the joiner ep{w} did not take its input "
-                                      "ring within --elastic_join_timeout_seconds="
-                                      f"{self.join_timeout:g}") from None
+    def _lost_check(self) -> None:
+        """While the joiner answers the go: a death meanwhile raises :class:`SwitchLost`."""
+        if why := self._lost():
+            raise SwitchLost(why)
 
     def _abandon(self, w: int, g: int, sent: bool, why: str, t0: float, answers: dict,
                  before: tuple) -> dict:
@@ -476,7 +438,7 @@ class EngineRecovery:
         self._to(P.ABANDON, why=why[:200])
         box, committed, got = self.box, False, {}
         if sent:
-            committed = decide(self.store, g, "abort") != "abort"
+            committed = protocol.abort(self.store, g)
             if committed and box.died is None:   # a serving rank's death follows the drop
                 box.wait_death(NOTICE_WAIT)
             if committed and (box.died is None or box.died.worker == w):
@@ -489,7 +451,7 @@ class EngineRecovery:
             except WorkerFault as e:
                 self._stop(e)
             self.eng.resize(*before)
-        self.switches_abandoned += 1
+        self.counts.switch_abandoned()
         self.m.rejoins.labels("abandoned").inc()
         log.warning(event("EPLB elastic rejoin abandoned", worker=f"ep{w}", why=why,
                           pg_generation=self.pg_generation, abandoned=g,
@@ -516,7 +478,7 @@ class EngineRecovery:
         def silence(r: int, closed: bool):
             if box.died is None:
                 box.wait_death(NOTICE_WAIT if closed else 0.0)
-            return regroup.SKIP if dead(r) else None
+            return protocol.SKIP if dead(r) else None
 
         def error(out):
             if not out.peer_lost:
@@ -526,7 +488,7 @@ class EngineRecovery:
         for r in range(D):
             if r in got or dead(r):
                 continue
-            out = regroup.await_answer(self.eng, r, step, deadline,
+            out = protocol.await_answer(self.eng, r, step, deadline,
                                        lambda closed, r=r: silence(r, closed), patient=True,
                                        on_error=error)
             if out is not None:

@@ -25,10 +25,11 @@ Per worker the supervisor knows one state (:class:`WorkerState`), changed only b
     joining | ready --timeout, a serving death--> dropped --reaped--> retired
     joining | ready --died--> retired     (then joining again while restarts remain)
 
-Explicit parameters say what differs per launcher: ``respawn_only`` and ``remote_ranks`` (a
-node of a multi-node run: respawn in place or stop; the other nodes' ranks all serve), ``node``
-(logged), and the callables ``spawn(who, pg_generation, join)``, ``death_message(who, during)``,
-``stopping()``, ``engine_gone()``.
+The launcher owns the process table: the supervisor reads a worker's process and asks for every
+change through :class:`~xllm_eplb.elastic.ports.LauncherPort` (``spawn_worker``, ``retire``,
+``clear_error``, ``notify_engine``, ...). Explicit parameters say what differs per launcher:
+``respawn_only`` and ``remote_ranks`` (a node of a multi-node run: respawn in place or stop; the
+other nodes' ranks all serve) and ``node`` (logged).
 """
 
 from __future__ import annotations
@@ -41,8 +42,9 @@ import signal
 import time
 
 from xllm_eplb.config import elastic_redundancy_needed
-from xllm_eplb.elastic.notices import Attached, JoinDropped, JoinReady, WorkerDied
-from xllm_eplb.elastic.protocol import next_pg_generation
+from xllm_eplb.elastic.notices import JoinDropped, JoinReady, WorkerDied
+from xllm_eplb.elastic.ports import LauncherPort
+from xllm_eplb.elastic.protocol import Mode, next_pg_generation
 from xllm_eplb.eplb.shrink_plan import ShrinkError, check_rule
 from xllm_eplb.obs.logs import event
 
@@ -77,7 +79,7 @@ def rule_holds(cfg, size: int) -> bool:
     return True
 
 
-def replacement_mode(cfg, serving: int, restarts: int) -> tuple[str, str]:
+def replacement_mode(cfg, serving: int, restarts: int) -> tuple[Mode, str]:
     """How a serving worker's death is handled now, and why: ``rejoin``, ``respawn`` or
     ``shrink`` (``stop``: the run stops, a respawn being impossible across nodes)."""
     rt, N = cfg.runtime, cfg.eplb.ep_size
@@ -85,20 +87,20 @@ def replacement_mode(cfg, serving: int, restarts: int) -> tuple[str, str]:
         why = ("--elastic_restart=false" if not rt.elastic_restart
                else f"--elastic_max_restarts={rt.elastic_max_restarts} used up")
         if rt.nnodes > 1:
-            return "stop", f"{why}; a shrink would cross nodes"
-        return "shrink", f"{why}: the survivors go on without it"
+            return Mode.STOP, f"{why}; a shrink would cross nodes"
+        return Mode.SHRINK, f"{why}: the survivors go on without it"
     if rt.nnodes > 1:
-        return "respawn", f"--nnodes={rt.nnodes}: a rank set cannot change across nodes"
+        return Mode.RESPAWN, f"--nnodes={rt.nnodes}: a rank set cannot change across nodes"
     if rt.elastic_rejoin and rule_holds(cfg, serving):
-        return "rejoin", (f"the other {serving - 1} ranks hold every expert: they serve while "
+        return Mode.REJOIN, (f"the other {serving - 1} ranks hold every expert: they serve while "
                           "a replacement loads")
     if serving != N:
-        return "shrink", "a shrunk world cannot respawn in place"
+        return Mode.SHRINK, "a shrunk world cannot respawn in place"
     if not rt.elastic_rejoin:
-        return "respawn", "--elastic_rejoin=false"
+        return Mode.RESPAWN, "--elastic_rejoin=false"
     if N == 1:
-        return "respawn", "--ep_size=1: no other rank serves meanwhile"
-    return "respawn", (f"{N - 1} ranks x {cfg.slots_per_rank} slots cannot hold "
+        return Mode.RESPAWN, "--ep_size=1: no other rank serves meanwhile"
+    return Mode.RESPAWN, (f"{N - 1} ranks x {cfg.slots_per_rank} slots cannot hold "
                        f"{cfg.model.num_experts} experts (rejoin needs "
                        f"--redundant_experts_num >= "
                        f"{elastic_redundancy_needed(cfg.model.num_experts, N)}): the service waits for "
@@ -108,13 +110,9 @@ def replacement_mode(cfg, serving: int, restarts: int) -> tuple[str, str]:
 class ElasticSupervisor:
     """The launcher's ``--elastic_ep`` part: replacement, joiners, fencing (see above)."""
 
-    def __init__(self, cfg, store, procs: dict, events, errors: dict, *, spawn, death_message,
-                 stopping, engine_gone, respawn_only: bool = False, remote_ranks: int = 0,
-                 node: int | None = None):
-        self.cfg, self.store, self.procs, self.events, self.errors = (
-            cfg, store, procs, events, errors)
-        self.spawn, self.death_message = spawn, death_message
-        self.stopping, self.engine_gone = stopping, engine_gone
+    def __init__(self, cfg, store, launcher: LauncherPort, *, respawn_only: bool = False,
+                 remote_ranks: int = 0, node: int | None = None):
+        self.cfg, self.store, self.launcher = cfg, store, launcher
         self.respawn_only, self.remote_ranks = respawn_only, remote_ranks
         self.where = {"node": node} if node is not None else {}     # logged on every line
         self.pg_generation = 1
@@ -137,8 +135,8 @@ class ElasticSupervisor:
 
     def serving(self) -> int:
         """EP ranks serving now (joiners not counted; the other nodes' all serve)."""
-        return self.remote_ranks + sum(1 for w in self.procs if w.startswith("ep")
-                                       and w not in self.joining and w not in self.dropped)
+        return self.remote_ranks + sum(1 for w in self.launcher.worker_names()
+                                       if w not in self.joining and w not in self.dropped)
 
     def joiners(self) -> list[str]:
         """Workers not on the input ring (killed outright at a stop)."""
@@ -149,11 +147,12 @@ class ElasticSupervisor:
         death stops the run (not a worker, a stop, the engine gone, a clean exit, or a node of
         a multi-node run out of restarts)."""
         rt = self.cfg.runtime
-        if not who.startswith("ep") or self.stopping() or self.engine_gone():
+        la = self.launcher
+        if not who.startswith("ep") or la.stop_requested() or la.engine_gone():
             return False
         if self.respawn_only and self.restarts >= rt.elastic_max_restarts:
             return False
-        p = self.procs[who]
+        p = la.worker_proc(who)
         p.join(2.0)
         if who in self.joining or who in self.dropped:
             return self._joiner_gone(who)
@@ -162,40 +161,36 @@ class ElasticSupervisor:
             return False
         size = self.serving()
         mode, why = replacement_mode(self.cfg, size, self.restarts)
-        if mode == "stop":
+        if mode is Mode.STOP:
             return False
-        self.restarts += mode != "shrink"
+        self.restarts += mode is not Mode.SHRINK
         # the joiners loading are dropped; in rejoin mode each is started again once reaped
-        self._drop_joiners(f"serving worker {who} died", restart=mode == "rejoin")
+        self._drop_joiners(f"serving worker {who} died", restart=mode is Mode.REJOIN)
         self.pg_generation = next_pg_generation(self.store)
-        msg = self.death_message(who)
+        msg = la.replaced_message(who)
         seen = time.time()
         log.warning(event("EPLB elastic detect", proc=who, pid=p.pid, **self.where,
-                          exitcode=p.exitcode, mode=mode, why=why,
+                          exitcode=p.exitcode, mode=mode.value, why=why,
                           pg_generation=self.pg_generation, restart=self.restarts,
                           message=msg))
-        self.events.notify("engine", WorkerDied(int(who[2:]), msg, self.pg_generation, seen,
-                                                mode))
-        self.errors.pop(who, None)
-        if mode == "respawn":
+        la.notify_engine(WorkerDied(int(who[2:]), msg, self.pg_generation, seen, mode))
+        la.clear_error(who)
+        if mode is Mode.RESPAWN:
             self._to(who, W.SERVING)
-            self.spawn(who, self.pg_generation, False)
+            la.spawn_worker(who, self.pg_generation, False)
             return True
         self._retire(who)                       # the survivors go on without it
-        if mode == "rejoin":     # the replacement loads in the background, then joins
+        if mode is Mode.REJOIN:  # the replacement loads in the background, then joins
             self._start_joiner(who)
             log.warning(event("EPLB elastic rejoin start", proc=who,
-                              pid=self.procs[who].pid, ep_size=f"{size - 1}->{size}",
+                              pid=la.worker_proc(who).pid, ep_size=f"{size - 1}->{size}",
                               timeout_s=rt.elastic_join_timeout_seconds))
         return True
 
     def _retire(self, who: str) -> None:
-        """Forget exited worker ``who``: its ``Process`` is closed, which frees its sentinel fd
-        (a kept one leaked an fd per kill: a 10-minute chaos soak grew 186 -> 202)."""
-        p = self.procs.pop(who)
+        """Forget exited worker ``who`` (the launcher closes its ``Process``)."""
+        self.launcher.retire(who)
         self._to(who, W.RETIRED)
-        with contextlib.suppress(ValueError):       # not reaped yet: the finalizer frees it
-            p.close()
 
     def _joiner_gone(self, who: str) -> bool:
         """A joiner exited: dropped (reaped here; one dropped for a serving rank's death in
@@ -203,7 +198,8 @@ class ElasticSupervisor:
         keeps waiting for ``join_ready``; one that died after it is dropped by the engine
         first). Without restarts left the engine is told ``JoinDropped``: N-1 keep serving."""
         info = self.joining.pop(who, None)
-        msg = "" if who in self.dropped else self.death_message(who, during="its rejoin")
+        msg = "" if who in self.dropped else self.launcher.replaced_message(who,
+                                                                            during="its rejoin")
         self._retire(who)
         if who in self.dropped:
             self.dropped.discard(who)
@@ -215,38 +211,38 @@ class ElasticSupervisor:
         if (info is not None and rt.elastic_restart
                 and self.restarts < rt.elastic_max_restarts):
             if info["ready"]:    # the engine has its join_ready: it drops it, keeps waiting
-                self.events.notify("engine", JoinDropped(int(who[2:]), msg, True))
+                self.launcher.notify_engine(JoinDropped(int(who[2:]), msg, True))
             self.restarts += 1
             self._start_joiner(who)
             log.warning(event("EPLB elastic rejoin restart", proc=who, why=msg,
-                              pid=self.procs[who].pid, restart=self.restarts))
+                              pid=self.launcher.worker_proc(who).pid, restart=self.restarts))
             return True
-        self.events.notify("engine", JoinDropped(int(who[2:]), msg))
+        self.launcher.notify_engine(JoinDropped(int(who[2:]), msg))
         log.warning(event("EPLB elastic rejoin dropped", proc=who, why=msg,
                           serving=self.serving()))
         return True
 
     def _start_joiner(self, who: str) -> None:
         self._to(who, W.JOINING)
-        self.spawn(who, 0, True)
+        self.launcher.spawn_worker(who, 0, True)
         self.joining[who] = {"t0": time.monotonic(), "wall": time.time(), "ready": False}
 
     def _restart_dropped(self, who: str, why: str) -> None:
         """Start a new joiner for ``who``, reaped after :meth:`_drop_joiners` dropped it for a
         serving rank's death (its restart was counted then; the engine kept it joining)."""
-        if self.stopping() or self.engine_gone():
+        if self.launcher.stop_requested() or self.launcher.engine_gone():
             return
         if not rule_holds(self.cfg, self.serving() + 1):   # the engine's shrink stops the run
-            self.events.notify("engine", JoinDropped(int(who[2:]), why))
+            self.launcher.notify_engine(JoinDropped(int(who[2:]), why))
             return
         self._start_joiner(who)
         log.warning(event("EPLB elastic rejoin restart", proc=who,
-                          why=f"dropped: {why}", pid=self.procs[who].pid,
+                          why=f"dropped: {why}", pid=self.launcher.worker_proc(who).pid,
                           restart=self.restarts, serving=self.serving()))
 
     def _kill(self, who: str) -> None:
         with contextlib.suppress(ProcessLookupError):
-            os.kill(self.procs[who].pid, signal.SIGKILL)
+            os.kill(self.launcher.worker_proc(who).pid, signal.SIGKILL)
 
     def _drop_joiners(self, why: str, restart: bool = False) -> None:
         """SIGKILL every joiner (a serving rank died); the engine is told. ``restart``: each
@@ -261,7 +257,7 @@ class ElasticSupervisor:
                 self.restarts += 1
                 self.rejoin_after[who] = why
             self._kill(who)
-            self.events.notify("engine", JoinDropped(int(who[2:]), why, again))
+            self.launcher.notify_engine(JoinDropped(int(who[2:]), why, again))
             log.warning(event("EPLB elastic rejoin dropped", proc=who, why=why,
                               after_s=round(time.monotonic() - info["t0"], 3),
                               serving=self.serving() - 1,      # the dead one not yet retired
@@ -277,32 +273,30 @@ class ElasticSupervisor:
             self.dropped.add(who)
             self._to(who, W.DROPPED)
             self._kill(who)
-            self.events.notify("engine", JoinDropped(int(who[2:]), "timeout"))
+            self.launcher.notify_engine(JoinDropped(int(who[2:]), "timeout"))
             log.warning(event("EPLB elastic rejoin dropped", proc=who,
                               why=f"not ready within --elastic_join_timeout_seconds={limit:g}",
                               after_s=round(time.monotonic() - info["t0"], 3),
                               serving=self.serving(), pg_generation="unchanged"))
 
     def on_event(self, who: str, stage: str, detail: str) -> None:
-        """A replacement attached its rings (-> the engine may send the regroup); a joiner is
-        loaded (``join_ready``) or joined; or the engine (node n: its relay) asks for a silent
-        worker to be SIGKILLed (a hang becomes a death)."""
-        if stage == "attached":
-            self.events.notify("engine", Attached(int(who[2:]), int(detail or 0)))
-        elif stage == "join_ready" and who in self.joining:
+        """A joiner is loaded (``join_ready``) or joined; or the engine (node n: its relay)
+        asks for a silent worker to be SIGKILLed (a hang becomes a death). (A replacement's
+        ``attached`` goes to the engine through the store: ``elastic/protocol.py``.)"""
+        if stage == "join_ready" and who in self.joining:
             info = self.joining[who]
             ready_at, pid = detail.split(",")
-            if int(pid) != self.procs[who].pid:   # a dropped predecessor's late event
+            if int(pid) != self.launcher.worker_proc(who).pid:   # a dropped predecessor's late event
                 return
             info["ready"] = True
             self._to(who, W.READY)
-            self.events.notify("engine", JoinReady(int(who[2:]), info["wall"], float(ready_at),
+            self.launcher.notify_engine(JoinReady(int(who[2:]), info["wall"], float(ready_at),
                                                    int(pid)))
         elif stage == "joined":
             if self.joining.pop(who, None) is not None:
                 self._to(who, W.SERVING)
         elif stage == "kill" and detail.startswith("ep"):
-            p = self.procs.get(detail)
+            p = self.launcher.worker_proc(detail)
             if p is None or p.exitcode is not None:
                 return
             log.warning(event("EPLB elastic fence silent worker", proc=detail, pid=p.pid,

@@ -10,19 +10,44 @@ points, in loop order:
 - ``at_boundary()``: between two steps, nothing in flight (a ready joiner joins);
 - ``quiet()``: may the next step be planned while this one runs (``--async_scheduling``)?
   False while a membership change waits for a boundary;
-- ``between_slices(step_no, in_flight_s, unread)``: while the engine waits for outputs;
+- ``between_slices(step, silent_for, unread)``: while the engine waits for outputs;
 - ``recover(fault, got)``: a step failed; returns after recovering (the step is void) or raises;
 - ``health()`` / ``status()``: ``/health``'s fence and ``/eplb/status`` ``membership``.
 """
 
 from __future__ import annotations
 
+from typing import Protocol
+
 from xllm_eplb.elastic.protocol import ELASTIC_IDLE_WAIT
 
 #: the idle loop's slice without elastic EP (s): it only ticks the manager's timeouts
 IDLE_WAIT = 0.5
 
-__all__ = ["ELASTIC_IDLE_WAIT", "IDLE_WAIT", "NoMembership"]
+__all__ = ["ELASTIC_IDLE_WAIT", "IDLE_WAIT", "MembershipPort", "NoMembership"]
+
+
+class MembershipPort(Protocol):
+    """What ``Engine``'s loop asks of its membership object (the module docstring); offered
+    by :class:`NoMembership` and ``elastic/recovery.EngineRecovery`` (tests/test_elastic_ports.py)."""
+
+    idle_wait: float
+
+    def when_idle(self) -> None: ...
+
+    def idle_cpu(self, seconds: float) -> None: ...
+
+    def at_boundary(self) -> None: ...
+
+    def quiet(self) -> bool: ...
+
+    def between_slices(self, step: int, silent_for: float, unread) -> None: ...
+
+    def recover(self, fault: Exception, got: dict) -> None: ...
+
+    def health(self) -> dict | None: ...
+
+    def status(self) -> dict: ...
 
 
 class NoMembership:
@@ -42,7 +67,7 @@ class NoMembership:
     def quiet(self) -> bool:
         return True
 
-    def between_slices(self, step_no: int, in_flight_s: float, unread) -> None:
+    def between_slices(self, step: int, silent_for: float, unread) -> None:
         pass
 
     def recover(self, fault: Exception, got: dict) -> None:

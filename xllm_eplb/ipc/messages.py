@@ -58,7 +58,7 @@ class ForwardInput:
     pure_decode: bool = False
     shutdown: bool = False
     #: > 0 (``--elastic_ep``): leave the current process groups and join this generation
-    #: (``worker/regroup.py``); the step carries no rows
+    #: (``worker/membership.py``); the step carries no rows
     regroup: int = 0
 
     @classmethod

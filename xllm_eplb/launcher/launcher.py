@@ -122,7 +122,7 @@ class Launcher:
         self.procs[who] = p
         log.debug(event("launcher spawn", proc=who, pid=p.pid))
 
-    def _spawn_worker(self, who: str, pg_generation: int = 0, join: bool = False) -> None:
+    def spawn_worker(self, who: str, pg_generation: int = 0, join: bool = False) -> None:
         """Worker ``who`` (``ep<w>``); elastic EP: a replacement joining ``pg_generation``, or
         a rejoin replacement (``join``) that loads first."""
         extra = {"join": True} if join else {}
@@ -140,15 +140,38 @@ class Launcher:
     def _supervisor(self, **policy) -> ElasticSupervisor:
         """``--elastic_ep``: the supervision component; says which mode a death gets, and why."""
         mode, why = replacement_mode(self.cfg, self.cfg.eplb.ep_size, 0)
-        log.info(event("EPLB elastic on", on_worker_death=mode, why=why,
+        log.info(event("EPLB elastic on", on_worker_death=mode.value, why=why,
                        off="--elastic_ep=false"))
-        kw = dict(spawn=self._spawn_worker, death_message=self.death_message,
-                  stopping=lambda: bool(self.stop_signal), engine_gone=self._engine_gone)
-        return ElasticSupervisor(self.cfg, self.store, self.procs, self.events, self.errors,
-                                 **{**kw, **policy})
+        return ElasticSupervisor(self.cfg, self.store, self, **policy)
 
-    def _engine_gone(self) -> bool:
+    # --- the supervisor's port (``elastic/ports.py`` ``LauncherPort``): the table stays here --
+    def engine_gone(self) -> bool:
         return self.procs["engine"].exitcode is not None
+
+    def worker_proc(self, who: str):
+        return self.procs.get(who)
+
+    def worker_names(self) -> list[str]:
+        return [w for w in self.procs if w.startswith("ep")]
+
+    def retire(self, who: str) -> None:
+        """Forget exited worker ``who``: its ``Process`` is closed, which frees its sentinel fd
+        (a kept one leaked an fd per kill: a 10-minute chaos soak grew 186 -> 202)."""
+        p = self.procs.pop(who)
+        with contextlib.suppress(ValueError):       # not reaped yet: the finalizer frees it
+            p.close()
+
+    def clear_error(self, who: str) -> None:
+        self.errors.pop(who, None)
+
+    def replaced_message(self, who: str, during: str = "serving") -> str:
+        return self.death_message(who, during)
+
+    def stop_requested(self) -> bool:
+        return bool(self.stop_signal)
+
+    def notify_engine(self, notice) -> bool:
+        return self.events.notify("engine", notice)
 
     def start(self) -> None:
         """Shared memory, then the engine (it binds the port first), then the workers."""
@@ -200,7 +223,7 @@ class Launcher:
     def _report_stage(self, who: str, stage: str, detail: str) -> None:
         if stage == "error" and detail and who not in self.errors:
             self.errors[who] = detail            # named in the death message
-        if self.elastic is not None and stage in ("attached", "kill", "join_ready", "joined"):
+        if self.elastic is not None and stage in ("kill", "join_ready", "joined"):
             self.elastic.on_event(who, stage, detail)
         if self.progress is not None:
             self.progress.update(who, stage)

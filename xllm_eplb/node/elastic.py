@@ -9,8 +9,8 @@ What differs from one node:
   placement, the members and the ``pg_generation`` counter (``elastic/protocol.py``) live there, so
   every node's launcher numbers generations from one counter;
 * **the engine's notices**: node n's launcher has no engine; what it would tell the engine
-  (``WorkerDied(..., mode="respawn")``, then the replacement's ``Attached``; typed records,
-  ``elastic/notices.py``) is queued in that store as ``notice/<n>/<i>`` (JSON of ``to_dict``)
+  (``WorkerDied(..., mode="respawn")``; typed records, ``elastic/notices.py``; the
+  replacement's ``attached`` key it sets in the store itself, ``elastic/protocol.py``) is queued in that store as ``notice/<n>/<i>`` (JSON of ``to_dict``)
   (:class:`NoticeSender`) and node 0's launcher forwards each, in order, to its engine
   (:class:`NoticeForwarder`, polled every ``NOTICE_POLL_SECONDS``);
 * **the relay** (``node/bridge.py``) answers a step with an empty frame for a rank whose ring

@@ -92,7 +92,7 @@ class NodeLauncher(Launcher):
             # respawn in place only (a rank set cannot change across nodes); a death being
             # replaced is told with this node's own line (no failure report)
             self.elastic = self._supervisor(
-                respawn_only=True, node=self.node, death_message=self._local_line,
+                respawn_only=True, node=self.node,
                 remote_ranks=cfg.eplb.ep_size - len(node_ranks(cfg)))
         for r in node_ranks(cfg):
             self._spawn(f"ep{r}", worker_main, cfg, r, self.events, me)
@@ -121,14 +121,15 @@ class NodeLauncher(Launcher):
                               error=str(e).splitlines()[0][:200] if str(e) else type(e).__name__))
             return False
 
-    def _engine_gone(self) -> bool:
+    def engine_gone(self) -> bool:
         """Node n has no engine: its bridge's exit (node 0's stop or a lost link) says it."""
         if self.node == 0:
-            return super()._engine_gone()
+            return super().engine_gone()
         return any(q.exitcode is not None for w, q in self.procs.items()
                    if w.startswith("bridge"))
 
-    def _local_line(self, who: str, during: str = "serving") -> str:
+    def replaced_message(self, who: str, during: str = "serving") -> str:
+        """A death being replaced is told with this node's own line (no failure report)."""
         return f"node {self.node}: " + Launcher.death_message(self, who, during)
 
     def blame(self, who: str, during: str = "serving") -> str:
@@ -136,7 +137,7 @@ class NodeLauncher(Launcher):
         reported one, else a lost link (naming the peer node), else the local death."""
         p = self.procs[who]
         p.join(1.0)
-        mine = self._local_line(who, during)
+        mine = self.replaced_message(who, during)
         is_bridge = who.startswith("bridge")
         if not is_bridge:
             report_failure(self.store, self.node,

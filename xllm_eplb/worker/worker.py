@@ -14,10 +14,11 @@ each stage to the launcher. Loop, one iteration per engine step::
 NOTE: every rank must run every step (empty batch included) in the same order: the MoE
 all-to-all and the EPLB P2P plan are collectives. A rank that fails reports the error in its
 output and exits non-zero; the launcher then stops the run. With ``--elastic_ep`` a failed step
-is reported as ``peer_lost`` and the worker stays up for the engine's regroup message
-(``worker/regroup.py``); a replacement (``pg_generation`` > 1) joins that generation at start; a
-*joiner* (``join=True``, ``--elastic_rejoin``) loads its model first while the others serve,
-signals ``join_ready`` and joins the generation the engine names (``_start_joiner``). After
+is reported as ``peer_lost`` and the worker stays up for the engine's regroup message; its
+elastic component (``worker/membership.py`` ``WorkerMembership``) holds the membership: a
+replacement (``pg_generation`` > 1) joins that generation at start; a *joiner* (``join=True``,
+``--elastic_rejoin``) loads its model first while the others serve, signals ``join_ready`` and
+joins the generation the engine names (``_start_joiner``). After
 an elastic *shrink* the worker serves at its compact ``ep_rank`` (``rank`` stays its identity:
 rings, log, process name): it reads ``msg.batches[ep_rank]`` and answers as ``ep_rank``.
 """
@@ -41,15 +42,15 @@ from xllm_eplb.ipc.errors import RingTimeoutError
 from xllm_eplb.ipc.messages import ForwardOutput
 from xllm_eplb.ipc.records import StepTimings, WorkerHeartbeat
 from xllm_eplb.ipc.ring import InputRing, OutputRing
-from xllm_eplb.ipc.store import ABANDONED
 from xllm_eplb.model.decoder import build_model
 from xllm_eplb.model.reshard import canary, reshard
 from xllm_eplb.model.step_inputs import dispatched_rows
 from xllm_eplb.obs.logs import FILE_ONLY, console_handler, event, setup_logging
 from xllm_eplb.obs.step_timer import StepTimer
-from xllm_eplb.worker import affinity, comm, regroup
+from xllm_eplb.worker import affinity, comm
 from xllm_eplb.worker.executor import make_executor
 from xllm_eplb.worker.faults import make_faults
+from xllm_eplb.worker.membership import WorkerMembership, leave
 from xllm_eplb.worker.transport import close_ep_transport, open_ep_transport
 
 log = logging.getLogger(__name__)
@@ -116,13 +117,8 @@ class Worker:
         #: worker's identity: its rings, its log, its process name)
         self.ep_rank, self.ep_size = rank, cfg.eplb.ep_size
         self.elastic = cfg.runtime.elastic_ep
-        #: elastic: the process-group generation (1 at start; a replacement starts at > 1)
-        self.pg_generation = max(1, pg_generation) if self.elastic else 0
-        #: rejoin: loads first, joins the generation the engine names (``_start_joiner``)
-        self.joining = bool(join) and self.elastic
-        if self.joining:
-            self.pg_generation = 0
-        self.store = None
+        #: the elastic component: store client, membership generation, joiner or not
+        self.membership = WorkerMembership(cfg, rank, events, parent_pid, pg_generation, join)
         self.inp = self.out = self.model = self.executor = None
         self.device = None
         self.faults = make_faults(cfg, rank, self._crash)
@@ -143,18 +139,19 @@ class Worker:
 
     def start(self) -> None:
         torch.set_num_threads(self.threads)
-        if self.joining:
+        ms = self.membership
+        if ms.joining:
             return self._start_joiner()
         rid, who = self.cfg.runtime.run_id, f"ep{self.rank}"
         # NOTE: a node's input ring has one reader per rank from the node's first rank on
         # (node 0: every rank, the bridges read the remote ones); single node: index = rank
         first = node_ranks(self.cfg).start
-        joiner = self.pg_generation > 1
         self.inp = InputRing.attach(rid, reader_index=self.rank - first, timeout=ATTACH_TIMEOUT,
-                                    skip=joiner)
+                                    skip=ms.replacement)
         self.out = OutputRing.attach(rid, self.rank, timeout=ATTACH_TIMEOUT)
-        if joiner:
-            send_event(self.events, who, "attached", str(self.pg_generation))
+        if ms.replacement:        # the engine may send the regroup step now
+            ms.connect(max(120.0, self.cfg.runtime.worker_timeout_seconds))
+            ms.announce_attached()
         ep_group, eplb_group = self._init_dist()
         send_event(self.events, who, "dist_init")
         self._build(ep_group, eplb_group)
@@ -168,7 +165,7 @@ class Worker:
         cfg, rid, who = self.cfg, self.cfg.runtime.run_id, f"ep{self.rank}"
         t0 = time.perf_counter()
         self.out = OutputRing.attach(rid, self.rank, timeout=ATTACH_TIMEOUT)
-        self.store = regroup.store_client(cfg, max(120.0, cfg.runtime.worker_timeout_seconds))
+        self.membership.connect(max(120.0, cfg.runtime.worker_timeout_seconds))
         self.device = comm.device_for_rank(cfg.runtime.device, self.rank)
         self.model = build_model(cfg, self.rank, None, device=self.device, joining=True)
         send_event(self.events, who, "model")
@@ -176,11 +173,10 @@ class Worker:
         load_s = time.perf_counter() - t0
         log.info(event("EPLB elastic rejoin loaded", rank=self.rank, seconds=round(load_s, 3)))
         send_event(self.events, who, "join_ready", f"{time.time()},{os.getpid()}")
-        g = regroup.wait_join(self.store, self.rank, cfg.runtime.elastic_join_timeout_seconds,
-                              lambda: parent_alive(self.parent_pid))
+        g = self.membership.wait_go()
         self.inp = InputRing.attach(rid, reader_index=self.rank - node_ranks(cfg).start,
                                     timeout=ATTACH_TIMEOUT, skip=True)
-        regroup.announce_joined(self.store, self.rank)
+        self.membership.announce_joined()
         self.ep_size = 0            # the regroup re-shards to the engine's row for it
         log.info(event("EPLB elastic rejoin go", rank=self.rank, pg_generation=g,
                        wait_s=round(time.perf_counter() - t0 - load_s, 3)))
@@ -189,8 +185,7 @@ class Worker:
         # NOTE: rendezvous waits for all ranks; 17 processes start slowly on 2 cores.
         timeout = max(120.0, self.cfg.runtime.worker_timeout_seconds)
         if self.elastic:     # the launcher's store, this generation's prefix
-            self.store = regroup.store_client(self.cfg, timeout)
-            g = regroup.join(self.cfg, self.store, self.rank, self.pg_generation, timeout)
+            g = self.membership.join_world(timeout)
         else:
             g = comm.init_groups(self.cfg, self.rank, self.cfg.eplb.ep_size, timeout_s=timeout)
         self.device = g.device
@@ -198,11 +193,9 @@ class Worker:
 
     def _build(self, ep_group, eplb_group) -> None:
         # a replacement builds the shard of the placement the engine deploys now
-        table = (regroup.get_placement(self.store, self.pg_generation) if self.pg_generation > 1
-                 else None)
         self.model = build_model(self.cfg, self.rank, ep_group, device=self.device,
-                                 phy2log=table)
-        self._open_transport(self.pg_generation)
+                                 phy2log=self.membership.start_placement())
+        self._open_transport(self.membership.pg_generation)
         self.executor = make_executor(self.model, eplb_group, self.cfg, faults=self.faults)
 
     def _open_transport(self, generation: int) -> None:
@@ -275,81 +268,36 @@ class Worker:
                 self.executor.close()
             self.executor, self.model.ep_group = None, None
             self._close_transport()     # a peer in this step's round fails at once
-            regroup.leave()
+            leave()
             gc.collect(1)
         return ForwardOutput(step=msg.step, rank=self.ep_rank, peer_lost=self.elastic,
                              error=error)
 
     def regroup(self, msg):
-        """``--elastic_ep``: leave the broken generation, join ``msg.regroup`` at this worker's
-        rank among the generation's members (the engine's list in the store: same ranks after a
-        respawn, compact ranks after a shrink), replace every group handle (the model's EP
-        group; the executor, rebuilt on the new EPLB group). A shrink also re-shards the model
-        (``model/reshard.py``: the few orphan experts read from the checkpoint) and runs the
-        transfer canary. A replacement already in that generation only answers. A grow (the
-        world gets bigger: a rejoin switch) is voted first, before this rank leaves its groups
-        (:meth:`_vote`): abandoned, it answers ``switch abandoned`` and stays in its generation;
-        its rendezvous is bounded by ``regroup.SWITCH_RENDEZVOUS_S``. A failed re-form leaves a
-        serving rank up (``peer_lost``): the engine re-forms it or stops the run."""
-        t0 = time.perf_counter()
-        try:
-            if msg.regroup != self.pg_generation:
-                members = regroup.get_members(self.store, msg.regroup)
-                rank, size = members.index(self.rank), len(members)
-                grow = size > self.ep_size
-                if grow and not self._vote(rank, size, msg.regroup):
-                    log.warning(event("EPLB elastic switch abandoned", rank=self.rank,
-                                      pg_generation=msg.regroup, stays=self.pg_generation))
-                    return ForwardOutput(step=msg.step, rank=self.ep_rank, peer_lost=True,
-                                         error=ABANDONED)
-                with contextlib.suppress(Exception):
-                    self.executor.close()
-                self._close_transport()
-                left = regroup.leave()
-                g = regroup.join(self.cfg, self.store, rank, msg.regroup,
-                                 self.cfg.runtime.elastic_join_timeout_seconds,
-                                 world_size=size, device=self.device,
-                                 rendezvous_s=regroup.SWITCH_RENDEZVOUS_S if grow else None)
-                self.model.ep_group = g.ep_group
-                if size != self.ep_size:
-                    self._reshard(rank, size, regroup.get_placement(self.store, msg.regroup))
-                self.executor = make_executor(self.model, g.eplb_group, self.cfg,
-                                              faults=self.faults)
-                self.pg_generation = msg.regroup
-                self._open_transport(msg.regroup)     # fresh buffers for the new group
-                if self.joining:
-                    self.joining = False
-                    send_event(self.events, f"ep{self.rank}", "joined", str(msg.regroup))
-                log.info(event("EPLB elastic re-formed", rank=self.rank, ep_rank=self.ep_rank,
-                               ep_size=self.ep_size, pg_generation=msg.regroup,
-                               leave_s=round(left, 3),
-                               seconds=round(time.perf_counter() - t0, 3)))
-        except Exception as e:  # noqa: BLE001 - reported; the engine recovers or stops
-            # NOTE: a serving rank stays up (``peer_lost``): a member that died during a grow
-            # fails the rendezvous, and the engine re-forms the survivors (``elastic/recovery.py``)
-            log.exception(event("EPLB elastic re-form failed", rank=self.rank), extra=FILE_ONLY)
-            return ForwardOutput(step=msg.step, rank=self.ep_rank, peer_lost=not self.joining,
-                                 error=f"rank {self.rank}: re-form failed: {type(e).__name__}: {e}")
-        return ForwardOutput(step=msg.step, rank=self.ep_rank,
-                             heartbeat=WorkerHeartbeat(time.time(), self.executor.stats()))
+        """``--elastic_ep``: re-form as generation ``msg.regroup`` (``worker/membership.py``)."""
+        return self.membership.regroup(msg, self)
 
-    def _vote(self, rank: int, size: int, pg_generation: int) -> bool:
-        """A grow (a joiner, ``ep_size`` 0, or a serving rank whose world grows): decided by
-        every member before anyone leaves its groups (``regroup.vote``). The joiner re-shards
-        to its planned row first (no group needed), so that a death after the decision can
-        only fall in the short rendezvous. False: abandoned (a death during the switch); a
-        joiner then exits (the launcher starts it again), a serving rank stays in its
-        generation."""
-        rt = self.cfg.runtime
-        if self.joining:
-            self._reshard(rank, size, regroup.get_placement(self.store, pg_generation))
-        go = regroup.vote(self.store, pg_generation, size, rt.elastic_join_timeout_seconds,
-                          lambda: parent_alive(self.parent_pid))
-        if not go and self.joining:
-            raise RuntimeError(f"{ABANDONED} (pg_generation {pg_generation})")
-        return go
+    # --- what the elastic component asks of the worker (``membership.WorkerHost``) ----------
+    def release_groups(self) -> None:
+        """Close the executor and the dispatch transport (the groups are left next)."""
+        with contextlib.suppress(Exception):
+            self.executor.close()
+        self._close_transport()
 
-    def _reshard(self, ep_rank: int, ep_size: int, table) -> None:
+    def adopt(self, groups, pg_generation: int, ep_rank: int, ep_size: int, table) -> None:
+        """Serve in ``pg_generation`` on ``groups``: the model's EP group, a re-shard when
+        ``table`` is given (a shrink), a new executor on the EPLB group, fresh transport
+        buffers."""
+        self.model.ep_group = groups.ep_group
+        if table is not None:
+            self.reshard(ep_rank, ep_size, table)
+        self.executor = make_executor(self.model, groups.eplb_group, self.cfg, faults=self.faults)
+        self._open_transport(pg_generation)
+
+    def heartbeat(self) -> WorkerHeartbeat:
+        return WorkerHeartbeat(time.time(), self.executor.stats())
+
+    def reshard(self, ep_rank: int, ep_size: int, table) -> None:
         """Elastic shrink: compact rank, the new table, orphans read from the checkpoint; the
         transfer canary must pass (else the re-form fails and the run stops)."""
         got = reshard(self.model, ep_rank, ep_size, table)
