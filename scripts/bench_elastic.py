@@ -115,7 +115,7 @@ def kills_series(mode: str, a, model: Path, tmp: Path, bodies, ref, rng) -> dict
                                   "layers_missing": M.coverage_gaps(st["placement"], a.experts)})
                     if mode == "rejoin":      # back at N ranks (every replacement joined)
                         t_settle = time.monotonic()
-                        joins.append(L.wait_join(s, a.ep))
+                        joins.append(L.wait_join(s, a.ep, kills=len(kill_times)))
                         st = s.get("/eplb/status")
                         settled.append({"kind": kind, "ep_size": st["ep_size"],
                                         "settle_s": round(time.monotonic() - t_settle, 3),

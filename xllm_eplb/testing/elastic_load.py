@@ -93,14 +93,16 @@ def idle_kill(server, rng) -> float:
     return t
 
 
-def wait_join(server, ep: int, timeout: float = 120.0) -> dict:
-    """``--elastic_rejoin``: wait until the server is back at ``ep`` ranks; its ``last_join``
-    (``{}`` before any)."""
+def wait_join(server, ep: int, timeout: float = 120.0, kills: int = 0) -> dict:
+    """``--elastic_rejoin``: wait until the server has recovered ``kills`` deaths so far and is
+    back at ``ep`` ranks; its ``last_join`` (``{}`` before any). NOTE: ``kills``: a worker
+    killed after its streams ended dies unseen by an idle engine for a moment, and the server
+    still reads ``ep`` ranks then (the next trial would kill a second rank of the old world)."""
     m: dict = {}
     end = time.monotonic() + timeout
     while time.monotonic() < end:
         m = server.get("/eplb/status")["membership"]
-        if m["ep_size"] == ep and not m.get("joining"):
+        if m["ep_size"] == ep and not m.get("joining") and m.get("recoveries", 0) >= kills:
             return dict(m.get("last_join") or {})
         time.sleep(0.1)
     raise RuntimeError(f"not back at {ep} ranks within {timeout:g} s: {m}")
