@@ -79,6 +79,11 @@ class ServingStats:
             self.cv_steps += 1
         return self.cv_last
 
+    @property
+    def comm_share(self) -> float:
+        """The communication share of the workers' step time so far (per step: no quantiles)."""
+        return self.comm_s / self.step_s if self.step_s > 0 else 0.0
+
     def summary(self) -> dict:
         lat = np.asarray(self.lat, dtype=np.float64)
         asked = self.served + self.dropped
@@ -89,7 +94,7 @@ class ServingStats:
                 else 0.0, "expert_utilisation_cv_last": self.cv_last,
                 "step_p50_s": float(np.percentile(lat, 50)) if lat.size else 0.0,
                 "step_p99_s": float(np.percentile(lat, 99)) if lat.size else 0.0,
-                "comm_share": self.comm_s / self.step_s if self.step_s > 0 else 0.0}
+                "comm_share": self.comm_share}
 
 
 def critical_path(outputs) -> tuple[float, float, int]:
@@ -178,7 +183,7 @@ class Telemetry:
                 self.cp[key] += sum(getattr(o.timings, key) for o in outputs)
             self.cp["routed_tokens"] += int(loads.sum())
             m.util_cv.set(self.serving.add(outputs, slots, seconds))
-            m.comm_share.set(self.serving.summary()["comm_share"])
+            m.comm_share.set(self.serving.comm_share)
             per = self.recent.per_layer()
             if self.initial_balance is None and self.recent.full:
                 self.initial_balance = per.copy()
