@@ -97,7 +97,7 @@ class _Run:
     def __init__(self, backend: ApiBackend, plan: Plan):
         self.backend, self.plan = backend, plan
         tok = backend.served.tokenizer
-        self.bridge = TokenBridge(asyncio.get_running_loop())
+        self.bridge = TokenBridge(asyncio.get_running_loop(), final_only=not plan.stream)
         self.reqs = ch.make_requests(plan, tok, self.bridge)
         self.bridge.attach(self.reqs)
         self.choices = [ch.Choice(k, r.prompt, tok, plan.stop,

@@ -65,10 +65,14 @@ def _outbox(loop: asyncio.AbstractEventLoop) -> _Outbox:
 
 
 class TokenBridge:
-    """Events ``(choice index, new token ids, finish reason)`` of one HTTP request's choices."""
+    """Events ``(choice index, new token ids, finish reason)`` of one HTTP request's choices.
+    ``final_only`` (a non-streamed request): one event per choice, when it finishes, with all
+    its tokens (no event loop wake-up per token: 32 non-streamed requests cost the HTTP thread
+    ~0.6 ms a step, measured at EP2 on the tiny checkpoint)."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop):
+    def __init__(self, loop: asyncio.AbstractEventLoop, final_only: bool = False):
         self.loop = loop
+        self.final_only = final_only
         self.queue: asyncio.Queue = asyncio.Queue()
         self.index: dict[int, int] = {}        # id(Request) -> choice index
         self._outbox = _outbox(loop)
@@ -79,6 +83,10 @@ class TokenBridge:
 
     def __call__(self, req: Request, ids: list[int], reason: str) -> None:
         """Step-loop thread (or the submitting thread for an instantly finished request)."""
+        if self.final_only:
+            if not reason:
+                return
+            ids = list(req.output)      # complete: the step loop appends before it finishes
         self._outbox.push(self.queue, (self.index[id(req)], ids, reason))
 
     async def get(self) -> tuple[int, list[int], str]:
