@@ -4,7 +4,8 @@
 without it the loop holds :class:`NoMembership`, so the loop has no ``is None`` branch. The
 points, in loop order:
 
-- ``idle_wait``: seconds the idle loop blocks on the request queue per slice;
+- ``idle_wait``: seconds the idle loop blocks on the request queue per slice (``IDLE_WAIT``,
+  or ``elastic/protocol.ELASTIC_IDLE_WAIT`` with elastic EP);
 - ``when_idle()``: no step runs (a join may switch, a death notice meets an empty step);
   ``idle_cpu(seconds)``: that idle pass's thread CPU (elasticity's steady-state cost);
 - ``at_boundary()``: between two steps, nothing in flight (a ready joiner joins);
@@ -19,12 +20,10 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from xllm_eplb.elastic.protocol import ELASTIC_IDLE_WAIT
-
 #: the idle loop's slice without elastic EP (s): it only ticks the manager's timeouts
 IDLE_WAIT = 0.5
 
-__all__ = ["ELASTIC_IDLE_WAIT", "IDLE_WAIT", "MembershipPort", "NoMembership"]
+__all__ = ["IDLE_WAIT", "MembershipPort", "NoMembership"]
 
 
 class MembershipPort(Protocol):

@@ -225,8 +225,9 @@ class Scheduler:
     def can_plan_ahead(self) -> bool:
         """Would ``schedule(ahead=True)`` give some rank a row? (Not when every running request
         ends by its length in the step in flight and none waits.)"""
+        pending = self._producing
         return bool(self.waiting) or any(
-            r.prefilling or len(r.output) + (r.req_id in self._producing) < r.max_tokens
+            r.prefilling or not _ends_in_flight(r, r.req_id in pending)
             for r in self.running.values())
 
     @property
@@ -417,10 +418,15 @@ def _decode_row(r: Request, pending: bool = False) -> SeqRow | None:
     if not pending:
         return SeqRow(r.req_id, [r.output[-1]], r.num_tokens - 1, False, r.temperature,
                       r.seed, r.top_p, r.top_k, r.logprobs)
-    if len(r.output) + 1 >= r.max_tokens:
+    if _ends_in_flight(r, True):
         return None
     return SeqRow(r.req_id, [PENDING_TOKEN], r.num_tokens, False, r.temperature, r.seed,
                   r.top_p, r.top_k, r.logprobs)
+
+
+def _ends_in_flight(r: Request, pending: bool) -> bool:
+    """Does the token ``r`` gets from the step in flight (``pending``) reach its ``max_tokens``?"""
+    return pending and len(r.output) + 1 >= r.max_tokens
 
 
 def _finish_reason(r: Request) -> str:
