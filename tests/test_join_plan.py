@@ -1,4 +1,4 @@
-"""The elastic rejoin re-plan (``eplb/join_plan.py``, issue #23 item 8): the serving ranks keep
+"""The elastic rejoin re-plan (``eplb/membership_plan.py`` ``plan_join``, issue #23 item 8): the serving ranks keep
 their rows, the joiner's row is appended, every layer covers every expert, the joiner holds no
 expert twice, what it loaded is kept and the rest are the hottest experts."""
 
@@ -7,9 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from xllm_eplb.eplb.join_plan import JoinError, plan_join
+from xllm_eplb.eplb.membership_plan import JoinError, plan_join, plan_shrink
 from xllm_eplb.eplb.placement import initial_phy2log
-from xllm_eplb.eplb.shrink_plan import plan_shrink
 
 
 def _check(old, plan, D, E):

@@ -191,11 +191,10 @@ def test_token_logprobs_are_log_softmax_of_the_raw_logits():
 
 
 def test_reshard_switches_every_layer_through_its_own_methods():
-    """An elastic shrink on a survivor (``model/reshard.py``): rank 2 of 4 becomes compact rank 1
+    """An elastic shrink on a survivor (``Decoder.reshard``): rank 2 of 4 becomes compact rank 1
     of 3; only the orphans' slots are read, every slot passes the canary and holds the weights
     of the checkpoint's expert, every layer's size-derived fields follow."""
-    from xllm_eplb.eplb.shrink_plan import plan_shrink
-    from xllm_eplb.model.reshard import canary, reshard
+    from xllm_eplb.eplb.membership_plan import plan_shrink
     cfg = with_default_checkpoint(Config(eplb=EplbConfig(ep_size=4, redundant_experts_num=2),
                                          model=SMALL))
     model = Decoder(cfg, 2, _joining=True)     # no process group: the model alone
@@ -203,10 +202,10 @@ def test_reshard_switches_every_layer_through_its_own_methods():
     table = np.stack([fm.global_phy2log.copy() for fm in model.moe_layers])
     plan = plan_shrink(table, 1, 4, 16)
     before = [fm.local_expert_ids.tolist() for fm in model.moe_layers]
-    got = reshard(model, 1, 3, plan.table)
+    got = model.reshard(1, 3, plan.table)
     changed = sum(int((plan.table[i, S:2 * S] != np.array(before[i])).sum()) for i in range(L))
     assert got["checkpoint"] == changed > 0 and got["kept"] == L * S - changed
-    assert model.ep_rank == 1 and canary(model) is None
+    assert model.ep_rank == 1 and model.canary() is None
     rcfg, src = checkpoint_source(cfg)
     for i, fm in enumerate(model.moe_layers):
         assert (fm.ep_rank, fm.ep_size) == (1, 3)

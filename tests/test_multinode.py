@@ -113,7 +113,7 @@ def test_elastic_notices_of_a_remote_node_reach_node0_in_order():
 
     from xllm_eplb.elastic.notices import JoinDropped, WorkerDied
     from xllm_eplb.launcher.events import EventHub
-    from xllm_eplb.node.elastic import NoticeForwarder, NoticeSender
+    from xllm_eplb.node.launcher import NoticeForwarder, NoticeSender
     from xllm_eplb.node.rendezvous import open_store
     from xllm_eplb.testing.serving import free_port
 
@@ -248,7 +248,7 @@ def test_node1_without_node0_times_out(ckpt, tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_elastic_workers_on_either_node_are_respawned_and_no_request_is_lost(ds8_ckpt, cluster):
-    """``--elastic_ep`` across nodes (respawn in place, ``node/elastic.py``): rank 2 on node 1,
+    """``--elastic_ep`` across nodes (respawn in place, ``node/launcher.py``): rank 2 on node 1,
     then rank 1 on node 0, SIGKILLed under streams, then rank 3 on node 1 SIGSTOPped (node 1's
     relay finds it silent after ``--elastic_silence_seconds``, its launcher SIGKILLs it); its
     node's launcher respawns it, the engine on node 0 hears of it (node 1's notice through the

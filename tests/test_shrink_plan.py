@@ -1,4 +1,4 @@
-"""The elastic shrink re-plan (``eplb/shrink_plan.py``, issue #23 item 6): coverage, at most one
+"""The elastic shrink re-plan (``eplb/membership_plan.py`` ``plan_shrink``, issue #23 item 6): coverage, at most one
 new replica per rank, only the orphans' slots change, survivors keep their rows."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from xllm_eplb.eplb.membership_plan import ShrinkError, plan_shrink
 from xllm_eplb.eplb.placement import initial_phy2log
-from xllm_eplb.eplb.shrink_plan import ShrinkError, plan_shrink
 
 
 def _check(old, plan, dead, D, E):
@@ -97,7 +97,7 @@ def test_the_policy_plans_the_shrunk_layout_the_flags_cannot_express(kind):
     """8 experts on 3 ranks x 3 slots (8 % 3 != 0): the engine's rebuilt manager plans it."""
     import dataclasses
 
-    from xllm_eplb.engine.manager_build import planner_for as _planner
+    from xllm_eplb.eplb.membership_plan import planner_for as _planner
     from xllm_eplb.eplb.placement import validate_phy2log
     from xllm_eplb.flags import load_config
 

@@ -25,4 +25,9 @@ class LayoutError(UserError):
 
 class WorkerFault(RuntimeError):
     """A worker reported an error, answered the wrong step, went silent, or died (the engine's
-    step fails; with elastic EP the recovery may take over, ``elastic/recovery.py``)."""
+    step fails; with elastic EP the recovery may take over, ``elastic/recovery.py``).
+    ``output``: the output frame that caused it when it was read from its ring, else None."""
+
+    def __init__(self, message: str = "", output=None):
+        super().__init__(message)
+        self.output = output

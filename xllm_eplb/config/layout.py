@@ -1,6 +1,6 @@
 """The slot arithmetic every layer shares, written once (pure, no imports): how many slots a
 rank has, and the N-1 rule of an elastic shrink or rejoin. ``config.rules`` validates flags
-with it, ``eplb/placement.py`` and ``eplb/shrink_plan.py`` plan with it, ``Config`` derives
+with it, ``eplb/placement.py`` and ``eplb/membership_plan.py`` plan with it, ``Config`` derives
 ``slots_per_rank`` from it."""
 
 from __future__ import annotations

@@ -155,7 +155,7 @@ def elastic_rules(cfg: Config) -> list[tuple[str, Any, str]]:
     e, m, r = cfg.eplb, cfg.model, cfg.runtime
     if not r.elastic_ep or e.ep_size is None or r.elastic_restart:
         return []
-    if r.nnodes > 1:     # across nodes a dead worker is respawned in place (node/elastic.py)
+    if r.nnodes > 1:     # across nodes a dead worker is respawned in place (node/launcher.py)
         return [("elastic_restart", False, f"must be true: with --elastic_ep and --nnodes="
                  f"{r.nnodes} a dead worker can only be respawned in place (no shrink across "
                  "nodes)")]

@@ -5,11 +5,12 @@ One room, one file per role (docs/architecture.md, "Elastic EP: one death's reco
 
 * ``recovery.py``   the engine's state machine (:class:`~xllm_eplb.elastic.recovery.EngineRecovery`):
   detect -> fence -> re-form -> resume, and a rejoin's join -> switch (-> abandon);
-  ``counters.py`` its counters and last records, ``fence.py`` the silent-worker fence;
+  ``counters.py`` its counters and last records;
 * ``supervisor.py`` the launcher's component (:class:`~xllm_eplb.elastic.supervisor.ElasticSupervisor`):
   which mode a death gets (rejoin / respawn / shrink, and why), replacements, joiners, fencing;
   per worker a named state changed by one transition function;
-* ``notices.py``    the typed notices launcher -> engine and the engine's one reader of them;
+* ``notices.py``    how the engine learns of a death: the typed notices launcher -> engine, the
+  engine's one reader of them, and its silent-worker fence;
 * ``protocol.py``   the membership conversation, one owner: every store key, the membership
   generation, the vote and its decision, the one store wait loop and the one answer loop;
 * ``ports.py``      the typed ports: what recovery needs from the engine (``EnginePort``), what

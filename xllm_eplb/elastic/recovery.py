@@ -18,12 +18,12 @@ One death (respawn: the launcher replaces the worker in place):
    rank's requests for re-prefill and cuts the survivors' KV back to the committed length;
 3. reform: members + placement of ``g`` published (``elastic/protocol.py``), the replacement's
    ``attached`` key awaited (``protocol.await_attached``), then the one regroup step and every rank's answer; a shrink (mode
-   ``shrink``/``rejoin``) re-plans the experts (``eplb/shrink_plan.py``) and calls
+   ``shrink``/``rejoin``) re-plans the experts (``eplb/membership_plan.py`` ``plan_shrink``) and calls
    ``Engine.resize(workers, placement)`` first;
 4. resume: the counters and ``last_recovery``; the next step is ordinary.
 
 A rejoin (mode ``rejoin``) is a shrink now and a grow later: at a step boundary a ready joiner
-is let in (``eplb/join_plan.py``; go key, joiner's ``joined`` key, ``Engine.resize`` to N,
+is let in (``eplb/membership_plan.py`` ``plan_join``; go key, joiner's ``joined`` key, ``Engine.resize`` to N,
 regroup step, the members' vote: ``elastic/protocol.py``). A death during the switch abandons
 it (the vote's ``abort``; ``Engine.resize`` back to N-1) and is then recovered as above.
 What stops the run instead: a notice that is not an elastic death, an EPLB activation only some
@@ -45,8 +45,7 @@ import time
 
 from xllm_eplb.elastic import protocol
 from xllm_eplb.elastic.counters import RecoveryCounters
-from xllm_eplb.elastic.fence import SilenceFence
-from xllm_eplb.elastic.notices import JoinDropped, JoinReady, NoticeBox, WorkerDied
+from xllm_eplb.elastic.notices import JoinDropped, JoinReady, NoticeBox, SilenceFence, WorkerDied
 from xllm_eplb.elastic.ports import EnginePort
 from xllm_eplb.elastic.protocol import (
     ELASTIC_IDLE_WAIT,
@@ -55,8 +54,7 @@ from xllm_eplb.elastic.protocol import (
     Mode,
     next_pg_generation,
 )
-from xllm_eplb.eplb.join_plan import JoinError, plan_join
-from xllm_eplb.eplb.shrink_plan import ShrinkError, plan_shrink
+from xllm_eplb.eplb.membership_plan import JoinError, ShrinkError, plan_join, plan_shrink
 from xllm_eplb.errors import WorkerFault
 from xllm_eplb.ipc.errors import IpcError, RingTimeoutError
 from xllm_eplb.obs.logs import event

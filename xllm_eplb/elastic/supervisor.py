@@ -41,11 +41,10 @@ import os
 import signal
 import time
 
-from xllm_eplb.config import elastic_redundancy_needed
+from xllm_eplb.config import elastic_redundancy_needed, survivors_hold_all
 from xllm_eplb.elastic.notices import JoinDropped, JoinReady, WorkerDied
 from xllm_eplb.elastic.ports import LauncherPort
 from xllm_eplb.elastic.protocol import Mode, next_pg_generation
-from xllm_eplb.eplb.shrink_plan import ShrinkError, check_rule
 from xllm_eplb.obs.logs import event
 
 log = logging.getLogger(__name__)
@@ -72,11 +71,7 @@ WORKER_TRANSITIONS = {
 
 def rule_holds(cfg, size: int) -> bool:
     """Can ``size`` - 1 ranks hold every expert (the shrink / rejoin redundancy rule)?"""
-    try:
-        check_rule(size, cfg.slots_per_rank, cfg.model.num_experts)
-    except ShrinkError:
-        return False
-    return True
+    return survivors_hold_all(size, cfg.slots_per_rank, cfg.model.num_experts)
 
 
 def replacement_mode(cfg, serving: int, restarts: int) -> tuple[Mode, str]:

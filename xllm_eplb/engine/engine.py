@@ -38,12 +38,12 @@ from xllm_eplb.engine.breakdown import StepBreakdown
 from xllm_eplb.engine.failures import WAIT_SLICE, FailureWatch, WorkerFault
 from xllm_eplb.engine.health import StepWatch
 from xllm_eplb.engine.live_stats import LiveStats
-from xllm_eplb.engine.manager_build import resized_manager
 from xllm_eplb.engine.membership import IDLE_WAIT, NoMembership
 from xllm_eplb.engine.scheduler import Request, Scheduler, is_pure_decode_step
 from xllm_eplb.engine.telemetry import Telemetry, slot_loads
 from xllm_eplb.engine.tokenizer import BOS_ID
 from xllm_eplb.eplb.info import NO_TOKEN, EplbInfo
+from xllm_eplb.eplb.membership_plan import resized_manager
 from xllm_eplb.eplb.placement_file import initial_placement
 from xllm_eplb.eplb.recorder import ExpertRecorder
 from xllm_eplb.ipc.errors import IpcError, RingTimeoutError
@@ -82,12 +82,6 @@ def agreed_token(tokens: list[int]) -> int:
     return first
 
 
-def _with_output(fault: WorkerFault, out) -> WorkerFault:
-    """``fault`` carrying the output frame that caused it (already read from its ring)."""
-    fault.output = out
-    return fault
-
-
 def decode_costs(outs, pure: bool) -> list | None:
     """The ranks' per-layer expert CPU seconds of a pure-decode step (the cost model's input),
     else None (prefill rows are not all counted)."""
@@ -97,7 +91,8 @@ def decode_costs(outs, pure: bool) -> list | None:
 class Engine:
     """Owns the scheduler, the rings' engine ends, the manager and the telemetry."""
 
-    def __init__(self, cfg: Config, inp, outs, *, manager=None, metrics=None, box=None):
+    def __init__(self, cfg: Config, inp, outs, *, manager=None, metrics=None, box=None,
+                 cores: dict | None = None):
         self.cfg, self.inp, self.outs = cfg, inp, outs
         #: every worker's output ring (worker id -> ring); ``outs`` are the members' in rank
         #: order, ``workers`` their ids (``resize``)
@@ -138,8 +133,8 @@ class Engine:
         self._last_refresh = 0.0
         #: steps planned while the one before ran (``--async_scheduling``; /eplb/status)
         self.planned_ahead = 0
-        #: /eplb/status ``cores``: this node's cores and processes (set by engine/process)
-        self.cores: dict = {}
+        #: this node's cores and processes (``engine/process.host_cores``; /eplb/status)
+        self.cores: dict = cores or {}
         self._pending = None         # the last step's deferred bookkeeping (``account``)
         self._pending_eplb_s = 0.0
         self._plan_eplb_s = 0.0      # the manager's CPU in the last :meth:`prepare`
@@ -149,6 +144,12 @@ class Engine:
         self.warming = False
 
     # --- one forward -----------------------------------------------------------------------
+    def use_manager(self, manager) -> None:
+        """Inject the EPLB manager (``engine/process.make_manager``; None: EPLB off; an
+        elastic resize: ``eplb/membership_plan.resized_manager``)."""
+        self.manager = manager
+        self.metrics.enabled.set(1 if manager is not None else 0)
+
     def use_membership(self, membership) -> None:
         """Inject the membership port (``--elastic_ep``: ``elastic/recovery.EngineRecovery``)."""
         self.membership = membership
@@ -258,7 +259,7 @@ class Engine:
                 got[r] = self._get(r, timeout)
             return [got[r] for r in range(self.D)]
         except WorkerFault as e:
-            if getattr(e, "output", None) is not None:     # the frame that failed is read
+            if e.output is not None:     # the frame that failed is read
                 got[e.output.rank] = e.output
             self.membership.recover(e, got)
             return None
@@ -312,10 +313,10 @@ class Engine:
             raise WorkerFault(f"rank {rank}: no output for step {self.step_no}: {e}") from None
         self.watch.answer(rank)
         if out.error:
-            raise _with_output(WorkerFault(out.error), out)
+            raise WorkerFault(out.error, output=out)
         if out.step != self.step_no or out.rank != rank:
-            raise _with_output(WorkerFault(f"rank {rank}: answered step {out.step} rank "
-                                           f"{out.rank}, expected step {self.step_no}"), out)
+            raise WorkerFault(f"rank {rank}: answered step {out.step} rank {out.rank}, expected "
+                              f"step {self.step_no}", output=out)
         return out
 
     # --- warm-up and loop ------------------------------------------------------------------
@@ -476,10 +477,9 @@ class Engine:
         self.recorder = ExpertRecorder(cfg.num_moe_layers, D, cfg.slots_per_rank,
                                        cfg.model.num_experts, cfg.eplb.eplb_record_trace_max_steps)
         self.rank_node = [0] * D
-        self.live.kv_capacity = max(1, D * cfg.runtime.max_batch_size
-                                    * cfg.model.max_position_embeddings)
+        self.live.resize(D * cfg.runtime.max_batch_size * cfg.model.max_position_embeddings)
         self.placement = placement
-        self.manager = resized_manager(cfg, D, placement, self.manager, self.metrics)
+        self.use_manager(resized_manager(cfg, D, placement, self.manager))
 
     def send_regroup(self, pg_generation: int, timeout: float) -> int:
         """One empty step that re-forms the members as ``pg_generation``; returns its number."""

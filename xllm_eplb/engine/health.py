@@ -124,6 +124,16 @@ def stopped(pid: int) -> bool:
         return False
 
 
+def silent_ranks(ring, ranks: list[int]) -> list[int]:
+    """A remote node's silent ranks (global ids; reader ``i`` of the node's input ring is
+    ``ranks[i]``; ``node/bridge.py`` fences them): those that have not read the newest frame,
+    else those whose process is stopped (SIGSTOP)."""
+    with contextlib.suppress(Exception):
+        behind = [r for i, r in enumerate(ranks) if reader_behind(ring, i)]
+        return behind or [r for i, r in enumerate(ranks) if stopped(reader_pid(ring, i))]
+    return []
+
+
 def _has_frame(out) -> bool:
     try:
         return out.ring.pending() > 0

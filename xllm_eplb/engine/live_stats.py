@@ -36,6 +36,10 @@ class LiveStats:
         self.want_experts = metrics.hot_experts > 0 or metrics.all_experts
         self.kv_tokens = 0
 
+    def resize(self, kv_capacity: int) -> None:
+        """The membership changed size (``Engine.resize``): the new KV capacity in tokens."""
+        self.kv_capacity = max(1, int(kv_capacity))
+
     # --- per step ----------------------------------------------------------------------------
     def on_scheduled(self, batches, running: dict, now: float) -> None:
         """One step's batches (before the forward): batch size, tokens per step, the queue time

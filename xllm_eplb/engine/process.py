@@ -26,7 +26,6 @@ from xllm_eplb.engine.backend import EngineApi
 from xllm_eplb.engine.batch_rows import with_batch_rows
 from xllm_eplb.engine.engine import Engine
 from xllm_eplb.engine.failures import NOTICE_WAIT, SHUTDOWN, WorkerFault
-from xllm_eplb.engine.manager_build import make_manager
 from xllm_eplb.engine.workload import SyntheticWorkload
 from xllm_eplb.ipc.objects import sweep_until_clean
 from xllm_eplb.ipc.ring import InputRing, OutputRing
@@ -129,8 +128,8 @@ def _serve(cfg: Config, events, parent_pid: int, res: dict, stop: dict) -> int:
     # (its pid gone) is a death too, found between output slices
     box = NoticeBox(getattr(events, "notice", None), lambda: parent_alive(parent_pid),
                     parent_pid)
-    res["engine"] = eng = ref["engine"] = Engine(cfg, inp, outs, box=box)
-    eng.cores = host_cores(cfg, parent_pid)
+    res["engine"] = eng = ref["engine"] = Engine(cfg, inp, outs, box=box,
+                                                 cores=host_cores(cfg, parent_pid))
     eng.warmup()
     signal.signal(signal.SIGTERM,
                   lambda signum, _f: _stop_on(signal.SIGTERM, eng, parent_pid, stop))
@@ -141,14 +140,25 @@ def _serve(cfg: Config, events, parent_pid: int, res: dict, stop: dict) -> int:
     membership = _elastic(cfg, eng, events)
     if membership is not None:
         eng.use_membership(membership)
-    eng.manager = res["manager"] = make_manager(cfg, eng.placement)
-    eng.metrics.enabled.set(1 if eng.manager is not None else 0)
+    eng.use_manager(make_manager(cfg, eng.placement))
+    res["manager"] = eng.manager
     res["workload"] = _start_workload(cfg, eng)
     send_event(events, "engine", "ready")
     log.info(event("engine ready", ep_size=cfg.eplb.ep_size, port=api.port,
                    eplb=cfg.eplb.enable_eplb, workload=cfg.serve.workload))
     eng.run()
     return 0
+
+
+def make_manager(cfg: Config, placement):
+    """The EPLB manager of ``cfg`` on the deployed ``placement`` (None with EPLB off); an elastic
+    resize builds the next one (``eplb/membership_plan.resized_manager``)."""
+    if not cfg.eplb.enable_eplb:
+        return None
+    from xllm_eplb.eplb.manager import EplbManager
+
+    return EplbManager(cfg.eplb, cfg.num_moe_layers, cfg.model.num_experts, runner="thread",
+                       initial=placement, expect_timings=True)
 
 
 def host_cores(cfg: Config, launcher_pid: int) -> dict:
@@ -172,7 +182,7 @@ def _teardown(res: dict, parent_pid: int, run_id: str, reason: str = SHUTDOWN) -
             with contextlib.suppress(Exception):
                 res[key].close()
     if eng is not None:
-        eng.state = "stopping"
+        eng.request_stop()
         eng.sched.fail_all(reason)
         eng.shutdown_workers()
     if res.get("api") is not None:

@@ -96,6 +96,35 @@ class Request:
         """Tokens in the KV cache after this request's next step (prompt + outputs)."""
         return len(self.prompt) + len(self.output)
 
+    # --- the scheduler's operations on a request (nothing else writes its fields) ----------
+    def accepted(self, req_id: int) -> None:
+        """The scheduler took the request as ``req_id``."""
+        self.req_id = req_id
+
+    def admit(self, dp_rank: int) -> None:
+        """Admitted to ``dp_rank``: its whole context (prompt, plus the output on a re-prefill)
+        is to be prefilled from position 0."""
+        self.dp_rank = dp_rank
+        self.prefilled, self.prefill_to = 0, self.num_tokens
+
+    def prefill_chunk(self, n: int) -> None:
+        """``n`` more context tokens were scheduled into the KV cache."""
+        self.prefilled += n
+
+    def rewind_prefill(self, pos: int) -> None:
+        """A void step: the context is in the KV cache up to ``pos`` only."""
+        self.prefilled = pos
+
+    def move_to(self, dp_rank: int) -> None:
+        """The ranks were renumbered (an elastic resize): the request now runs on ``dp_rank``."""
+        self.dp_rank = dp_rank
+
+    def emit(self, tok: int, now: float) -> None:
+        """Append the sampled token ``tok`` (``now``: its time; the first one's is kept)."""
+        if not self.output:
+            self.first_token_at = now
+        self.output.append(tok)
+
     def finish(self, reason: str, error: str = "") -> None:
         self.finish_reason, self.error = reason, error
         self.finished_at = time.monotonic()
@@ -147,7 +176,7 @@ class Scheduler:
     def submit(self, req: Request) -> Request:
         """Queue ``req`` (thread-safe); returns it with its ``req_id`` set."""
         with self._lock:
-            req.req_id = next(self._ids)
+            req.accepted(next(self._ids))
         if req.max_tokens <= 0:
             req.finish("length")
             return req
@@ -268,9 +297,8 @@ class Scheduler:
                     self.waiting_for_slot = len(self.waiting)
                 break  # NOTE: FIFO admission; the head waits until a rank has room
             self.waiting.popleft()
-            req.dp_rank = k
+            req.admit(k)
             rows[k] += 1
-            req.prefilled, req.prefill_to = 0, req.num_tokens
             self.running[req.req_id] = req
             self._add_chunk(batches, prefill, req)
         return batches
@@ -285,7 +313,7 @@ class Scheduler:
             return
         start = req.prefilled
         prefill[k] += n
-        req.prefilled += n
+        req.prefill_chunk(n)
         if not req.prefilling:          # the context's last chunk: a token comes of it
             self._sent[-1][1].add(req.req_id)
         ctx = req.prompt[start:start + n] if start + n <= len(req.prompt) else \
@@ -307,9 +335,7 @@ class Scheduler:
             req = self.running.get(int(rid))
             if req is None or (req.prefilling if producing is None else rid not in producing):
                 continue
-            if not req.output:
-                req.first_token_at = now
-            req.output.append(int(tok))
+            req.emit(int(tok), now)
             if req.logprobs >= 0:
                 req.token_logprobs.append((logprobs or {}).get(int(rid), (float("nan"), [])))
             if req.listener is not None:
@@ -356,7 +382,7 @@ class Scheduler:
                     continue
                 self._truncate[k].append([rid, row.start_pos])
                 if row.is_prefill:
-                    req.prefilled = row.start_pos
+                    req.rewind_prefill(row.start_pos)
         back = sorted((r for r in self.running.values() if r.dp_rank == lost),
                       key=lambda r: r.req_id)
         for req in back:
@@ -377,7 +403,7 @@ class Scheduler:
                                f"not in keep={keep} (void_step(lost) first)")
         new = {old: r for r, old in enumerate(keep)}
         for req in self.running.values():
-            req.dp_rank = new[req.dp_rank]
+            req.move_to(new[req.dp_rank])
         self._release = [self._release[r] for r in keep]
         self._truncate = [self._truncate[r] for r in keep]
         self.dp_size = len(keep)

@@ -175,10 +175,45 @@ class Decoder:
     def slots_per_rank(self) -> int:
         return self.cfg.slots_per_rank
 
-    def take_rank(self, ep_rank: int) -> None:
-        """An elastic membership change made this model compact rank ``ep_rank``
-        (``model/reshard.py``; its MoE layers follow through ``FusedMoE.reshard``)."""
+    # ---- an elastic membership change (``worker/membership.py``) -----------------------------
+    def reshard(self, ep_rank: int, ep_size: int, table: np.ndarray) -> dict:
+        """Become compact rank ``ep_rank`` of ``ep_size`` ranks with the deployed ``table``
+        ``[L, ep_size*S]`` (a shrink's survivor, a joiner); returns ``{"checkpoint": slots
+        read, "kept": slots kept, "seconds": ...}``.
+
+        Each slot keeps its local id and weights (``eplb/membership_plan.py``); only a slot
+        whose logical expert changed is read from the checkpoint, through the layer's own expert
+        source (dense or FP8, the same bytes and checksum as at load). Every size-derived part of
+        each layer follows (``FusedMoE.reshard``: ``ep_rank``, ``ep_size``, ``global_phy2log``,
+        ``log2phy``, the replica-routing plan); dispatch reads ``ep_size`` / ``ep_rank`` from the
+        layer every step. The caller replaces the process groups and the EPLB executor and runs
+        :meth:`canary`."""
+        t0 = time.perf_counter()
+        t = np.asarray(table, dtype=np.int64)
+        S = self.cfg.slots_per_rank
+        if t.shape != (len(self.moe_layers), ep_size * S):
+            raise ValueError(f"reshard: table of shape {t.shape}, expected "
+                             f"[layers, ep_size*slots]={(len(self.moe_layers), ep_size * S)}")
+        read = sum(fm.reshard(ep_rank, ep_size, t[ml]) for ml, fm in enumerate(self.moe_layers))
         self.ep_rank = int(ep_rank)
+        return {"checkpoint": read, "kept": len(self.moe_layers) * S - read,
+                "seconds": time.perf_counter() - t0}
+
+    def canary(self) -> str | None:
+        """The transfer canary over every MoE layer: None when every slot's tag (expert, layer)
+        and weight checksum (taken at load) are right, else what is wrong. Each layer's table
+        covers every expert (``activate_table`` refuses one with an expert missing)."""
+        for fm in self.moe_layers:
+            bad = fm.check_tags()
+            if bad:
+                return (f"EPLB canary: layer {fm.layer_id} slot {bad[0]} holds tag "
+                        f"{fm.tag[bad[0]].tolist()}, expected expert "
+                        f"{int(fm.local_expert_ids[bad[0]])}")
+            bad = fm.check_checksums()
+            if bad:
+                return (f"EPLB canary: layer {fm.layer_id} slot {bad[0]}: weights differ from "
+                        f"the checksum of expert {int(fm.local_expert_ids[bad[0]])}")
+        return None
 
     def release(self, req_ids) -> None:
         """Free the KV cache of finished requests."""

@@ -132,7 +132,7 @@ class FusedMoE:
         self.tag[s, 1] = self.layer_id
 
     def reshard(self, ep_rank: int, ep_size: int, table: np.ndarray) -> int:
-        """Elastic membership change (``model/reshard.py``): this layer becomes compact rank
+        """Elastic membership change (``Decoder.reshard``): this layer becomes compact rank
         ``ep_rank`` of ``ep_size`` under the deployed row ``table`` [ep_size*S]; a local slot
         keeps its weights unless its logical expert changed (then read from ``source``). Every
         size-derived field follows (``ep_rank``, ``ep_size``, ``global_phy2log``, ``log2phy``,

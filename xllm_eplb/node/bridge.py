@@ -17,7 +17,7 @@ the fast path. Wire (one gloo ``send`` of an int64 header ``[kind, nbytes]``, th
     PING / PONG          every ``PING_SECONDS`` of idle: a lost node is noticed within ~1 s
 
 The control group rendezvouses on node 0's TCPStore (prefix ``ctl<n>/``). ``--elastic_ep``: a
-REPLY frame is empty for a rank that died under the step (``node/elastic.py``). NOTE: a lost peer
+REPLY frame is empty for a rank that died under the step (``node/launcher.py``). NOTE: a lost peer
 (process gone, connection closed) makes the blocked gloo call raise; the bridge then reports
 ``control link lost`` and exits 1, and its launcher stops the node.
 """
@@ -37,11 +37,11 @@ import torch.distributed as dist
 
 from xllm_eplb.child import child_exit, child_setup, parent_alive, send_event
 from xllm_eplb.config import Config, node_ranks
+from xllm_eplb.engine.health import silent_ranks
 from xllm_eplb.ipc.errors import PeerDeadError, RingTimeoutError
 from xllm_eplb.ipc.messages import KIND_INPUT, decode, encode
 from xllm_eplb.ipc.objects import sweep_until_clean
 from xllm_eplb.ipc.ring import InputRing, OutputRing
-from xllm_eplb.node.elastic import silent_ranks
 from xllm_eplb.obs.logs import event, setup_logging
 
 log = logging.getLogger(__name__)
@@ -114,7 +114,18 @@ def _first_line(e: BaseException) -> str:
 
 # --- node 0's side --------------------------------------------------------------------------
 
-class Hub:
+class _End:
+    """What both ends of a bridge get once their rings are attached: the link to the other
+    node and the launcher's event channel (``connect``)."""
+
+    link: Link | None = None
+    events = None
+
+    def connect(self, link: Link, events) -> None:
+        self.link, self.events = link, events
+
+
+class Hub(_End):
     """Node 0's end for remote node ``node``: its ranks' reader slots of the input ring and the
     producer ends of their output rings."""
 
@@ -125,7 +136,6 @@ class Hub:
         self.inps = [InputRing.attach(rid, reader_index=r, timeout=ATTACH_TIMEOUT)
                      for r in self.ranks]
         self.outs = [OutputRing.attach(rid, r, timeout=ATTACH_TIMEOUT) for r in self.ranks]
-        self.link: Link | None = None
 
     def serve(self, parent_pid: int) -> int:
         """Forward until the shutdown message (0) or the launcher is gone (1)."""
@@ -158,7 +168,7 @@ class Hub:
 
 # --- the remote node's side -----------------------------------------------------------------
 
-class Relay:
+class Relay(_End):
     """Remote node's end: producer of the node's input ring, reader of its output rings."""
 
     def __init__(self, cfg: Config, origin_run_id: str):
@@ -168,9 +178,7 @@ class Relay:
         self.inp = InputRing.attach(rid, producer=True, timeout=ATTACH_TIMEOUT)
         self.outs = [OutputRing.attach(rid, r, reader=True, timeout=ATTACH_TIMEOUT)
                      for r in self.ranks]
-        self.link: Link | None = None
         self.node = cfg.runtime.node_rank
-        self.events = None
         self.fenced_step = -1     # --elastic_ep: the step whose silent ranks were fenced
 
     def serve(self, parent_pid: int) -> int:
@@ -265,10 +273,9 @@ def bridge_main(cfg: Config, peer: int, origin_run_id: str, store_port: int, eve
     code = 1
     try:
         end = Hub(cfg, peer) if node == 0 else Relay(cfg, origin_run_id)
-        end.events = events
         remote = peer if node == 0 else node
-        end.link = Link(cfg.runtime.master_addr, store_port, remote, 0 if node == 0 else 1,
-                        cfg.runtime.rendezvous_timeout_seconds)
+        end.connect(Link(cfg.runtime.master_addr, store_port, remote, 0 if node == 0 else 1,
+                         cfg.runtime.rendezvous_timeout_seconds), events)
         send_event(events, who, "linked")
         log.info(event("bridge linked", node=node, peer=peer, rtt_ms=round(
             end.link.ping() * 1e3, 3) if node == 0 else None))

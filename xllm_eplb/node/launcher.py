@@ -17,9 +17,18 @@ k-reader input ring and its k output rings). A failure is reported in the rendez
 (``fail/<node>``) so every node's error line names the node and rank that failed; a child of
 node n that exits 0 means node 0 stopped the run (the shutdown message reached it).
 
-``--elastic_ep`` (respawn in place only, ``node/elastic.py``): each node's launcher respawns its
-own dead worker; node n's notices for the engine travel through the rendezvous store, which is
-also the workers' elastic store.
+``--elastic_ep`` across nodes (respawn in place only: the rank set never changes, so no re-plan
+crosses nodes): each node's launcher respawns its own dead worker (its ``ElasticSupervisor``).
+Node 0's rendezvous TCPStore is also the elastic store (the generations, placement, members and
+the ``pg_generation`` counter of ``elastic/protocol.py``), so every node numbers generations from
+one counter. Node n has no engine: what it would tell the engine (``WorkerDied``, typed,
+``elastic/notices.py``) is queued in that store as ``notice/<n>/<i>`` (:class:`NoticeSender`)
+and node 0's launcher forwards each, in order, to its engine (:class:`NoticeForwarder`); a
+replacement sets its ``attached`` key in the store itself. The relay (``node/bridge.py``)
+answers a step with an empty frame for a rank whose ring producer died, so the survivors'
+``peer_lost`` outputs still reach the engine; it also SIGKILLs its node's ranks silent past
+``--elastic_silence_seconds`` (``engine/health.silent_ranks``): a hang becomes a death. Losing a
+whole node (its launcher) still stops every node cleanly (the bridges' lost link).
 """
 
 from __future__ import annotations
@@ -34,11 +43,12 @@ import sys
 import time
 
 from xllm_eplb.config import Config, node_ranks
+from xllm_eplb.elastic.notices import notice_from_dict, notice_to_dict
 from xllm_eplb.elastic.protocol import next_pg_generation
 from xllm_eplb.engine.process import engine_main
 from xllm_eplb.launcher import Launcher, RunShm, describe_exit
+from xllm_eplb.launcher.events import EventHub
 from xllm_eplb.node.bridge import bridge_main
-from xllm_eplb.node.elastic import NOTICE_POLL_SECONDS, NoticeForwarder, NoticeSender
 from xllm_eplb.node.rendezvous import failure_reports, report_failure
 from xllm_eplb.obs.logs import event
 from xllm_eplb.worker.worker import worker_main
@@ -58,6 +68,57 @@ def primary(code: int | None) -> bool:
     """A death that is a cause, not a consequence: killed by a signal, or an exit code other
     than the generic failure 1 (a worker whose peer died fails its collective with 1)."""
     return code is not None and code not in (0, 1)
+
+
+# --- --elastic_ep: node n's notices for the engine, through node 0's store -----------------------
+#: node 0's launcher reads the remote nodes' notices this often while supervising (seconds)
+NOTICE_POLL_SECONDS = 0.05
+
+
+def notice_key(node: int, i: int) -> str:
+    return f"notice/{node}/{i}"
+
+
+class NoticeSender(EventHub):
+    """Node n's event hub: a notice for the engine goes into the store (node 0 forwards it);
+    the children's own channels are unchanged."""
+
+    def __init__(self, ctx, store, node: int):
+        super().__init__(ctx)
+        self.store, self.node, self.sent = store, node, 0
+
+    def notify(self, who: str, notice) -> bool:
+        if who != "engine":
+            return super().notify(who, notice)
+        try:
+            self.store.set(notice_key(self.node, self.sent), json.dumps(notice_to_dict(notice)))
+        except Exception:  # noqa: BLE001 - node 0's store is gone: the bridges stop the node
+            return False
+        self.sent += 1
+        return True
+
+
+class NoticeForwarder:
+    """Node 0's launcher: the remote nodes' notices, in order per node, to its engine."""
+
+    def __init__(self, store, nnodes: int):
+        self.store = store
+        self.next = {n: 0 for n in range(1, nnodes)}
+
+    def pump(self, events) -> int:
+        """Forward every notice waiting now; returns how many."""
+        done = 0
+        for n, i in self.next.items():
+            while True:
+                key = notice_key(n, i)
+                if not self.store.check([key]):
+                    break
+                events.notify("engine", notice_from_dict(json.loads(self.store.get(key))))
+                self.store.delete_key(key)
+                i += 1
+                done += 1
+            self.next[n] = i
+        return done
 
 
 class NodeLauncher(Launcher):

@@ -60,7 +60,7 @@ def _rendezvous(cfg: Config, store) -> tuple[Config, str]:
     """(this node's config, node 0's shm run id); node 0 publishes, the others adopt."""
     if cfg.runtime.node_rank == 0:
         run_id = resolve_run_id(cfg.runtime.run_id, cfg.serve.port)
-        # --elastic_ep: the workers' groups rendezvous on this store (node/elastic.py)
+        # --elastic_ep: the workers' groups rendezvous on this store (elastic/protocol.py)
         dist_port = cfg.runtime.master_port if cfg.runtime.elastic_ep else free_port()
         validate_run_id(node_run_id(run_id, cfg.runtime.nnodes - 1))
         host_run(store, cfg, run_id, dist_port)

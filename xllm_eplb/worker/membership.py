@@ -170,7 +170,7 @@ class WorkerMembership:
         """Leave the broken generation, join ``msg.regroup`` at this worker's rank among the
         generation's members (the engine's list in the store: same ranks after a respawn,
         compact ranks after a shrink), replace every group handle (``host.adopt``). A shrink
-        also re-shards the model (``model/reshard.py``: the few orphan experts read from the
+        also re-shards the model (``Decoder.reshard``: the few orphan experts read from the
         checkpoint) and runs the transfer canary. A replacement already in that generation only
         answers. A grow (the world gets bigger: a rejoin switch) is voted first, before this
         rank leaves its groups (:meth:`_vote`): abandoned, it answers ``switch abandoned`` and

@@ -43,7 +43,6 @@ from xllm_eplb.ipc.messages import ForwardOutput
 from xllm_eplb.ipc.records import StepTimings, WorkerHeartbeat
 from xllm_eplb.ipc.ring import InputRing, OutputRing
 from xllm_eplb.model.decoder import build_model
-from xllm_eplb.model.reshard import canary, reshard
 from xllm_eplb.model.step_inputs import dispatched_rows
 from xllm_eplb.obs.logs import FILE_ONLY, console_handler, event, setup_logging
 from xllm_eplb.obs.step_timer import StepTimer
@@ -300,8 +299,8 @@ class Worker:
     def reshard(self, ep_rank: int, ep_size: int, table) -> None:
         """Elastic shrink: compact rank, the new table, orphans read from the checkpoint; the
         transfer canary must pass (else the re-form fails and the run stops)."""
-        got = reshard(self.model, ep_rank, ep_size, table)
-        bad = canary(self.model)
+        got = self.model.reshard(ep_rank, ep_size, table)
+        bad = self.model.canary()
         if bad:
             raise RuntimeError(bad)
         self.ep_rank, self.ep_size = ep_rank, ep_size
