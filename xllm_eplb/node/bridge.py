@@ -37,6 +37,7 @@ import torch.distributed as dist
 
 from xllm_eplb.child import child_exit, child_setup, parent_alive, send_event
 from xllm_eplb.config import Config, node_ranks
+from xllm_eplb.elastic.notices import SilenceFence
 from xllm_eplb.engine.health import silent_ranks
 from xllm_eplb.ipc.errors import PeerDeadError, RingTimeoutError
 from xllm_eplb.ipc.messages import KIND_INPUT, decode, encode
@@ -179,7 +180,9 @@ class Relay(_End):
         self.outs = [OutputRing.attach(rid, r, reader=True, timeout=ATTACH_TIMEOUT)
                      for r in self.ranks]
         self.node = cfg.runtime.node_rank
-        self.fenced_step = -1     # --elastic_ep: the step whose silent ranks were fenced
+        #: --elastic_ep: this node's ranks silent past --elastic_silence_seconds are SIGKILLed
+        #: by its launcher (node 0's engine cannot see their reads); the engine's one rule
+        self.fence = SilenceFence(cfg.runtime.elastic_silence_seconds, self._kill)
 
     def serve(self, parent_pid: int) -> int:
         """Answer node 0's frames until the shutdown message (0)."""
@@ -224,12 +227,14 @@ class Relay(_End):
             log.warning(event("bridge rank lost", rank=rank, step=step, error=str(e)[:200]))
             return b""
 
+    def _kill(self, rank: int) -> None:
+        send_event(self.events, "bridge0", "kill", f"ep{rank}")
+
     def _wait(self, out: OutputRing, span: tuple[float, float], step: int, fence: bool):
         """One output before ``span[1]`` (the frame was put at ``span[0]``); ``fence``
         (``--elastic_ep``): past ``--elastic_silence_seconds`` this node's ranks that have not
         read the step's input (or are stopped) are SIGKILLed by this node's launcher, once per
-        step: a hang becomes a death (node 0's engine cannot see these ranks' reads)."""
-        silence = self.cfg.runtime.elastic_silence_seconds
+        step (``notices.SilenceFence``): a hang becomes a death."""
         while True:
             left = span[1] - time.monotonic()
             if not fence or left <= 0:
@@ -237,15 +242,8 @@ class Relay(_End):
             try:
                 return out.get(timeout=min(FENCE_SLICE, left))
             except RingTimeoutError:
-                if self.fenced_step == step or time.monotonic() - span[0] <= silence:
-                    continue
-                silent = silent_ranks(self.inp.ring, self.ranks)
-                if silent:
-                    self.fenced_step = step
-                    log.warning(event("EPLB elastic silent", step=step, node=self.node,
-                                      ranks=",".join(map(str, silent))))
-                    for r in silent:
-                        send_event(self.events, "bridge0", "kill", f"ep{r}")
+                self.fence.check(step, time.monotonic() - span[0],
+                                 lambda: silent_ranks(self.inp.ring, self.ranks))
 
     def close(self) -> None:
         for ring in [self.inp] + self.outs:
