@@ -15,13 +15,17 @@ replacement joins that generation at start-up and builds its shard from the plac
 engine deployed; a joiner loads first, waits for the engine's go and joins the generation it
 names. Every cached group handle is replaced: the model's EP group and the EPLB executor
 (rebuilt on the new EPLB group). The worker's resources stay the worker's: this component asks
-it through :class:`WorkerHost` (``release_groups``, ``adopt``, ``reshard``).
+it through :class:`WorkerHost` (``release_groups``, ``adopt``, ``reshard``, a joiner's
+``load_alone`` and ``attach_input``). The worker asks it at two points: at start
+(:meth:`WorkerMembership.start_joiner`) and when a step fails (:meth:`WorkerMembership.step_failed`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
+import os
 import time
 from datetime import timedelta
 from typing import Protocol
@@ -96,7 +100,14 @@ class WorkerHost(Protocol):
     device: object
 
     def release_groups(self) -> None:
-        """Close the executor and the dispatch transport (the groups are left next)."""
+        """Close the executor and the dispatch transport, drop the model's EP group (the
+        groups are left next)."""
+
+    def load_alone(self) -> None:
+        """A joiner: its output ring and its initial shard, with no process group."""
+
+    def attach_input(self) -> None:
+        """A joiner let in: attach the input ring at its newest frame."""
 
     def adopt(self, groups: comm.CommGroups, pg_generation: int, ep_rank: int, ep_size: int,
               table) -> None:
@@ -166,6 +177,42 @@ class WorkerMembership:
     def announce_joined(self) -> None:
         protocol.announce_joined(self.store, self.rank)
 
+    def start_joiner(self, host: WorkerHost) -> None:
+        """Rejoin: the store client and the model (``host.load_alone``: its initial shard,
+        loaded while the others serve), ``join_ready``; then wait for the engine's go (a step
+        boundary), attach the input ring at its newest frame and say so. The first message is
+        the regroup: :meth:`regroup` re-shards to the planned row and joins."""
+        t0 = time.perf_counter()
+        self.connect(max(120.0, self.cfg.runtime.worker_timeout_seconds))
+        host.load_alone()
+        load_s = time.perf_counter() - t0
+        log.info(event("EPLB elastic rejoin loaded", rank=self.rank, seconds=round(load_s, 3)))
+        send_event(self.events, f"ep{self.rank}", "join_ready", f"{time.time()},{os.getpid()}")
+        g = self.wait_go()
+        host.attach_input()
+        self.announce_joined()
+        log.info(event("EPLB elastic rejoin go", rank=self.rank, pg_generation=g,
+                       wait_s=round(time.perf_counter() - t0 - load_s, 3)))
+
+    def step_failed(self, host: WorkerHost) -> bool:
+        """A step failed on this rank; True: the worker stays up (``peer_lost``) for the
+        engine's regroup (elastic EP), False: it reports the error and the run stops.
+
+        The broken groups are dropped at once (``host.release_groups``, :func:`leave`): a
+        survivor still blocked in this step's collective on *this* rank (not on the dead one)
+        then fails at once instead of at the group timeout (gloo pairs: the closed sockets end
+        its wait). NOTE: a group's sockets close only when nothing holds it (the model's EP
+        group and the executor's EPLB group too; the regroup replaces both), then a
+        young-generation gc pass for its cycles (~1 ms; a full one costs 0.1-0.4 s); measured
+        (2 nodes): with ``destroy_process_group()`` alone a peer blocked 12 s, until this
+        process exited."""
+        if not self.enabled:
+            return False
+        host.release_groups()
+        leave()
+        gc.collect(1)
+        return True
+
     def regroup(self, msg, host: WorkerHost) -> ForwardOutput:
         """Leave the broken generation, join ``msg.regroup`` at this worker's rank among the
         generation's members (the engine's list in the store: same ranks after a respawn,
@@ -195,7 +242,7 @@ class WorkerMembership:
         t0, g = time.perf_counter(), msg.regroup
         members = protocol.get_members(self.store, g)
         rank, size = members.index(self.rank), len(members)
-        grow = size > host.ep_size
+        grow = self.joining or size > host.ep_size
         if grow and not self._vote(host, rank, size, g):
             log.warning(event("EPLB elastic switch abandoned", rank=self.rank,
                               pg_generation=g, stays=self.pg_generation))
@@ -218,7 +265,7 @@ class WorkerMembership:
         return None
 
     def _vote(self, host: WorkerHost, rank: int, size: int, pg_generation: int) -> bool:
-        """A grow (a joiner, ``ep_size`` 0, or a serving rank whose world grows): decided by
+        """A grow (a joiner, or a serving rank whose world grows): decided by
         every member before anyone leaves its groups (``protocol.vote``). The joiner re-shards
         to its planned row first (no group needed), so that a death after the decision can
         only fall in the short rendezvous. False: abandoned (a death during the switch); a

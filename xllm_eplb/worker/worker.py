@@ -26,7 +26,6 @@ rings, log, process name): it reads ``msg.batches[ep_rank]`` and answers as ``ep
 from __future__ import annotations
 
 import contextlib
-import gc
 import logging
 import os
 import time
@@ -49,7 +48,7 @@ from xllm_eplb.obs.step_timer import StepTimer
 from xllm_eplb.worker import affinity, comm
 from xllm_eplb.worker.executor import make_executor
 from xllm_eplb.worker.faults import make_faults
-from xllm_eplb.worker.membership import WorkerMembership, leave
+from xllm_eplb.worker.membership import WorkerMembership
 from xllm_eplb.worker.transport import close_ep_transport, open_ep_transport
 
 log = logging.getLogger(__name__)
@@ -140,7 +139,7 @@ class Worker:
         torch.set_num_threads(self.threads)
         ms = self.membership
         if ms.joining:
-            return self._start_joiner()
+            return ms.start_joiner(self)
         rid, who = self.cfg.runtime.run_id, f"ep{self.rank}"
         # NOTE: a node's input ring has one reader per rank from the node's first rank on
         # (node 0: every rank, the bridges read the remote ones); single node: index = rank
@@ -155,30 +154,6 @@ class Worker:
         send_event(self.events, who, "dist_init")
         self._build(ep_group, eplb_group)
         send_event(self.events, who, "model")
-
-    def _start_joiner(self) -> None:
-        """Rejoin: output ring, store client, the model (this worker's initial shard, read
-        from the checkpoint while the others serve), ``join_ready``; then wait for the engine's
-        go (a step boundary), read the input ring from its newest frame and say so. The first
-        message is the regroup: :meth:`regroup` joins and re-shards to the planned row."""
-        cfg, rid, who = self.cfg, self.cfg.runtime.run_id, f"ep{self.rank}"
-        t0 = time.perf_counter()
-        self.out = OutputRing.attach(rid, self.rank, timeout=ATTACH_TIMEOUT)
-        self.membership.connect(max(120.0, cfg.runtime.worker_timeout_seconds))
-        self.device = comm.device_for_rank(cfg.runtime.device, self.rank)
-        self.model = build_model(cfg, self.rank, None, device=self.device, joining=True)
-        send_event(self.events, who, "model")
-        self.faults.join()
-        load_s = time.perf_counter() - t0
-        log.info(event("EPLB elastic rejoin loaded", rank=self.rank, seconds=round(load_s, 3)))
-        send_event(self.events, who, "join_ready", f"{time.time()},{os.getpid()}")
-        g = self.membership.wait_go()
-        self.inp = InputRing.attach(rid, reader_index=self.rank - node_ranks(cfg).start,
-                                    timeout=ATTACH_TIMEOUT, skip=True)
-        self.membership.announce_joined()
-        self.ep_size = 0            # the regroup re-shards to the engine's row for it
-        log.info(event("EPLB elastic rejoin go", rank=self.rank, pg_generation=g,
-                       wait_s=round(time.perf_counter() - t0 - load_s, 3)))
 
     def _init_dist(self):
         # NOTE: rendezvous waits for all ranks; 17 processes start slowly on 2 cores.
@@ -253,24 +228,9 @@ class Worker:
             log.exception(event("worker step failed", rank=self.rank, step=msg.step),
                           extra=FILE_ONLY)
             error = f"rank {self.rank}: {type(e).__name__}: {e}"
-        # elastic: the worker stays up; the engine re-forms the groups or stops the run.
-        # Drop the broken groups now: a survivor still blocked in this step's collective on
-        # *this* rank (not on the dead one) then fails at once instead of at the group timeout
-        # (gloo pairs: the closed sockets end its wait).
-        # NOTE: a group's sockets close only when nothing holds it: the model's EP group and
-        # the executor's EPLB group are dropped too (the regroup replaces both), outside the
-        # ``except`` (the traceback holds the failed step's gloo work), then a young-generation
-        # gc pass for its cycles (~1 ms; a full one costs 0.1-0.4 s); measured (2 nodes): with
-        # destroy_process_group() alone a peer blocked 12 s, until this process exited
-        if self.elastic:
-            with contextlib.suppress(Exception):
-                self.executor.close()
-            self.executor, self.model.ep_group = None, None
-            self._close_transport()     # a peer in this step's round fails at once
-            leave()
-            gc.collect(1)
-        return ForwardOutput(step=msg.step, rank=self.ep_rank, peer_lost=self.elastic,
-                             error=error)
+        # NOTE: outside the ``except``: the traceback holds the failed step's gloo work
+        peer_lost = self.membership.step_failed(self)
+        return ForwardOutput(step=msg.step, rank=self.ep_rank, peer_lost=peer_lost, error=error)
 
     def regroup(self, msg):
         """``--elastic_ep``: re-form as generation ``msg.regroup`` (``worker/membership.py``)."""
@@ -278,10 +238,28 @@ class Worker:
 
     # --- what the elastic component asks of the worker (``membership.WorkerHost``) ----------
     def release_groups(self) -> None:
-        """Close the executor and the dispatch transport (the groups are left next)."""
-        with contextlib.suppress(Exception):
-            self.executor.close()
-        self._close_transport()
+        """Close the executor and the dispatch transport and drop the model's EP group (the
+        groups are left next; a group's sockets close only when nothing holds it)."""
+        if self.executor is not None:
+            with contextlib.suppress(Exception):
+                self.executor.close()
+        self.executor, self.model.ep_group = None, None
+        self._close_transport()     # a peer in this step's round fails at once
+
+    def load_alone(self) -> None:
+        """A joiner: the output ring, then this worker's initial shard with no process group
+        (read from the checkpoint while the others serve)."""
+        self.out = OutputRing.attach(self.cfg.runtime.run_id, self.rank, timeout=ATTACH_TIMEOUT)
+        self.device = comm.device_for_rank(self.cfg.runtime.device, self.rank)
+        self.model = build_model(self.cfg, self.rank, None, device=self.device, joining=True)
+        send_event(self.events, f"ep{self.rank}", "model")
+        self.faults.join()
+
+    def attach_input(self) -> None:
+        """A joiner let in: read the input ring from its newest frame."""
+        self.inp = InputRing.attach(self.cfg.runtime.run_id,
+                                    reader_index=self.rank - node_ranks(self.cfg).start,
+                                    timeout=ATTACH_TIMEOUT, skip=True)
 
     def adopt(self, groups, pg_generation: int, ep_rank: int, ep_size: int, table) -> None:
         """Serve in ``pg_generation`` on ``groups``: the model's EP group, a re-shard when
