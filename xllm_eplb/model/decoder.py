@@ -376,7 +376,8 @@ def build_model(cfg: Config, ep_rank: int, ep_group=None, *, device=None,
     it with the generated default checkpoint when ``--model`` was empty), starting from
     ``initial_placement(cfg)`` (``--eplb_init_placement`` or xLLM's layout) and loading only this
     rank's slots of it. ``joining``: an elastic joiner builds before its process group exists
-    (``worker.Worker._start_joiner``; the group is set at its regroup)."""
+    (``WorkerMembership.start_joiner`` -> ``Worker.load_alone``; the group is set at its
+    regroup)."""
     if not cfg.model.model:
         raise ValueError("build_model: cfg.model.model is empty; the launcher resolves it "
                          "with model.default_checkpoint.with_default_checkpoint first")

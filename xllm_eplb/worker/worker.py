@@ -18,7 +18,7 @@ is reported as ``peer_lost`` and the worker stays up for the engine's regroup me
 elastic component (``worker/membership.py`` ``WorkerMembership``) holds the membership: a
 replacement (``pg_generation`` > 1) joins that generation at start; a *joiner* (``join=True``,
 ``--elastic_rejoin``) loads its model first while the others serve, signals ``join_ready`` and
-joins the generation the engine names (``_start_joiner``). After
+joins the generation the engine names (``WorkerMembership.start_joiner``). After
 an elastic *shrink* the worker serves at its compact ``ep_rank`` (``rank`` stays its identity:
 rings, log, process name): it reads ``msg.batches[ep_rank]`` and answers as ``ep_rank``.
 """
