@@ -19,7 +19,8 @@ log = logging.getLogger(__name__)
 @dataclass
 class Counters:
     """Cumulative counters of the manager (never reset; metrics take deltas), plus
-    ``last_policy_seconds`` (wall seconds of the latest policy round)."""
+    ``last_policy_seconds`` (wall seconds of the latest policy round). The manager reports
+    each event through one ``count_*`` method; nothing else writes these fields."""
 
     rounds: int = 0
     layers_published: int = 0
