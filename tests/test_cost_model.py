@@ -230,7 +230,5 @@ def test_cost_rounds_wait_for_the_model_once_timings_flow():
     observe_steps(guard.model, np.array([[0, 1, 2, 3, 1, 2]]), guard.checks.steps,
                   np.random.default_rng(6))
     assert not guard.waiting(10, cost)               # fitted, enough steps for the check
-    guard.expect_timings = True                      # the engine: wait from the first sample
-    fresh = CostGuard(1, 2, 4)
-    fresh.expect_timings = True
+    fresh = CostGuard(1, 2, 4, expect_timings=True)  # the engine: wait from the first sample
     assert fresh.waiting(10, cost) and not fresh.waiting(10, tokens)

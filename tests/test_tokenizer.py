@@ -189,3 +189,16 @@ def test_training_is_deterministic_and_fills_the_vocabulary():
     assert big.get_vocab_size() == 1024
     text = "the capital of France is Paris"
     assert len(big.encode(text).ids) < len(a.encode(text).ids) < len(text.encode())
+
+
+def test_the_trained_pipeline_normalises_prepends_bos_and_round_trips_bytes():
+    """What train_tokenizer's tokenizer.json spec sets up: NFC, byte-level BPE (any text
+    round-trips), ``<|bos|>`` before each sequence only when special tokens are asked for."""
+    tok = train_tokenizer(512)
+    bos = tok.token_to_id("<|bos|>")
+    enc = tok.encode("Caf\u00e9 \U0001F600 ok")
+    assert enc.ids[0] == bos and bos not in enc.ids[1:]
+    assert tok.decode(enc.ids, skip_special_tokens=True) == "Caf\u00e9 \U0001F600 ok"
+    assert tok.encode("Cafe\u0301").ids == tok.encode("Caf\u00e9").ids
+    a, b = (tok.encode(t, add_special_tokens=False).ids for t in ("one", "two"))
+    assert bos not in a and tok.encode("one", "two").ids == [bos, *a, bos, *b]

@@ -54,12 +54,26 @@ SOURCES = ("default", "file", "flagfile", "cli")
 class _Layers:
     """Values per source plus the config files named on the way (resolved in order)."""
 
-    def __init__(self) -> None:
+    def __init__(self, positional_model: bool = False) -> None:
         self.values: dict[str, dict[str, Any]] = {s: {} for s in SOURCES[1:]}
         self.config_files: list[Path] = []
         #: a bare command-line token is the model (``serve DIR``); the one given, if any
-        self.positional_model = False
+        self.positional_model = positional_model
         self.positional = ""
+
+    def take_positional_model(self, tok: str) -> None:
+        """``serve DIR`` (vLLM's ``vllm serve MODEL``): the one positional argument is
+        ``--model``."""
+        if self.positional:
+            raise ConfigError(f"unexpected argument '{tok}': the model is already given as "
+                              f"'{self.positional}' (one positional argument, the model); "
+                              f"flags look like --name=value")
+        if "model" in self.values["cli"]:
+            raise ConfigError(f"unexpected argument '{tok}': --model="
+                              f"{self.values['cli']['model']} already names the model; give "
+                              f"it once")
+        self.positional = tok
+        self.values["cli"]["model"] = coerce(FIELDS["model"], tok)
 
 
 def _read_flagfile(path: Path, stack: tuple[Path, ...]) -> list[tuple[str, str]]:
@@ -107,7 +121,7 @@ def _consume(tokens: list[tuple[str, str]], layers: _Layers, source: str,
         at = "" if origin == "cli" else f"flagfile {origin}: "
         if not tok.startswith("--") or tok == "--":
             if origin == "cli" and layers.positional_model and not tok.startswith("-"):
-                _positional_model(tok, layers)
+                layers.take_positional_model(tok)
                 continue
             if tok.startswith("-") and tok != "--":
                 raise ConfigError(f"{at}{short_flag(tok)}")
@@ -158,20 +172,6 @@ def _consume(tokens: list[tuple[str, str]], layers: _Layers, source: str,
                 layers.values[source][name] = got
             except ConfigError as e:
                 raise ConfigError(f"{at}{e}") from None
-
-
-def _positional_model(tok: str, layers: _Layers) -> None:
-    """``serve DIR`` (vLLM's ``vllm serve MODEL``): the one positional argument is ``--model``."""
-    if layers.positional:
-        raise ConfigError(f"unexpected argument '{tok}': the model is already given as "
-                          f"'{layers.positional}' (one positional argument, the model); flags "
-                          f"look like --name=value")
-    if "model" in layers.values["cli"]:
-        raise ConfigError(f"unexpected argument '{tok}': --model="
-                          f"{layers.values['cli']['model']} already names the model; give it "
-                          f"once")
-    layers.positional = tok
-    layers.values["cli"]["model"] = coerce(FIELDS["model"], tok)
 
 
 def _resolve(value: str, base: Path) -> Path:
@@ -242,8 +242,7 @@ def load_config(argv: list[str], *, require_ep_size: bool = True,
     ``default``/``file``/``flagfile``/``cli``. Raises ConfigError (a UserError, exit 2) naming
     the file/flag, the value and the rule.
     """
-    layers = _Layers()
-    layers.positional_model = positional_model
+    layers = _Layers(positional_model)
     _consume([(t, "cli") for t in argv], layers, "cli", Path(), ())
     values: dict[str, Any] = {}
     sources: dict[str, str] = {}

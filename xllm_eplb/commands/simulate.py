@@ -221,16 +221,16 @@ def simulate(trace_path, spec, data_dir, policy, steps, tokens_per_rank, step_se
     setup_logging("simulate", cfg.serve.v, log_file=str(out / "simulate.log"), stream=None)
     opts = ReplayOptions(step_seconds, transfer_steps_per_layer, window_steps,
                          routing=cfg.eplb.eplb_replica_routing if routed else None)
-    res = replay(tr, cfg.eplb, opts)
-    res.extra = {"trace": trace_path or spec, "ep_size": cfg.eplb.ep_size,
-                 "redundant_experts_num": cfg.eplb.redundant_experts_num,
-                 "layers": tr.layers, "experts": tr.experts,
-                 "step_seconds": step_seconds, "tokens_per_rank": tokens_per_rank,
-                 "transfer_steps_per_layer": transfer_steps_per_layer,
-                 "estimator": cfg.eplb.eplb_use_estimator,
-                 "eplb_update_interval": cfg.eplb.eplb_update_interval,
-                 "eplb_first_round_samples": cfg.eplb.eplb_first_round_samples,
-                 "eplb_min_peak_load_improvement": cfg.eplb.eplb_min_peak_load_improvement}
+    run = {"trace": trace_path or spec, "ep_size": cfg.eplb.ep_size,
+           "redundant_experts_num": cfg.eplb.redundant_experts_num,
+           "layers": tr.layers, "experts": tr.experts,
+           "step_seconds": step_seconds, "tokens_per_rank": tokens_per_rank,
+           "transfer_steps_per_layer": transfer_steps_per_layer,
+           "estimator": cfg.eplb.eplb_use_estimator,
+           "eplb_update_interval": cfg.eplb.eplb_update_interval,
+           "eplb_first_round_samples": cfg.eplb.eplb_first_round_samples,
+           "eplb_min_peak_load_improvement": cfg.eplb.eplb_min_peak_load_improvement}
+    res = dataclasses.replace(replay(tr, cfg.eplb, opts), extra=run)
     summary = summarize(res)
     (out / "summary.json").write_text(_dump(summary))
     if plots:

@@ -307,36 +307,40 @@ def _handlers(app: FastAPI) -> None:
 
 
 def create_app(backend: ApiBackend) -> FastAPI:
-    app = FastAPI(title="xllm-eplb", docs_url=None, redoc_url=None,
-                  description="OpenAI-compatible API of the xllm-eplb engine")
+    app = _EngineApp(title="xllm-eplb", docs_url=None, redoc_url=None,
+                     description="OpenAI-compatible API of the xllm-eplb engine")
     _routes(app, backend)
     for router in (tokenize_router(backend.served), *backend.routers):
         app.include_router(router)
     if backend.api_key:
         _require_key(app, backend.api_key)
     _handlers(app)
-    _openapi_defs(app)
     return app
 
 
-def _openapi_defs(app: FastAPI) -> None:
-    """Put the request models' nested definitions into ``components.schemas``."""
-    base = app.openapi
+class _EngineApp(FastAPI):
+    """The engine's FastAPI app: its OpenAPI document (``/openapi.json``) also lists the
+    request models' nested definitions under ``components.schemas`` (FastAPI's documented way
+    to extend the schema: override :meth:`openapi`, which caches it in ``openapi_schema``)."""
 
-    def openapi():
-        if app.openapi_schema is None:
-            doc = base()
-            comps = doc.setdefault("components", {}).setdefault("schemas", {})
-            for model in (CompletionRequest, ChatCompletionRequest, TokenizeChatRequest):
-                defs = model.model_json_schema(
-                    ref_template="#/components/schemas/{model}").get("$defs", {})
-                comps.update(defs)
-            for path in doc.get("paths", {}).values():
-                for op in path.values():
-                    op.get("requestBody", {}).get("content", {}).get(
-                        "application/json", {}).get("schema", {}).pop("$defs", None)
-        return app.openapi_schema
-    app.openapi = openapi
+    def openapi(self) -> dict:
+        if self.openapi_schema is None:
+            _lift_defs(super().openapi())
+        return self.openapi_schema
+
+
+def _lift_defs(doc: dict) -> None:
+    """Move the request models' nested ``$defs`` of OpenAPI ``doc`` into
+    ``components.schemas`` (in place)."""
+    comps = doc.setdefault("components", {}).setdefault("schemas", {})
+    for model in (CompletionRequest, ChatCompletionRequest, TokenizeChatRequest):
+        defs = model.model_json_schema(
+            ref_template="#/components/schemas/{model}").get("$defs", {})
+        comps.update(defs)
+    for path in doc.get("paths", {}).values():
+        for op in path.values():
+            op.get("requestBody", {}).get("content", {}).get(
+                "application/json", {}).get("schema", {}).pop("$defs", None)
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -371,6 +375,19 @@ def _json_h11_protocol() -> type:
     return JsonH11Protocol
 
 
+def _stoppable_server() -> type:
+    """``uvicorn.Server`` with ``request_exit()``. uvicorn (0.55) has no method that stops a
+    server run on a thread: its loop polls its own ``should_exit`` flag, set by the signal
+    handler ``handle_exit`` (which also records the signal to re-raise it later)."""
+    from uvicorn import Server
+
+    class StoppableServer(Server):
+        def request_exit(self) -> None:
+            """Ask the serve loop to stop at its next tick (thread-safe: a flag it polls)."""
+            self.should_exit = True
+    return StoppableServer
+
+
 class ApiServer:
     """The bound server; :meth:`start` serves on a daemon thread, :meth:`close` stops it."""
 
@@ -384,7 +401,7 @@ class ApiServer:
         config = uvicorn.Config(create_app(backend), log_config=None, access_log=False,
                                 lifespan="off", loop="asyncio", http=_json_h11_protocol(),
                                 timeout_keep_alive=30, backlog=2048)
-        self.server = uvicorn.Server(config)
+        self.server = _stoppable_server()(config)
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
@@ -394,6 +411,6 @@ class ApiServer:
 
     def close(self) -> None:
         if self._thread is not None:
-            self.server.should_exit = True
+            self.server.request_exit()
             self._thread.join(timeout=5)
         self.sock.close()

@@ -37,6 +37,13 @@ class CommitCheck:
     sums: np.ndarray
     n: int = 0
 
+    def add_step(self, seconds: np.ndarray) -> int:
+        """One step measured under the new row: ``seconds`` float64 [D] expert seconds of the
+        layer per rank. Returns the steps summed so far."""
+        self.sums += seconds
+        self.n += 1
+        return self.n
+
 
 @dataclass(frozen=True)
 class CheckResult:
@@ -83,9 +90,7 @@ class CostChecks:
         for layer, c in list(self.open.items()):
             if epoch < c.placement_epoch:
                 continue                        # measured under the old row (queue lag)
-            c.sums += expert_cpu[:, layer]
-            c.n += 1
-            if c.n >= self.steps:
+            if c.add_step(expert_cpu[:, layer]) >= self.steps:
                 done.append(self._close(self.open.pop(layer)))
         return done
 

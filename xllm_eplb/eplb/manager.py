@@ -132,8 +132,8 @@ class EplbManager:
         self._deadline: float | None = None
         self._deadline_epoch = -1
         self._counters = Counters()
-        self.cost = CostGuard(num_layers, cfg.ep_size, num_logical)
-        self.cost.expect_timings = bool(expect_timings)
+        self.cost = CostGuard(num_layers, cfg.ep_size, num_logical,
+                              expect_timings=bool(expect_timings))
         self.hb = Heartbeats(clock(), cfg.eplb_heartbeat_seconds, self.policy_name)
         log.info(event("EPLB manager start", policy=self.policy_name, layers=num_layers,
                        devices=cfg.ep_size, device_experts=self.slots, runner=runner,
@@ -185,7 +185,7 @@ class EplbManager:
         """
         now = self.clock()
         with self._lock:
-            self.hb.manager_at = now
+            self.hb.manager_call(now)
             self._abort_overdue(now)
             self._observe_prepared(prepared_tokens, now)
             self._enqueue(counters, expert_cpu)
@@ -243,7 +243,7 @@ class EplbManager:
         totals, must stay monotonic)."""
         with self._lock:
             self._counters = dataclasses.replace(old._counters)
-            self.hb.cpu_s += old.hb.cpu_s
+            self.hb.inherit(old.hb)
 
     def cost_status(self) -> dict:
         """The cost model for /eplb/status: the fit per layer and the modelled step critical
@@ -345,10 +345,8 @@ class EplbManager:
         k = int(update.sum())
         self.pipe.start_round(table, update)
         self.agg.decay()
-        self._counters.rounds += 1
-        self._counters.layers_published += k
-        self._counters.last_policy_seconds = seconds
-        self.hb.layers += k
+        self._counters.count_round(k, seconds)
+        self.hb.count_round(k)
         log.info(event("EPLB rebalance", policy=self.policy_name,
                        layers_updated=f"{k}/{self.num_layers}",
                        duration_ms=round(seconds * 1e3, 3)))
@@ -358,14 +356,14 @@ class EplbManager:
     def _observe_prepared(self, tokens: list[int], now: float) -> None:
         tokens = list(tokens)
         if len(tokens) != self.ep_size:
-            self._counters.samples_rejected += 1
+            self._counters.count_rejected()
             log.warning(event("EPLB rejected worker output", reason="prepared_tokens",
                               got=len(tokens), expected=self.ep_size))
             return
         if self.pipe.active_token == NO_TOKEN and tokens.count(NO_TOKEN) == len(tokens):
             return                                   # fast path: nothing prepared, nothing due
         for tok in self.pipe.observe_prepared([int(t) for t in tokens], now):
-            self._counters.stale_tokens += 1
+            self._counters.count_stale_token()
             log.warning(event("EPLB ignoring stale prepare token", got=tok,
                               waiting_for=self.pipe.active_token))
 
@@ -375,7 +373,7 @@ class EplbManager:
         if layer is not None:
             self._commit(layer)
         elif token != NO_TOKEN:
-            self._counters.stale_tokens += 1
+            self._counters.count_stale_token()
             log.warning(event("EPLB ignoring stale activation completion token", got=token,
                               waiting_for=waiting))
 
@@ -394,7 +392,7 @@ class EplbManager:
             return
         if len(self._queue) >= MAX_QUEUED_SAMPLES:
             self._queue.popleft()
-            self._counters.samples_backlog_dropped += 1
+            self._counters.count_backlog_drop()
         cpu = None
         if expert_cpu is not None:
             cpu = np.asarray(expert_cpu, dtype=np.float64)
@@ -403,7 +401,7 @@ class EplbManager:
         self._queue.append((counters, self._active, self.agg.placement_epoch, cpu))
 
     def _reject(self, why: str) -> None:
-        self._counters.samples_rejected += 1
+        self._counters.count_rejected()
         log.warning(event("EPLB rejected worker output", reason=why))
 
     def _commit(self, layer: int) -> None:
@@ -419,9 +417,7 @@ class EplbManager:
         self.agg.commit()
         committed = self.cost.on_commit(layer, prev, self.agg.placement_epoch)
         self._deadline = None
-        self._counters.layers_committed += int(committed)   # a rollback's restore is no commit
-        self._counters.slots_moved += d.moved_slots
-        self._counters.weight_copies += d.weight_copies
+        self._counters.count_commit(committed, d.moved_slots, d.weight_copies)
         log.info(event("EPLB layer activated", layer=layer,
                        placement_epoch=self.agg.placement_epoch,
                        slots_moved=d.moved_slots, weight_copies=d.weight_copies))
@@ -455,11 +451,11 @@ class EplbManager:
                         self.cost.observe(deltas, placement, cpu, epoch, logical))
 
     def _accumulate(self, deltas: np.ndarray, logical: np.ndarray, epoch: int) -> None:
-        if not self.agg.accumulate(deltas, logical, epoch):
-            self._counters.samples_stale += 1
+        fresh = self.agg.accumulate(deltas, logical, epoch)
+        self._counters.count_sample(fresh)
+        if not fresh:
             return
-        self._counters.samples += 1
-        self.hb.batches += 1
+        self.hb.count_sample()
         if self.estimator is not None:
             self.estimator.observe(logical)
 
@@ -474,7 +470,7 @@ class EplbManager:
         """An aborted layer is disabled in the pipeline; the deployed table never had it."""
         ab = self.pipe.check_timeout(now, self.timeout)
         if ab is not None:
-            self._counters.layers_timed_out += 1
+            self._counters.count_timeout()
             log.warning(event(f"EPLB layer {ab.layer} {ab.kind} timed out after "
                               f"{ab.limit:g}s; skipping this layer for the current round.",
                               layer=ab.layer, token=ab.token, kind=ab.kind.replace(" ", "_"),

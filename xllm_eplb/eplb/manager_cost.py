@@ -30,7 +30,8 @@ class CostGuard:
     it restores; the manager adds them to its
     :class:`~xllm_eplb.eplb.manager_stats.Counters` (``count_checks``, ``count_rollback``)."""
 
-    def __init__(self, num_layers: int, ep_size: int, num_logical: int):
+    def __init__(self, num_layers: int, ep_size: int, num_logical: int, *,
+                 expect_timings: bool = False):
         self.model = CostModel(num_layers, ep_size, num_logical)
         self.checks = CostChecks(self.model)
         self.num_layers = num_layers
@@ -41,7 +42,7 @@ class CostGuard:
         #: layers of the rollback round in flight: their activation restores, it is no commit
         self.restoring: set[int] = set()
         #: the manager's caller reports expert timings (wait for the model from the start)
-        self.expect_timings = False
+        self.expect_timings = bool(expect_timings)
 
     def snapshot(self) -> CostSnapshot | None:
         return self.model.snapshot()

@@ -131,21 +131,22 @@ class LayerPipeline:
 
     def command(self, now: float) -> EplbInfo:
         """The control message for the next forward (``allow`` already checked by the caller)."""
-        info = EplbInfo()
+        update, activation = NO_LAYER, NO_TOKEN
         if self.awaiting is None and self.pending is not None:
-            info.update_layer_id, info.activation_token = self.pending
+            update, activation = self.pending
             self.awaiting, self.pending = self.pending, None
         layer = self.active_layer
         # NOTE: overwrite guard -- no new prepare while a READY activation is still unsent.
         if layer != NO_LAYER and self.state[layer] == IDLE and self.pending is None:
             token = self.next_token
             self.next_token += 1
-            info.prepare_layer_id, info.prepare_token = layer, token
-            info.expert_ids = self.candidate[layer].copy()
             self.active_token, self.dispatch_at, self.observed_at = token, now, None
             self.prepared[:] = NO_TOKEN
             self.state[layer] = PREPARING
-        return info
+            return EplbInfo(prepare_layer_id=layer, prepare_token=token,
+                            expert_ids=self.candidate[layer].copy(), update_layer_id=update,
+                            activation_token=activation)
+        return EplbInfo(update_layer_id=update, activation_token=activation)
 
     # --- workers -> engine ------------------------------------------------------------------
 

@@ -19,7 +19,8 @@ log = logging.getLogger(__name__)
 @dataclass
 class Counters:
     """Cumulative counters of the manager (never reset; metrics take deltas), plus
-    ``last_policy_seconds`` (wall seconds of the latest policy round)."""
+    ``last_policy_seconds`` (wall seconds of the latest policy round). The manager reports
+    each event through one ``count_*`` method; nothing else writes these fields."""
 
     rounds: int = 0
     layers_published: int = 0
@@ -39,6 +40,43 @@ class Counters:
     layers_rolled_back: int = 0
     cost_predicted_gain: float = 0.0   # the last check: modelled relative critical-path drop
     cost_measured_gain: float = 0.0    # ... and the measured one
+
+    def count_round(self, layers: int, seconds: float) -> None:
+        """A policy round published ``layers`` layers after ``seconds`` wall seconds."""
+        self.rounds += 1
+        self.layers_published += layers
+        self.last_policy_seconds = seconds
+
+    def count_commit(self, committed: bool, moved_slots: int, weight_copies: int) -> None:
+        """A layer's activation came back (``committed`` False: a rollback's restore, no
+        commit) after moving ``moved_slots`` slots with ``weight_copies`` weight copies."""
+        self.layers_committed += int(committed)
+        self.slots_moved += moved_slots
+        self.weight_copies += weight_copies
+
+    def count_sample(self, fresh: bool) -> None:
+        """A load sample aggregated (``fresh``) or dropped as stale (an older placement
+        epoch)."""
+        if fresh:
+            self.samples += 1
+        else:
+            self.samples_stale += 1
+
+    def count_rejected(self) -> None:
+        """A malformed worker output (counters or prepared tokens): never aggregated."""
+        self.samples_rejected += 1
+
+    def count_stale_token(self) -> None:
+        """A prepare or activation token that belongs to no layer in flight."""
+        self.stale_tokens += 1
+
+    def count_backlog_drop(self) -> None:
+        """The oldest queued sample dropped because the rebalance loop lags."""
+        self.samples_backlog_dropped += 1
+
+    def count_timeout(self) -> None:
+        """A layer aborted by the prepare timeout."""
+        self.layers_timed_out += 1
 
     def count_checks(self, results) -> None:
         """Closed post-commit checks (``CostGuard.observe``'s
@@ -110,6 +148,22 @@ class Heartbeats:
         """``heartbeat_at`` (rebalance loop), ``manager_heartbeat_at``, ``policy_cpu_seconds``."""
         return dict(heartbeat_at=self.loop_at, manager_heartbeat_at=self.manager_at,
                     policy_cpu_seconds=self.cpu_s)
+
+    def manager_call(self, now: float) -> None:
+        """An ``on_outputs`` call at ``now`` (the step-loop side is alive)."""
+        self.manager_at = now
+
+    def count_sample(self) -> None:
+        """A load sample aggregated (for the next ``rebalance_thread`` line)."""
+        self.batches += 1
+
+    def count_round(self, layers: int) -> None:
+        """A round published ``layers`` layers (for the next ``rebalance_thread`` line)."""
+        self.layers += layers
+
+    def inherit(self, old: "Heartbeats") -> None:
+        """Continue ``old``'s policy CPU seconds (a replacing manager, ``inherit_counters``)."""
+        self.cpu_s += old.cpu_s
 
     def loop_pass(self, now: float, cpu_s: float, last_policy_s: float) -> None:
         """One rebalance pass ended at ``now`` after ``cpu_s`` thread CPU seconds."""

@@ -15,16 +15,10 @@ template (rendered prompt = ``<|bos|>`` + ``<|im_start|>role\\ncontent<|im_end|>
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
-from tokenizers import (
-    Tokenizer,
-    decoders,
-    models,
-    normalizers,
-    pre_tokenizers,
-    processors,
-    trainers,
-)
+from tokenizers import Tokenizer, pre_tokenizers, trainers
 
 BOS, EOS, IM_START, IM_END = "<|bos|>", "<|eos|>", "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS = (BOS, EOS, IM_START, IM_END)
@@ -82,21 +76,43 @@ def corpus(num_sentences: int = 3000) -> list[str]:
     return out
 
 
+#: the untrained pipeline in the ``tokenizer.json`` format (what ``Tokenizer.from_str``
+#: reads): NFC normaliser, byte-level pre-tokenizer and decoder, an empty BPE model
+UNTRAINED = {
+    "version": "1.0", "truncation": None, "padding": None, "added_tokens": [],
+    "normalizer": {"type": "NFC"},
+    "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True,
+                      "use_regex": True},
+    "post_processor": None,
+    "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True,
+                "use_regex": True},
+    "model": {"type": "BPE", "vocab": {}, "merges": []},
+}
+
+
+def _bos_template(bos: int) -> dict:
+    """The ``tokenizer.json`` post-processor that prepends ``<|bos|>`` (id ``bos``) to each
+    sequence: ``single`` = ``<|bos|> $A``, ``pair`` = ``<|bos|> $A <|bos|> $B``."""
+    def seq(name: str) -> dict:
+        return {"Sequence": {"id": name, "type_id": 0}}
+    tok = {"SpecialToken": {"id": BOS, "type_id": 0}}
+    return {"type": "TemplateProcessing", "single": [tok, seq("A")],
+            "pair": [tok, seq("A"), tok, seq("B")],
+            "special_tokens": {BOS: {"id": BOS, "ids": [bos], "tokens": [BOS]}}}
+
+
 def train_tokenizer(vocab_size: int) -> Tokenizer:
-    """A byte-level BPE of at most ``vocab_size`` tokens, special tokens last."""
-    tok = Tokenizer(models.BPE())
-    tok.normalizer = normalizers.NFC()
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
+    """A byte-level BPE of at most ``vocab_size`` tokens, special tokens last. Built from its
+    ``tokenizer.json`` spec: :data:`UNTRAINED`, trained, then the ``<|bos|>`` template."""
+    tok = Tokenizer.from_str(json.dumps(UNTRAINED))
     trainer = trainers.BpeTrainer(vocab_size=vocab_size - NUM_SPECIAL, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                   special_tokens=[])
     tok.train_from_iterator(corpus(), trainer)
     tok.add_special_tokens(list(SPECIAL_TOKENS))
-    bos = tok.token_to_id(BOS)
-    tok.post_processor = processors.TemplateProcessing(
-        single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, bos)])
-    return tok
+    spec = json.loads(tok.to_str())
+    spec["post_processor"] = _bos_template(tok.token_to_id(BOS))
+    return Tokenizer.from_str(json.dumps(spec))
 
 
 def special_ids(tok: Tokenizer) -> dict[str, int]:
