@@ -35,11 +35,10 @@ class SeqRow:
     logprobs: int = -1
 
     def fill_pending(self, last: dict[int, int]) -> None:
-        """A :data:`PENDING_TOKEN` decode row takes its token from ``last`` (req_id -> the
+        """This :data:`PENDING_TOKEN` decode row takes its token from ``last`` (req_id -> the
         token this rank sampled for it in the previous step); one without it is an error (the
-        engine planned ahead of a step this rank did not run). Other rows stay as they are."""
-        if not self.token_ids or self.token_ids[0] != PENDING_TOKEN:
-            return
+        engine planned ahead of a step this rank did not run). :meth:`RankBatch.fill_pending`
+        calls it for the pending rows only."""
         tok = last.get(self.req_id)
         if tok is None:
             raise ValueError(f"request {self.req_id}: decode row at position "
@@ -85,9 +84,10 @@ class RankBatch:
         """Put each :data:`PENDING_TOKEN` decode row's token in from ``last`` (req_id -> the
         token this rank sampled for it in the previous step); a row without one is an error
         (the engine planned ahead of a step this rank did not run): :meth:`SeqRow.fill_pending`
-        per row."""
+        per pending row."""
         for row in self.rows:
-            row.fill_pending(last)
+            if row.token_ids and row.token_ids[0] == PENDING_TOKEN:
+                row.fill_pending(last)
 
     def to_dict(self) -> dict:
         d = {"rows": [r.to_dict() for r in self.rows], "release": list(self.release)}
