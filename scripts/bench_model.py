@@ -128,7 +128,7 @@ def fp8_child(ckpt: str, batch: int, steps: int, reps: int, threads: int) -> dic
                              model=ModelConfig(model=ckpt, dtype="float32",
                                                fp8_dequant_cache=cache))
                 models[name] = Decoder(cfg, 0, dist.group.WORLD)
-                models[name].timer = StepTimer()
+                models[name].time_phases(StepTimer())
             res = _fp8_steps(models, batch, steps, reps)
         finally:
             dist.destroy_process_group()

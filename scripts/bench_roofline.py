@@ -166,7 +166,7 @@ def run_single(model_dir: Path, prompts, new: int, device: str, repeat: int):
         return out
 
     gen(prompts[:2])                                                   # warm-up
-    model.timer = StepTimer()          # model phases (a Decoder without them leaves it unread)
+    model.time_phases(StepTimer())     # model phases (a Decoder without them leaves it unread)
     dt, out = timed(lambda: gen(prompts, last_routing=True), repeat)
     phases = {p: s / repeat for p, s in model.timer.take().items()}   # per generation
     return dt, out, float(np.mean(touched)) if touched else 0.0, phases

@@ -80,7 +80,8 @@ def _rank(rank, world, paths, trace):
         for j, (name, cfg) in enumerate(variants(path, trace).items()):
             groups = groups_from_world(cfg)
             model = Decoder(cfg, rank, groups.ep_group)
-            model.ep_a2a = open_ep_transport(cfg, f"d{os.getppid()}", 100 * i + j + 1, rank, D)
+            model.attach_transport(open_ep_transport(cfg, f"d{os.getppid()}", 100 * i + j + 1,
+                                                     rank, D))
             new = switch_table(model)
             res = []
             for t, batches in enumerate(steps_for()):
@@ -93,7 +94,7 @@ def _rank(rank, world, paths, trace):
                                        return_routing=True)
                 res.append({"logits": r.logits.numpy(), "counters": r.counters, "mode": r.mode,
                             "routed": r.routed, "counted": r.counted})
-            close_ep_transport(model.ep_a2a)
+            close_ep_transport(model.detach_transport())
             out[fam][name] = {"res": res, "new": new,
                               "bad": [fm.check_tags() + fm.check_checksums()
                                       for fm in model.moe_layers]}

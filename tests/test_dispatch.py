@@ -11,6 +11,8 @@ from xllm_eplb.config import Config, EplbConfig
 from xllm_eplb.model.dispatch import (
     FUSED,
     PLAIN,
+    CommStats,
+    _timed,
     fused_precondition_failure,
     resolve_dispatch_mode,
     resolve_fused_setting,
@@ -70,3 +72,10 @@ def test_fallback_logged_once(caplog):
         assert m.dispatch_mode(pure_decode=False) == PLAIN
     lines = [r.getMessage() for r in caplog.records if "dispatch fallback" in r.getMessage()]
     assert len(lines) == 1 and "requested=fused used=plain" in lines[0]
+
+
+def test_comm_stats_count_each_blocking_call():
+    st = CommStats()
+    st.count_wait(0.25)
+    assert _timed(st, lambda: 7) == 7                   # a timed call counts as one more
+    assert st.calls == 2 and 0.25 <= st.wait_s < 0.25 + 1.0 and st.extra == {}

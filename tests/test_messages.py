@@ -78,6 +78,36 @@ def test_unserialisable_field_is_named():
         encode(ForwardOutput(3, 0, heartbeat=WorkerHeartbeat(ts=object())), RUN)
 
 
+def test_executor_stats_count_what_happened():
+    """The executor's events land in their fields: heartbeats, prepares, and each move's
+    numbers (the last one's, the totals summed); the record still round-trips exactly."""
+    from xllm_eplb.worker.migration import MoveStats
+
+    def move(layer, slots, nbytes, cross, ops, ms):
+        return MoveStats(layer=layer, rank=1, dispatch_mode="plain", tensor_count=4,
+                         changed_slots=slots, activation_mode="slots", recv_slots=slots,
+                         send_slots=slots, p2p_operations=ops, p2p_bytes=nbytes,
+                         materialize_ms=ms, post_ms=0.5, transfer_ms=2 * ms,
+                         activation_ms=3 * ms, total_ms=6 * ms + 0.5, cross_node_bytes=cross)
+
+    s = ExecutorStats()
+    s.prepare_thread_woke(10.0)
+    s.p2p_checked(11.0)
+    s.count_prepare(True, 2.5)
+    s.count_prepare(False, 4.0)
+    assert (s.heartbeat_ts, s.p2p_heartbeat_ts) == (10.0, 11.0)
+    assert (s.prepares_ok, s.prepares_failed, s.last_prepare_ms) == (1, 1, 4.0)
+    s.count_activation(2, move(2, 3, 300, 100, 6, 1.0), 12.0)
+    s.count_activation(0, move(0, 1, 50, 0, 2, 2.0), 13.0)
+    assert (s.activations, s.last_update_layer, s.p2p_heartbeat_ts) == (2, 0, 13.0)
+    assert (s.last_materialize_ms, s.last_transfer_ms, s.last_activation_ms,
+            s.last_total_ms, s.last_slots_changed) == (2.0, 4.0, 6.0, 12.5, 1)
+    assert (s.slots_changed_total, s.p2p_bytes_total, s.p2p_cross_node_bytes_total,
+            s.p2p_ops_total) == (4, 350, 100, 8)
+    assert s.heartbeat_ts == 10.0 and s.prepares_ok == 1      # other fields untouched
+    assert ExecutorStats.from_dict(s.to_dict()) == s
+
+
 def test_records_are_exact_a_missing_or_renamed_field_is_an_error():
     """A heartbeat or timings field the reader does not know (or misses) is a MessageError
     naming it, never a silent 0."""

@@ -122,9 +122,10 @@ def test_decoder_timer_phases_and_null_default():
     assert model.timer is NULL
     rows = [SeqRow(1, [5, 6, 7], 0, True), SeqRow(2, [8], 0, True)]
     a = model.forward_step(RankBatch(rows), return_logits=True)
-    model.timer = timer = StepTimer()
+    timer = StepTimer()
+    model.time_phases(timer)
     b = Decoder.reference(_cfg())
-    b.timer = timer
+    b.time_phases(timer)
     got = b.forward_step(RankBatch(rows), return_logits=True)
     assert torch.equal(a.logits, got.logits)                 # timing changes nothing
     ph = timer.take()
@@ -137,7 +138,8 @@ def _sharded_timed(rank, world, cfg):
     import torch.distributed as dist
 
     model = Decoder(cfg, rank, dist.group.WORLD)
-    model.timer = timer = StepTimer()
+    timer = StepTimer()
+    model.time_phases(timer)
     res = model.forward_step(RankBatch([SeqRow(1, [5, 6, 7], 0, True)]), return_logits=True)
     return timer.take(), res.timings["total_s"], res.logits.numpy()
 

@@ -86,6 +86,10 @@ class _Pending:
     got: list                      # per source rank: the byte pieces read so far
     j: int = 0                     # the round of this message in flight
 
+    def next_round(self) -> None:
+        """Its next ``cap`` bytes go out in the next round."""
+        self.j += 1
+
 
 def supported() -> bool:
     """True where the transport's memory ordering holds (x86-64: total store order)."""
@@ -250,7 +254,7 @@ class ShmAllToAll:
         t0 = time.perf_counter()
         try:
             while not self._collect(pend):
-                pend.j += 1
+                pend.next_round()
                 self._post(pend)
         finally:
             self._pending = False

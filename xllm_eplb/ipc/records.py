@@ -147,6 +147,39 @@ class ExecutorStats(Record):
     # --- multi-node (#14) ---
     p2p_cross_node_bytes_total: int = 0     # received from ranks on other nodes, cumulative
 
+    # the executor's events (``worker/executor.py``, under its lock); ``now``: wall-clock s
+    def prepare_thread_woke(self, now: float) -> None:
+        """The prepare thread woke up (a task or its heartbeat timeout)."""
+        self.heartbeat_ts = now
+
+    def p2p_checked(self, now: float) -> None:
+        """The P2P path passed ``after_forward`` with no transfer in flight."""
+        self.p2p_heartbeat_ts = now
+
+    def count_prepare(self, ok: bool, ms: float) -> None:
+        """One prepare finished (``ok``: it succeeded) after ``ms`` milliseconds."""
+        self.last_prepare_ms = ms
+        if ok:
+            self.prepares_ok += 1
+        else:
+            self.prepares_failed += 1
+
+    def count_activation(self, layer: int, move, now: float) -> None:
+        """Layer ``layer``'s move finished (its transfer and switch) at ``now``: ``move`` is its
+        ``worker.migration.MoveStats`` (ms, slots, bytes, operations)."""
+        self.p2p_heartbeat_ts = now
+        self.activations += 1
+        self.last_update_layer = layer
+        self.last_materialize_ms = move.materialize_ms
+        self.last_transfer_ms = move.transfer_ms
+        self.last_activation_ms = move.activation_ms
+        self.last_total_ms = move.total_ms
+        self.last_slots_changed = move.changed_slots
+        self.slots_changed_total += move.changed_slots
+        self.p2p_bytes_total += move.p2p_bytes
+        self.p2p_cross_node_bytes_total += move.cross_node_bytes
+        self.p2p_ops_total += move.p2p_operations
+
 
 @dataclass
 class WorkerHeartbeat(Record):

@@ -34,6 +34,18 @@ class SeqRow:
     top_k: int = 0
     logprobs: int = -1
 
+    def fill_pending(self, last: dict[int, int]) -> None:
+        """This :data:`PENDING_TOKEN` decode row takes its token from ``last`` (req_id -> the
+        token this rank sampled for it in the previous step); one without it is an error (the
+        engine planned ahead of a step this rank did not run). :meth:`RankBatch.fill_pending`
+        calls it for the pending rows only."""
+        tok = last.get(self.req_id)
+        if tok is None:
+            raise ValueError(f"request {self.req_id}: decode row at position "
+                             f"{self.start_pos} waits for this rank's last sampled "
+                             f"token, but this rank sampled none for it")
+        self.token_ids = [tok]
+
     def to_dict(self) -> dict:
         return {"r": self.req_id, "t": list(self.token_ids), "p": self.start_pos,
                 "f": self.is_prefill, "T": self.temperature, "s": self.seed,
@@ -71,15 +83,11 @@ class RankBatch:
     def fill_pending(self, last: dict[int, int]) -> None:
         """Put each :data:`PENDING_TOKEN` decode row's token in from ``last`` (req_id -> the
         token this rank sampled for it in the previous step); a row without one is an error
-        (the engine planned ahead of a step this rank did not run)."""
+        (the engine planned ahead of a step this rank did not run): :meth:`SeqRow.fill_pending`
+        per pending row."""
         for row in self.rows:
             if row.token_ids and row.token_ids[0] == PENDING_TOKEN:
-                tok = last.get(row.req_id)
-                if tok is None:
-                    raise ValueError(f"request {row.req_id}: decode row at position "
-                                     f"{row.start_pos} waits for this rank's last sampled "
-                                     f"token, but this rank sampled none for it")
-                row.token_ids = [tok]
+                row.fill_pending(last)
 
     def to_dict(self) -> dict:
         d = {"rows": [r.to_dict() for r in self.rows], "release": list(self.release)}

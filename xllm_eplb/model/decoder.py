@@ -59,7 +59,7 @@ class Decoder:
     [L_moe, D*S] initial placement (default: xLLM's initial layout).
 
     ``timer`` (:class:`~xllm_eplb.obs.step_timer.StepTimer`, default the no-op ``NULL``; the
-    worker sets its own): each ``forward_step`` adds its seconds by phase: ``attention`` (input
+    worker gives its own to :meth:`time_phases`): each ``forward_step`` adds its seconds by phase: ``attention`` (input
     norms, attention, residual), ``router``, ``experts`` (routed expert GEMMs and shared
     experts), ``dispatch`` (replica routing, dispatch / all-to-all / combine, counting, the
     weighted sum), ``sampling`` (token choice, log-probabilities), ``other`` (inputs,
@@ -74,8 +74,8 @@ class Decoder:
         cfg = resolve_config(cfg, spec)
         validate_model_config(cfg)
         self.cfg, self.ep_rank, self.ep_group = cfg, int(ep_rank), ep_group
-        #: the node's shared-memory all-to-all (``--ep_transport=shm``; set by the worker,
-        #: None: dispatch on ``ep_group``)
+        #: the node's shared-memory all-to-all (``--ep_transport=shm``; the worker's
+        #: :meth:`attach_transport`; None: dispatch on ``ep_group``)
         self.ep_a2a = None
         self.reference_mode = _reference
         self._joining = _joining      # an elastic joiner: loads before its group exists
@@ -215,6 +215,33 @@ class Decoder:
                         f"the checksum of expert {int(fm.local_expert_ids[bad[0]])}")
         return None
 
+    def time_phases(self, timer: step_timer.StepTimer) -> None:
+        """Each ``forward_step`` from now on adds its seconds by phase to ``timer``
+        (``step_timer.NULL``: to none)."""
+        self.timer = timer
+
+    # ---- communication: the EP group and the dispatch transport of the generation ----------
+    def attach_transport(self, a2a) -> None:
+        """Dispatch through ``a2a`` from now on (the node's ``ipc.alltoall.ShmAllToAll`` of
+        ``worker.transport.open_ep_transport``; None: on ``ep_group``)."""
+        self.ep_a2a = a2a
+
+    def detach_transport(self):
+        """Stop dispatching through the shared-memory all-to-all -> it (None if there was
+        none), for the caller to close; the dispatch runs on ``ep_group`` until the next
+        :meth:`attach_transport`."""
+        a2a, self.ep_a2a = self.ep_a2a, None
+        return a2a
+
+    def join_group(self, ep_group) -> None:
+        """Serve on ``ep_group`` from now on (an elastic regroup's new generation)."""
+        self.ep_group = ep_group
+
+    def leave_group(self) -> None:
+        """Hold no EP group (a failed elastic step: the group's sockets close only once
+        nothing holds it); the next :meth:`join_group` gives it one again."""
+        self.ep_group = None
+
     def release(self, req_ids) -> None:
         """Free the KV cache of finished requests."""
         for r in req_ids:
@@ -352,7 +379,7 @@ class Decoder:
             dt = time.perf_counter() - tc
         else:
             fm = self.moe_layers[ml]
-            fm.compute_cpu_s = fm.compute_s = 0.0
+            fm.reset_compute_clock()
             e = self.cfg.eplb
             nxt = (self.routers[ml].next_choice(x, si.keys, ids)
                    if e.moe_fallback_routing and e.moe_capacity_mode != "none" else None)

@@ -106,6 +106,11 @@ class CommStats:
     calls: int = 0
     extra: dict = field(default_factory=dict)
 
+    def count_wait(self, seconds: float) -> None:
+        """One blocking communication call (a wait or a collective) took ``seconds``."""
+        self.wait_s += seconds
+        self.calls += 1
+
 
 def _add(stats: CommStats, key: str, v: float) -> None:
     stats.extra[key] = stats.extra.get(key, 0.0) + v
@@ -118,8 +123,7 @@ def _a2a(out, inp, out_splits, in_splits, group, async_op=False):
 def _timed(stats: CommStats, fn):
     t = time.perf_counter()
     r = fn()
-    stats.wait_s += time.perf_counter() - t
-    stats.calls += 1
+    stats.count_wait(time.perf_counter() - t)
     return r
 
 

@@ -33,7 +33,8 @@ Per-step replica choice (``eplb_replica_routing``): ``model/replica_dispatch.py`
 Expert compute time: every ``compute`` call adds its thread CPU seconds (``time.thread_time``,
 independent of how the machine's cores are shared between ranks) to ``compute_cpu_s``;
 ``take_compute_cpu()`` reads and resets it (the decoder does once per layer and step); wall
-seconds go to ``compute_s`` (the decoder resets it per layer: the step timer's ``experts``).
+seconds go to ``compute_s`` (the step timer's ``experts``; the decoder starts both anew per
+layer with ``reset_compute_clock()``).
 """
 
 from __future__ import annotations
@@ -218,6 +219,10 @@ class FusedMoE:
         finally:
             self.compute_cpu_s += time.thread_time() - c0
             self.compute_s += time.perf_counter() - t0
+
+    def reset_compute_clock(self) -> None:
+        """Start ``compute_cpu_s`` and ``compute_s`` anew at 0 (per layer and step)."""
+        self.compute_cpu_s = self.compute_s = 0.0
 
     def take_compute_cpu(self) -> float:
         """Thread CPU seconds of ``compute`` since the last call (then reset to 0)."""

@@ -71,8 +71,7 @@ def exchange_counts(mine: torch.Tensor, group, ep_size: int, stats) -> np.ndarra
     dist.all_gather(parts, mine.contiguous(), group=group)
     out = torch.stack(parts).cpu().numpy()
     dt = time.perf_counter() - t
-    stats.wait_s += dt
-    stats.calls += 1
+    stats.count_wait(dt)
     _add(stats, "route_exchange_s", dt)
     return out
 

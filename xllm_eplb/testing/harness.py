@@ -57,12 +57,12 @@ def _rank_program(rank: int, world: int, cfgs: list[Config], steps, phy2log, swi
         model = Decoder(cfg, rank, groups.ep_group, phy2log)
         # --ep_transport=shm: one segment per variant (a fresh "generation"); the ranks of one
         # run_ranks spawn share its parent's pid, the run id when the config names none
-        model.ep_a2a = open_ep_transport(cfg, cfg.runtime.run_id or f"h{os.getppid()}",
-                                         v + 1, rank, world)
+        model.attach_transport(open_ep_transport(cfg, cfg.runtime.run_id or f"h{os.getppid()}",
+                                                 v + 1, rank, world))
         try:
             res = run_steps(model, steps, rank, switch, warmup)
         finally:
-            close_ep_transport(model.ep_a2a)
+            close_ep_transport(model.detach_transport())
         tags_bad = [fm.check_tags() + fm.check_checksums() for fm in model.moe_layers]
         results.append({"results": res, "bad_tags": tags_bad,
                         "kv_requests": len(model.kv)})

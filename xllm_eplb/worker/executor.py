@@ -35,7 +35,7 @@ from xllm_eplb.eplb.info import NO_LAYER, NO_TOKEN, EplbInfo
 from xllm_eplb.ipc.records import ExecutorStats
 from xllm_eplb.obs.logs import event
 from xllm_eplb.worker.faults import NO_FAULTS
-from xllm_eplb.worker.migration import ModelEplbHooks, MoveStats
+from xllm_eplb.worker.migration import ModelEplbHooks
 
 log = logging.getLogger(__name__)
 
@@ -99,32 +99,17 @@ class EplbExecutor:
     def after_forward(self) -> None:
         if self._pending_update == NO_LAYER:
             with self._lock:                        # checked: no transfer in flight
-                self._stats.p2p_heartbeat_ts = self._clock()
+                self._stats.p2p_checked(self._clock())
             return
         layer, self._pending_update = self._pending_update, NO_LAYER
         self.faults.p2p_wait(layer)
         st = self.hooks.update_expert_weight(layer)
         self.faults.after_activate(layer)
         with self._lock:
-            self._count_move(layer, st)
+            self._stats.count_activation(layer, st, self._clock())
         if self._deferred is not None:
             self._tasks.put(self._deferred)
             self._deferred = None
-
-    def _count_move(self, layer: int, st: MoveStats) -> None:
-        s = self._stats
-        s.p2p_heartbeat_ts = self._clock()
-        s.activations += 1
-        s.last_update_layer = layer
-        s.last_materialize_ms = st.materialize_ms
-        s.last_transfer_ms = st.transfer_ms
-        s.last_activation_ms = st.activation_ms
-        s.last_total_ms = st.total_ms
-        s.last_slots_changed = st.changed_slots
-        s.slots_changed_total += st.changed_slots
-        s.p2p_bytes_total += st.p2p_bytes
-        s.p2p_cross_node_bytes_total += st.cross_node_bytes
-        s.p2p_ops_total += st.p2p_operations
 
     def consume_ready_token(self) -> int:
         """The latest successful prepare token, exactly once; -1 if none since the last call."""
@@ -164,7 +149,7 @@ class EplbExecutor:
             if task.layer != NO_LAYER:
                 self._run(task)
             with self._lock:
-                self._stats.heartbeat_ts = self._clock()
+                self._stats.prepare_thread_woke(self._clock())
             if time.monotonic() >= next_beat:
                 self._heartbeat()
                 next_beat = time.monotonic() + self.heartbeat_s
@@ -182,14 +167,10 @@ class EplbExecutor:
             ok, err = False, f"{type(exc).__name__}: {exc}"
         ms = (time.perf_counter() - t0) * 1e3
         with self._lock:
-            self._stats.last_prepare_ms = ms
+            self._stats.count_prepare(ok, ms)
             if ok:
                 self._ready_token = task.token
-                self._stats.prepares_ok += 1
-                self._since["ok"] += 1
-            else:
-                self._stats.prepares_failed += 1
-                self._since["failed"] += 1
+            self._since["ok" if ok else "failed"] += 1
         if ok:
             log.info(event("prepare_expert_weight", layer=task.layer, token=task.token,
                            experts=task.expert_ids.size, duration_ms=ms))

@@ -87,10 +87,17 @@ class PendingLayer:
     full: bool                      # whole-tensor activation (changed >= ceil(S/2))
     log2phy: torch.Tensor           # int64 [E], the routing map after activation
     started: bool = False
-    materialize_ms: float = 0.0
-    post_ms: float = 0.0
-    p2p_ops: int = 0
-    p2p_bytes: int = 0
+    materialize_ms: float = 0.0     # staging filled from resident slots
+    post_ms: float = 0.0            # the P2P plan posted
+
+    def start(self) -> None:
+        """Its transfer begins (``start_expert_weight_transfer``; a prepare may no longer
+        replace it)."""
+        self.started = True
+
+    def staged(self, post_ms: float, materialize_ms: float) -> None:
+        """Its transfer is posted and staging filled, after these milliseconds each."""
+        self.post_ms, self.materialize_ms = post_ms, materialize_ms
 
 
 def full_activation(changed: int, slots_per_rank: int) -> bool:
@@ -229,7 +236,7 @@ class ModelEplbHooks:
                 raise RuntimeError(f"start_expert_weight_transfer: layer {layer} is not prepared")
             if pending.started:
                 raise RuntimeError(f"start_expert_weight_transfer: layer {layer} already started")
-            pending.started = True
+            pending.start()
         t0 = time.perf_counter()
         plan = pending.plan
         tensors = moe.expert_tensors()
@@ -240,7 +247,6 @@ class ModelEplbHooks:
         self.transfer.start(plan_messages(plan, {n: tensors[n] for n in names}, staging,
                                           self._peer_global))
         t1 = time.perf_counter()
-        pending.post_ms = (t1 - t0) * 1e3
         slots = range(self.slots_per_rank) if pending.full else plan.changed.tolist()
         for name in names:
             active, stage = tensors[name], self.staging.get(name, tensors[name])
@@ -248,7 +254,7 @@ class ModelEplbHooks:
                 src = int(plan.local_sources[d])
                 if src >= 0:
                     stage[d].copy_(active[src])
-        pending.materialize_ms = (time.perf_counter() - t1) * 1e3
+        pending.staged((t1 - t0) * 1e3, (time.perf_counter() - t1) * 1e3)
         log.info(event("materialize_expert_weight", layer=layer, rank=self.rank,
                         mode="full" if pending.full else "slots",
                         duration_ms=pending.materialize_ms))
@@ -262,8 +268,7 @@ class ModelEplbHooks:
         if pending is None or not pending.started:
             raise RuntimeError(f"update_expert_weight: layer {layer} has no started transfer")
         wait_s = self.transfer.wait()
-        pending.p2p_ops = self.transfer.last_ops
-        pending.p2p_bytes = self.transfer.last_bytes
+        ops, nbytes = self.transfer.last_ops, self.transfer.last_bytes     # this move's
         t0 = time.perf_counter()
         plan = pending.plan
         tensors = moe.expert_tensors()
@@ -289,7 +294,7 @@ class ModelEplbHooks:
                           tensor_count=len(self._names[layer]), changed_slots=len(plan.changed),
                           activation_mode="full" if pending.full else "slots",
                           recv_slots=len(plan.recv), send_slots=len(plan.send),
-                          p2p_operations=pending.p2p_ops, p2p_bytes=pending.p2p_bytes,
+                          p2p_operations=ops, p2p_bytes=nbytes,
                           materialize_ms=pending.materialize_ms, post_ms=pending.post_ms,
                           transfer_ms=wait_s * 1e3, activation_ms=activation_ms,
                           total_ms=pending.materialize_ms + pending.post_ms + wait_s * 1e3

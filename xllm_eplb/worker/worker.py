@@ -108,7 +108,7 @@ class Worker:
     """One EP rank's resources: rings, process groups, model shard, executor."""
 
     def __init__(self, cfg: Config, rank: int, events, parent_pid: int, pg_generation: int = 0,
-                 join: bool = False):
+                 join: bool = False, threads: int = 1):
         self.cfg, self.rank, self.events, self.parent_pid = cfg, rank, events, parent_pid
         #: this worker's EP rank and world size in the current generation: ``rank`` and
         #: ``--ep_size`` until an elastic shrink compacts the survivors (``rank`` stays the
@@ -120,8 +120,8 @@ class Worker:
         self.inp = self.out = self.model = self.executor = None
         self.device = None
         self.faults = make_faults(cfg, rank, self._crash)
-        self.threads = 1                 # torch intra-op threads (= pinned cores, worker_main)
-        #: the step-time breakdown: the executor hooks and (via ``model.timer``) the model phases
+        self.threads = threads           # torch intra-op threads (= pinned cores, worker_main)
+        #: the step-time breakdown: the executor hooks and (``model.time_phases``) the model phases
         self.timer = StepTimer()
         self._wait_s = self._ring_s = 0.0     # the loop's seconds since the last output
         #: req_id -> the token this rank last sampled for it (a planned-ahead decode row's
@@ -174,14 +174,14 @@ class Worker:
 
     def _open_transport(self, generation: int) -> None:
         """The generation's dispatch transport (``--ep_transport``; None: the EP group)."""
-        self.model.ep_a2a = open_ep_transport(self.cfg, self.cfg.runtime.run_id, generation,
-                                              self.ep_rank, self.ep_size)
+        self.model.attach_transport(open_ep_transport(self.cfg, self.cfg.runtime.run_id,
+                                                      generation, self.ep_rank, self.ep_size))
 
     def _close_transport(self) -> None:
         if self.model is not None:
+            a2a = self.model.detach_transport()
             with contextlib.suppress(Exception):
-                close_ep_transport(self.model.ep_a2a)
-            self.model.ep_a2a = None
+                close_ep_transport(a2a)
 
     # --- loop ------------------------------------------------------------------------------
     def next_input(self):
@@ -197,7 +197,7 @@ class Worker:
     def run(self) -> int:
         send_event(self.events, f"ep{self.rank}", "ready")
         log.info(event("worker ready", rank=self.rank, pid=os.getpid()))
-        self.model.timer = self.timer        # the decoder times its phases (default: NULL)
+        self.model.time_phases(self.timer)   # the decoder times its phases (default: NULL)
         while True:
             t0 = time.perf_counter()
             msg = self.next_input()
@@ -243,7 +243,8 @@ class Worker:
         if self.executor is not None:
             with contextlib.suppress(Exception):
                 self.executor.close()
-        self.executor, self.model.ep_group = None, None
+        self.executor = None
+        self.model.leave_group()
         self._close_transport()     # a peer in this step's round fails at once
 
     def load_alone(self) -> None:
@@ -265,7 +266,7 @@ class Worker:
         """Serve in ``pg_generation`` on ``groups``: the model's EP group, a re-shard when
         ``table`` is given (a shrink), a new executor on the EPLB group, fresh transport
         buffers."""
-        self.model.ep_group = groups.ep_group
+        self.model.join_group(groups.ep_group)
         if table is not None:
             self.reshard(ep_rank, ep_size, table)
         self.executor = make_executor(self.model, groups.eplb_group, self.cfg, faults=self.faults)
@@ -349,8 +350,7 @@ def worker_main(cfg: Config, rank: int, events, parent_pid: int, pg_generation: 
     child_setup(f"xllm-eplb:ep{rank}", parent_pid)
     _setup_logs(cfg, rank)
     send_event(events, f"ep{rank}", "spawned")
-    w = Worker(cfg, rank, events, parent_pid, pg_generation, join)
-    w.threads = threads
+    w = Worker(cfg, rank, events, parent_pid, pg_generation, join, threads)
     code = 1
     try:
         w.start()
