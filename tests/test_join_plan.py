@@ -1,4 +1,5 @@
-"""The elastic rejoin re-plan (``eplb/membership_plan.py`` ``plan_join``, issue #23 item 8): the serving ranks keep
+"""The elastic rejoin re-plan (``eplb/membership_plan.py`` ``plan_join``, issue #23 item 8): the
+serving ranks keep
 their rows, the joiner's row is appended, every layer covers every expert, the joiner holds no
 expert twice, what it loaded is kept and the rest are the hottest experts."""
 

@@ -1,4 +1,5 @@
-"""The elastic shrink re-plan (``eplb/membership_plan.py`` ``plan_shrink``, issue #23 item 6): coverage, at most one
+"""The elastic shrink re-plan (``eplb/membership_plan.py`` ``plan_shrink``, issue #23 item 6):
+coverage, at most one
 new replica per rank, only the orphans' slots change, survivors keep their rows."""
 
 from __future__ import annotations

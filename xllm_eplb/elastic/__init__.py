@@ -3,10 +3,10 @@
 
 One room, one file per role (docs/architecture.md, "Elastic EP: one death's recovery"):
 
-* ``recovery.py``   the engine's state machine (:class:`~xllm_eplb.elastic.recovery.EngineRecovery`):
+* ``recovery.py``   the engine's state machine (``EngineRecovery``):
   detect -> fence -> re-form -> resume, and a rejoin's join -> switch (-> abandon);
   ``counters.py`` its counters and last records;
-* ``supervisor.py`` the launcher's component (:class:`~xllm_eplb.elastic.supervisor.ElasticSupervisor`):
+* ``supervisor.py`` the launcher's component (``ElasticSupervisor``):
   which mode a death gets (rejoin / respawn / shrink, and why), replacements, joiners, fencing;
   per worker a named state changed by one transition function;
 * ``notices.py``    how the engine learns of a death: the typed notices launcher -> engine, the

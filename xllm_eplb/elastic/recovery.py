@@ -17,14 +17,14 @@ One death (respawn: the launcher replaces the worker in place):
    committed), an EPLB round in flight is aborted, ``Engine.void_step`` requeues the dead
    rank's requests for re-prefill and cuts the survivors' KV back to the committed length;
 3. reform: members + placement of ``g`` published (``elastic/protocol.py``), the replacement's
-   ``attached`` key awaited (``protocol.await_attached``), then the one regroup step and every rank's answer; a shrink (mode
-   ``shrink``/``rejoin``) re-plans the experts (``eplb/membership_plan.py`` ``plan_shrink``) and calls
-   ``Engine.resize(workers, placement)`` first;
+   ``attached`` key awaited (``protocol.await_attached``), then the one regroup step and every
+   rank's answer; a shrink (mode ``shrink``/``rejoin``) re-plans the experts
+   (``membership_plan.plan_shrink``) and calls ``Engine.resize(workers, placement)`` first;
 4. resume: the counters and ``last_recovery``; the next step is ordinary.
 
 A rejoin (mode ``rejoin``) is a shrink now and a grow later: at a step boundary a ready joiner
-is let in (``eplb/membership_plan.py`` ``plan_join``; go key, joiner's ``joined`` key, ``Engine.resize`` to N,
-regroup step, the members' vote: ``elastic/protocol.py``). A death during the switch abandons
+is let in (``membership_plan.plan_join``; go key, joiner's ``joined`` key, ``Engine.resize``
+to N, regroup step, the members' vote: ``elastic/protocol.py``). A death during the switch abandons
 it (the vote's ``abort``; ``Engine.resize`` back to N-1) and is then recovered as above.
 What stops the run instead: a notice that is not an elastic death, an EPLB activation only some
 ranks switched, a second death while re-forming, a shrink the redundancy rule refuses, the
@@ -100,8 +100,9 @@ class EngineRecovery:
     ``on_cpu(seconds)``: elasticity's steady-state CPU (``Telemetry.on_elastic``);
     ``kill(worker)``: asks the launcher to SIGKILL a silent worker."""
 
-    def __init__(self, engine: EnginePort, box: NoticeBox, store, *, num_experts: int, slots: int,
-                 num_layers: int, silence_s: float, join_timeout_s: float, metrics, on_cpu=None, kill=None):
+    def __init__(self, engine: EnginePort, box: NoticeBox, store, *, num_experts: int,
+                 slots: int, num_layers: int, silence_s: float, join_timeout_s: float, metrics,
+                 on_cpu=None, kill=None):
         self.eng, self.box, self.store, self.m = engine, box, store, metrics
         self.E, self.S, self.L = num_experts, slots, num_layers
         self.silence, self.join_timeout = silence_s, join_timeout_s

@@ -22,8 +22,9 @@ so no rank gains a second replica. The rule ``(D-1) x S >= E`` (``config.survivo
 guarantees the slots; :class:`ShrinkError` names it when it does not hold.
 
 **Join** (issue #23 item 8): the placement after a replacement worker joins ``D`` serving ranks
-as compact rank ``D``; the inverse of a shrink. The serving ranks keep their rows (their slot ids and weights stay: no
-weight moves on them); the joiner's row is appended. For each MoE layer the joiner's row is:
+as compact rank ``D``; the inverse of a shrink. The serving ranks keep their rows (their slot
+ids and weights stay: no weight moves on them); the joiner's row is appended. For each MoE layer
+the joiner's row is:
 
 - the distinct experts of ``prefer`` (what the joiner already loaded while the others served:
   the initial layout of its worker, read from the checkpoint in the background), kept in their
@@ -195,7 +196,8 @@ def plan_join(table: np.ndarray, ep_size: int, num_experts: int,
     return plan
 
 
-def _join_row(ml: int, prefer, S: int, w: np.ndarray, count: np.ndarray, reloads: list) -> np.ndarray:
+def _join_row(ml: int, prefer, S: int, w: np.ndarray, count: np.ndarray,
+              reloads: list) -> np.ndarray:
     out = np.full(S, -1, dtype=np.int64)
     held: set[int] = set()
     if prefer is not None:
@@ -220,8 +222,9 @@ def _join_row(ml: int, prefer, S: int, w: np.ndarray, count: np.ndarray, reloads
 
 def resized_manager(cfg: Config, ep_size: int, table, old):
     """The manager of a world of ``ep_size`` ranks with ``table`` deployed (``old`` closed, its
-    counters inherited; None when EPLB is off or cannot rebalance this layout). ``num_experts`` need not divide by the ranks:
-    the manager then takes the slots per rank as given and the policy plans that layout
+    counters inherited; None when EPLB is off or cannot rebalance this layout). ``num_experts``
+    need not divide by the ranks: the manager then takes the slots per rank as given and the
+    policy plans that layout
     (``EplbPolicy(..., slots)``); a policy that cannot leaves the ranks serving the table
     without rebalancing (logged)."""
     if old is not None:

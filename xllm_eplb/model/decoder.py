@@ -59,11 +59,11 @@ class Decoder:
     [L_moe, D*S] initial placement (default: xLLM's initial layout).
 
     ``timer`` (:class:`~xllm_eplb.obs.step_timer.StepTimer`, default the no-op ``NULL``; the
-    worker gives its own to :meth:`time_phases`): each ``forward_step`` adds its seconds by phase: ``attention`` (input
-    norms, attention, residual), ``router``, ``experts`` (routed expert GEMMs and shared
-    experts), ``dispatch`` (replica routing, dispatch / all-to-all / combine, counting, the
-    weighted sum), ``sampling`` (token choice, log-probabilities), ``other`` (inputs,
-    embedding, dense MLPs, final norm, LM head, counters)."""
+    worker gives its own to :meth:`time_phases`): each ``forward_step`` adds its seconds by
+    phase: ``attention`` (input norms, attention, residual), ``router``, ``experts`` (routed
+    expert GEMMs and shared experts), ``dispatch`` (replica routing, dispatch / all-to-all /
+    combine, counting, the weighted sum), ``sampling`` (token choice, log-probabilities),
+    ``other`` (inputs, embedding, dense MLPs, final norm, LM head, counters)."""
 
     timer: step_timer.StepTimer = step_timer.NULL
 

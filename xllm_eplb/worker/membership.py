@@ -17,7 +17,8 @@ names. Every cached group handle is replaced: the model's EP group and the EPLB 
 (rebuilt on the new EPLB group). The worker's resources stay the worker's: this component asks
 it through :class:`WorkerHost` (``release_groups``, ``adopt``, ``reshard``, a joiner's
 ``load_alone`` and ``attach_input``). The worker asks it at two points: at start
-(:meth:`WorkerMembership.start_joiner`) and when a step fails (:meth:`WorkerMembership.step_failed`).
+(:meth:`WorkerMembership.start_joiner`) and when a step fails
+(:meth:`WorkerMembership.step_failed`).
 """
 
 from __future__ import annotations
